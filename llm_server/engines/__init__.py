@@ -1,0 +1,1 @@
+"""Engines: the only code that touches arrays (MLX, Core ML)."""

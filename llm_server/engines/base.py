@@ -1,0 +1,81 @@
+"""The engine contract the scheduler drives (DESIGN.md "Engine operations").
+
+An engine owns a fixed number of rows that share one KV cache; each row has its own cursor.
+A serial engine is the same contract with one row. Engines are driven from ONE thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+# The scoring session advances this many positions per forward (C3).
+SCORE_CHUNK = 128
+# The last scoring chunk pads up to one of these position counts (C4).
+SCORE_BUCKETS = (16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class ScoreChunkResult:
+    """Log-probabilities of one scoring chunk, reduced on the engine before the next chunk."""
+
+    token_logprobs: np.ndarray  # [N, q] float32: log p(target[n, i] | prefix up to i)
+    top_ids: np.ndarray  # [N, q, k] int32: top-k token ids per position (k may be 0)
+    top_logprobs: np.ndarray  # [N, q, k] float32
+    greedy_ids: np.ndarray  # [N, q] int32: argmax token per position
+
+
+class EngineError(RuntimeError):
+    """A forward failed; the scheduler isolates the request(s) that caused it (S8)."""
+
+
+class Engine(Protocol):
+    name: str  # "mlx" | "coreml"
+    rows: int  # batch rows of the graph
+    context_length: int  # max positions per row
+    vocab_size: int
+    dtype: str  # "float32" | "float16" | "bfloat16"
+    supports_batching: bool  # attn_mask input and rows > 1
+    dynamic_shapes: bool  # True when any batch size / query length can be fed (MLX)
+
+    def prefill(self, row: int, tokens: Sequence[int]) -> np.ndarray:
+        """Reset `row`, run `tokens` through it (chunked); its cursor becomes len(tokens).
+
+        Other rows' caches are untouched. Returns the last position's logits [vocab] float32.
+        """
+        ...
+
+    def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+        """Append one token to each row at its own cursor in ONE batched forward.
+
+        Returns each row's logits [len(rows), vocab] float32; each cursor advances by one.
+        """
+        ...
+
+    def cursor(self, row: int) -> int:
+        """Positions currently held in `row`'s cache."""
+        ...
+
+    def release(self, row: int) -> None:
+        """Forget `row`'s cache (cursor 0) so a new request can take it."""
+        ...
+
+    def score_begin(self, batch: int) -> None:
+        """Open a fresh scoring session of `batch` rows, separate from the decode rows."""
+        ...
+
+    def score_chunk(
+        self, tokens: np.ndarray, targets: np.ndarray, top_k: int
+    ) -> ScoreChunkResult:
+        """Run `tokens` [N, q] on the scoring session at its cursor; reduce to log-probs.
+
+        `targets` [N, q] are the ids whose log-probability is returned per position.
+        """
+        ...
+
+    def score_end(self) -> None:
+        """Free the scoring session's cache."""
+        ...
