@@ -66,9 +66,10 @@ def active_blas() -> str:
             text = maps.read()
     except OSError:
         return "unknown"
-    for line in text.splitlines():
-        if "openblas" in line and ".so" in line:
-            return f"openblas ({line.split()[-1]})"
+    libs = {line.split()[-1] for line in text.splitlines() if ".so" in line}
+    preloaded = sorted(p for p in libs if "openblas-pthread" in p or "libopenblas" in p)
+    if preloaded:
+        return f"openblas ({preloaded[0]})"
     return "reference"
 
 

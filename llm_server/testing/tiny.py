@@ -45,6 +45,7 @@ class TinySpec:
     intermediate_size: int = 128
     vocab_target: int = 384
     max_position_embeddings: int = 1024
+    tie_word_embeddings: bool = False  # tied random embeddings make greedy decoding repeat
     seed: int = 0
 
 
@@ -85,7 +86,7 @@ def _config(spec: TinySpec, vocab_size: int, eos_id: int, bos_id: int) -> dict:
         "max_position_embeddings": spec.max_position_embeddings,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
-        "tie_word_embeddings": spec.arch != "llama",
+        "tie_word_embeddings": spec.tie_word_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
         "bos_token_id": bos_id,

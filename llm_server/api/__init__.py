@@ -1,0 +1,1 @@
+"""HTTP layer: parse and validate, hand work to the service, format JSON or SSE."""

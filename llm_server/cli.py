@@ -1,0 +1,117 @@
+"""`llm-server`: load one model and serve it over an OpenAI-compatible HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+log = logging.getLogger("llm_server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llm-server", description=__doc__)
+    p.add_argument("--model", help="model folder (HF/MLX/converted) or .gguf file; default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--model-id", help="id reported by /v1/models (default: the folder name)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port; 0 picks a free one (default 8080)")
+    p.add_argument("--uds", help="serve on this Unix socket instead of TCP")
+    p.add_argument("--concurrent-requests", type=int, default=1, metavar="N",
+                   help="requests decoded together in one batch (default 1: no batching)")
+    p.add_argument("--max-queued", type=int, default=16, metavar="M",
+                   help="requests that may wait for a row before 429 (default 16)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                   help="compute dtype (float32 on CPU; default float32)")
+    p.add_argument("--context-length", type=int, help="cap the context (default: the model's)")
+    p.add_argument("--default-max-tokens", type=int, default=512,
+                   help="max_tokens when a request gives none (default 512)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    if args.concurrent_requests < 1:
+        raise SystemExit("llm-server: --concurrent-requests must be at least 1")
+    if args.max_queued < 0:
+        raise SystemExit("llm-server: --max-queued must be 0 or more")
+    if not 0 <= args.port <= 65535:
+        raise SystemExit("llm-server: --port must be between 0 and 65535")
+
+
+def resolve_model(model: str | None) -> Path:
+    """The model folder to serve: the given one (GGUF converted once) or the embedded default."""
+    if model is None:
+        from llm_server.default_model import default_model_path
+
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise SystemExit(f"llm-server: model path {path} does not exist")
+    if path.is_file() and path.suffix == ".gguf":
+        from llm_server.default_model import converted_gguf_path
+
+        return converted_gguf_path(path)
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise SystemExit(f"llm-server: {path} is not a model folder (it needs config.json)")
+    if not os.access(path / "config.json", os.R_OK):
+        raise SystemExit(f"llm-server: {path / 'config.json'} is not readable")
+    return path
+
+
+def engine_rows(model_path: Path, concurrent: int) -> int:
+    """Rows to serve with (S1): N when the graph supports batching, else 1 with a warning."""
+    if concurrent <= 1:
+        return 1
+    from llm_server.engines.probe import supports_batching
+
+    if supports_batching(model_path):
+        return concurrent
+    log.warning(
+        "--concurrent-requests %d: the model at %s does not support batching "
+        "(no attn_mask input or a batch dimension of 1); serving one request at a time",
+        concurrent,
+        model_path,
+    )
+    return 1
+
+
+def _bind(args: argparse.Namespace) -> tuple[socket.socket, str]:
+    if args.uds:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(args.uds)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(args.uds)
+        return sock, f"unix:{args.uds}"
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as exc:
+        raise SystemExit(f"llm-server: cannot bind {args.host}:{args.port}: {exc.strerror}") from None
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if family == socket.AF_INET6 else host
+    return sock, f"http://{shown}:{port}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    from llm_server.blas import ensure_openblas
+
+    ensure_openblas()
+    args = build_parser().parse_args(argv)
+    validate_args(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from llm_server.blas import active_blas
+
+    log.info("BLAS: %s", active_blas())
+    model_path = resolve_model(args.model)
+    sock, url = _bind(args)
+    from llm_server.server import run_server
+
+    sys.exit(asyncio.run(run_server(args, model_path, sock, url)))

@@ -1,0 +1,173 @@
+"""Core ML engine (macOS): drives a stateful `.mlpackage` from `llm-convert --to coreml`.
+
+The graph has fixed rows and one KV state per session; rows and cursors are expressed purely
+through inputs (see converters/coreml_export.py):
+- a slot with position_ids < 0 writes nothing to the cache, so rows that take no part in a call
+  (the other rows during one row's prefill, idle rows during decode) keep their cache untouched,
+  whatever their cursor, including a full row;
+- attn_mask row r, slot i shows columns 0..position_ids[r, i] (causal within the row) and hides
+  the rest with MASK_HIDDEN (finite, so a fully hidden row yields finite garbage, not NaN).
+`RowDriver` holds that logic in numpy with the forward passed in, so the numpy MIL interpreter
+exercises it on Linux; `CoreMLEngine` plugs in `MLModel.predict` with a state from `make_state`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from llm_server.engines.base import EngineError, ScoreChunkResult
+
+MASK_HIDDEN = -30000.0  # additive mask value for hidden columns (fp16-representable)
+
+# run(inputs, session) -> logits [rows, q, vocab]; session is "decode" or "score".
+Forward = Callable[[dict[str, np.ndarray], str], np.ndarray]
+
+
+def call_inputs(positions: np.ndarray, tokens: np.ndarray, context_length: int) -> dict[str, np.ndarray]:
+    """Graph inputs for `tokens`/`positions` [rows, q]; negative positions write and see nothing."""
+    columns = np.arange(context_length)
+    visible = (columns[None, None, :] <= positions[:, :, None]) & (positions[:, :, None] >= 0)
+    mask = np.where(visible, 0.0, MASK_HIDDEN).astype(np.float16)[:, None]  # [rows, 1, q, ctx]
+    return {
+        "input_ids": tokens.astype(np.int32),
+        "attn_mask": mask,
+        "position_ids": positions.astype(np.int32),
+    }
+
+
+class RowDriver:
+    """Rows, cursors, chunking and padding on top of a fixed-shape stateful forward."""
+
+    def __init__(self, rows: int, context_length: int, q_sizes: Sequence[int], forward: Forward):
+        self.rows = rows
+        self.context_length = context_length
+        self.q_sizes = tuple(sorted(q_sizes))
+        self.forward = forward
+        self.cursors = [0] * rows
+        self.score_cursor = 0
+        self.score_batch = 0
+
+    def _run(self, session: str, slots: dict[int, tuple[list[int], int]], q: int) -> np.ndarray:
+        """One forward: `slots` maps row -> (tokens, first position); other rows write nothing."""
+        tokens = np.zeros((self.rows, q), dtype=np.int32)
+        positions = np.full((self.rows, q), -1, dtype=np.int32)
+        for row, (ids, start) in slots.items():
+            tokens[row, : len(ids)] = ids
+            positions[row, : len(ids)] = np.arange(start, start + len(ids))
+        return self.forward(call_inputs(positions, tokens, self.context_length), session)
+
+    def _chunks(self, n: int) -> list[tuple[int, int]]:
+        """(length, padded q) pieces covering n positions: full largest chunks, then one padded."""
+        biggest, pieces = self.q_sizes[-1], []
+        while n > 0:
+            take = min(n, biggest)
+            pieces.append((take, next(q for q in self.q_sizes if q >= take)))
+            n -= take
+        return pieces
+
+    def prefill(self, row: int, tokens: Sequence[int]) -> np.ndarray:
+        if not tokens or len(tokens) > self.context_length:
+            raise ValueError(f"prompt of {len(tokens)} tokens does not fit 1..{self.context_length}")
+        self.cursors[row], done, logits = 0, 0, None
+        for take, q in self._chunks(len(tokens)):
+            out = self._run("decode", {row: (list(tokens[done : done + take]), done)}, q)
+            logits, done = out[row, take - 1], done + take
+        self.cursors[row] = len(tokens)
+        return np.asarray(logits, dtype=np.float32)
+
+    def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+        for row in rows:
+            if self.cursors[row] >= self.context_length:
+                raise EngineError(f"row {row} is full ({self.context_length} positions)")
+        out = self._run("decode", {r: ([t], self.cursors[r]) for r, t in zip(rows, tokens)}, 1)
+        for row in rows:
+            self.cursors[row] += 1
+        return np.asarray(out[list(rows), 0], dtype=np.float32)
+
+    def score_chunk(self, tokens: np.ndarray, targets: np.ndarray, top_k: int) -> ScoreChunkResult:
+        n, q = tokens.shape
+        if n > self.rows or self.score_cursor + q > self.context_length:
+            raise ValueError(f"scoring chunk {tokens.shape} does not fit the graph")
+        slots = {r: (list(tokens[r]), self.score_cursor) for r in range(n)}
+        logits = self._run("score", slots, next(s for s in self.q_sizes if s >= q))[:n, :q]
+        self.score_cursor += q
+        return reduce_logprobs(np.asarray(logits, dtype=np.float32), targets, top_k)
+
+
+def reduce_logprobs(logits: np.ndarray, targets: np.ndarray, top_k: int) -> ScoreChunkResult:
+    """Log-softmax [N, q, vocab] reduced to target/top-k log-probs and greedy ids."""
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    logprobs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    top_ids = np.argsort(-logprobs, axis=-1)[..., :top_k].astype(np.int32)
+    return ScoreChunkResult(
+        token_logprobs=np.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0],
+        top_ids=top_ids,
+        top_logprobs=np.take_along_axis(logprobs, top_ids, axis=-1),
+        greedy_ids=logprobs.argmax(axis=-1).astype(np.int32),
+    )
+
+
+def _package_of(model_path: Path) -> Path:
+    if model_path.suffix == ".mlpackage":
+        return model_path
+    packages = sorted(model_path.glob("*.mlpackage"))
+    if not packages:
+        raise FileNotFoundError(f"{model_path}: no .mlpackage found")
+    return packages[0]
+
+
+class CoreMLEngine:
+    """Engine protocol on `MLModel.predict` with `make_state` (macOS 15+ only)."""
+
+    name = "coreml"
+    dynamic_shapes = False
+    dtype = "float16"
+
+    def __init__(self, model_path: str | Path) -> None:
+        if sys.platform != "darwin":
+            raise RuntimeError("the Core ML engine runs only on macOS 15+; use --backend mlx here")
+        import coremltools as ct
+
+        package = _package_of(Path(model_path))
+        self.model = ct.models.MLModel(str(package), compute_units=ct.ComputeUnit.ALL)
+        manifest = json.loads(self.model.user_defined_metadata["llm_manifest"])
+        self.rows = int(manifest["rows"])
+        self.context_length = int(manifest["context_length"])
+        self.vocab_size = int(manifest["vocab_size"])
+        self.supports_batching = self.rows > 1
+        self._states = {"decode": self.model.make_state(), "score": None}
+        self._driver = RowDriver(self.rows, self.context_length, manifest["q_sizes"], self._forward)
+
+    def _forward(self, inputs: dict[str, np.ndarray], session: str) -> np.ndarray:
+        try:
+            return self.model.predict(inputs, state=self._states[session])["logits"]
+        except Exception as exc:  # Core ML raises bare RuntimeErrors; keep the request's context
+            raise EngineError(f"Core ML predict failed: {exc}") from exc
+
+    def prefill(self, row: int, tokens: Sequence[int]) -> np.ndarray:
+        return self._driver.prefill(row, tokens)
+
+    def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+        return self._driver.decode(rows, tokens)
+
+    def cursor(self, row: int) -> int:
+        return self._driver.cursors[row]
+
+    def release(self, row: int) -> None:
+        # Stale K/V stay in the state: masks never show positions at or past the cursor.
+        self._driver.cursors[row] = 0
+
+    def score_begin(self, batch: int) -> None:
+        self._states["score"] = self.model.make_state()
+        self._driver.score_cursor = 0
+
+    def score_chunk(self, tokens: np.ndarray, targets: np.ndarray, top_k: int) -> ScoreChunkResult:
+        return self._driver.score_chunk(tokens, targets, top_k)
+
+    def score_end(self) -> None:
+        self._states["score"] = None

@@ -1,0 +1,222 @@
+"""MLX engine: mlx-lm model classes driven through a row-addressed KV cache.
+
+Rows share one preallocated store; each row has its own cursor. Prefill touches one row,
+decode runs every requested row in one batched forward with a per-row mask, and scoring uses
+its own cache so the decode rows are never disturbed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from llm_server.engines.base import EngineError, ScoreChunkResult
+from llm_server.engines.row_cache import ForwardPlan, RowStore, RowView
+
+log = logging.getLogger(__name__)
+
+PREFILL_CHUNK = 512  # prompt positions per prefill forward (bounds activation memory)
+SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+class MLXEngine:
+    """Engine protocol implementation on MLX (Metal on a Mac, the CPU on Linux)."""
+
+    name = "mlx"
+    dynamic_shapes = True
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        rows: int = 1,
+        context_length: int | None = None,
+        dtype: str = "float32",
+    ) -> None:
+        from mlx_lm.utils import load_model
+
+        path = Path(model_path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is not a model folder (no config.json)")
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1, got {rows}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        config = json.loads((path / "config.json").read_text())
+        if config.get("model_type") not in SUPPORTED_TYPES:
+            raise ValueError(
+                f"model_type {config.get('model_type')!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_TYPES)}"
+            )
+        self.model, self.config = load_model(path, lazy=True)
+        self.model.set_dtype(_DTYPES[dtype])
+        mx.eval(self.model.parameters())
+        self.model_path = path
+        self.dtype = dtype
+        self.rows = rows
+        self.supports_batching = rows > 1
+        max_pos = int(config.get("max_position_embeddings") or 2048)
+        self.context_length = min(context_length or max_pos, max_pos)
+        self.vocab_size = int(config["vocab_size"])
+        self.num_layers = len(self.model.layers)
+        self._store = RowStore(self.num_layers, rows, self.context_length)
+        self._cursors = [0] * rows
+        self._score_cache: list | None = None
+        self._score_offset = 0
+        self.forward_count = 0  # batched forwards run (decode + prefill + scoring)
+
+    # -- decode rows -----------------------------------------------------------------
+
+    def cursor(self, row: int) -> int:
+        return self._cursors[row]
+
+    def release(self, row: int) -> None:
+        self._check_row(row)
+        self._cursors[row] = 0
+        if not any(self._cursors):
+            self._store.clear()  # idle: give the KV memory back
+
+    def prefill(self, row: int, tokens: Sequence[int]) -> np.ndarray:
+        self._check_row(row)
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("prefill needs at least one token")
+        if n > self.context_length:
+            raise ValueError(f"prompt of {n} tokens exceeds the context of {self.context_length}")
+        self._cursors[row] = 0
+        logits = None
+        for start in range(0, n, PREFILL_CHUNK):
+            chunk = list(tokens[start : start + PREFILL_CHUNK])
+            logits = self._forward_rows([row], [start], [chunk], last_only=True)
+            self._cursors[row] = start + len(chunk)
+        return logits[0]
+
+    def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+        rows = list(rows)
+        if len(rows) != len(tokens) or not rows:
+            raise ValueError("decode needs one token per row and at least one row")
+        for r in rows:
+            self._check_row(r)
+            if self._cursors[r] >= self.context_length:
+                raise EngineError(f"row {r} is full ({self.context_length} positions)")
+        starts = [self._cursors[r] for r in rows]
+        logits = self._forward_rows(rows, starts, [[t] for t in tokens], last_only=True)
+        for r in rows:
+            self._cursors[r] += 1
+        return logits
+
+    def kv_bytes(self) -> int:
+        """Bytes held by the decode rows' KV store."""
+        return self._store.nbytes()
+
+    def _check_row(self, row: int) -> None:
+        if not 0 <= row < self.rows:
+            raise ValueError(f"row {row} out of range 0..{self.rows - 1}")
+
+    def _forward_rows(
+        self, rows: list[int], starts: list[int], tokens: list[list[int]], last_only: bool
+    ) -> np.ndarray:
+        """One forward over `rows` (equal token counts); returns logits [B, vocab] or [B, q, vocab]."""
+        q = len(tokens[0])
+        kv_len = max(starts) + q
+        self._store.ensure(kv_len)
+        plan = ForwardPlan(
+            rows=rows,
+            starts=starts,
+            length=q,
+            mask=_row_mask(starts, q, kv_len),
+            kv_len=kv_len,
+            all_rows=rows == list(range(self.rows)),
+        )
+        views = [RowView(self._store, i, plan) for i in range(self.num_layers)]
+        ids = mx.array(np.asarray(tokens, dtype=np.int32))
+        try:
+            hidden = self.model.model(ids, cache=views)
+            if last_only:
+                hidden = hidden[:, -1, :]
+            logits = self._lm_head(hidden).astype(mx.float32)
+            mx.eval(logits, *self._store.keys, *self._store.values)
+        except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
+            raise EngineError(f"forward failed: {exc}") from exc
+        self.forward_count += 1
+        return np.array(logits, copy=False)
+
+    def _lm_head(self, hidden: mx.array) -> mx.array:
+        if getattr(self.model.args, "tie_word_embeddings", False) or not hasattr(
+            self.model, "lm_head"
+        ):
+            return self.model.model.embed_tokens.as_linear(hidden)
+        return self.model.lm_head(hidden)
+
+    # -- scoring session -------------------------------------------------------------
+
+    def score_begin(self, batch: int) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        if batch < 1:
+            raise ValueError("a scoring batch needs at least one row")
+        self._score_cache = make_prompt_cache(self.model)
+        self._score_offset = 0
+
+    def score_chunk(self, tokens: np.ndarray, targets: np.ndarray, top_k: int) -> ScoreChunkResult:
+        if self._score_cache is None:
+            raise RuntimeError("score_begin() must be called before score_chunk()")
+        n, q = tokens.shape
+        if self._score_offset + q > self.context_length:
+            raise ValueError(f"scoring past the context of {self.context_length} positions")
+        ids = mx.array(np.asarray(tokens, dtype=np.int32))
+        try:
+            logits = self.model(ids, cache=self._score_cache)
+            logits = logits.astype(mx.float32)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [N, q, vocab]
+            tgt = mx.array(np.asarray(targets, dtype=np.int32))[..., None]
+            token_lp = mx.take_along_axis(logprobs, tgt, axis=-1)[..., 0]
+            greedy = mx.argmax(logprobs, axis=-1).astype(mx.int32)
+            if top_k > 0:
+                top_ids = mx.argpartition(-logprobs, kth=top_k - 1, axis=-1)[..., :top_k]
+                top_lp = mx.take_along_axis(logprobs, top_ids, axis=-1)
+                order = mx.argsort(-top_lp, axis=-1)
+                top_ids = mx.take_along_axis(top_ids, order, axis=-1).astype(mx.int32)
+                top_lp = mx.take_along_axis(top_lp, order, axis=-1)
+            else:
+                top_ids = mx.zeros((n, q, 0), mx.int32)
+                top_lp = mx.zeros((n, q, 0), mx.float32)
+            mx.eval(token_lp, greedy, top_ids, top_lp)
+        except Exception as exc:  # noqa: BLE001
+            raise EngineError(f"scoring forward failed: {exc}") from exc
+        self._score_offset += q
+        self.forward_count += 1
+        return ScoreChunkResult(
+            token_logprobs=np.array(token_lp),
+            top_ids=np.array(top_ids),
+            top_logprobs=np.array(top_lp),
+            greedy_ids=np.array(greedy),
+        )
+
+    def score_end(self) -> None:
+        self._score_cache = None
+        self._score_offset = 0
+
+    def all_position_logits(self, tokens: np.ndarray) -> np.ndarray:
+        """Logits [N, q, vocab] of a padded batch on a fresh scoring cache (tests, tools)."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(self.model)
+        ids = mx.array(np.asarray(tokens, dtype=np.int32))
+        logits = self.model(ids, cache=cache).astype(mx.float32)
+        mx.eval(logits)
+        return np.array(logits)
+
+
+def _row_mask(starts: list[int], q: int, kv_len: int) -> mx.array | str | None:
+    """Mask [B, 1, q, kv_len]: entry b, query i sees key j iff j <= starts[b] + i."""
+    if len(set(starts)) == 1 and starts[0] + q == kv_len:
+        return "causal" if q > 1 else None  # every entry reads exactly its own history
+    pos = mx.array(starts)[:, None] + mx.arange(q)[None, :]  # [B, q]
+    keys = mx.arange(kv_len)[None, None, :]
+    return (keys <= pos[:, :, None])[:, None, :, :]

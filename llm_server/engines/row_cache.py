@@ -1,0 +1,116 @@
+"""A row-addressed KV cache that mlx-lm's model classes accept as their `cache` list.
+
+The store keeps, per layer, keys and values for every row: [rows, capacity, kv_heads, head_dim],
+grown in steps of GROW positions (no per-token concatenation). A forward sees one `RowView` per
+layer, which tells the attention layer where each row's new keys go (`offset`), writes them, and
+returns the keys each row may attend to plus a per-row mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+GROW = 256  # positions added to every row's capacity at a time
+
+
+class RowStore:
+    """Keys/values of all rows for all layers; rows are independent, each with its own cursor."""
+
+    def __init__(self, num_layers: int, rows: int, max_positions: int) -> None:
+        self.num_layers = num_layers
+        self.rows = rows
+        self.max_positions = max_positions
+        self.keys: list[mx.array | None] = [None] * num_layers
+        self.values: list[mx.array | None] = [None] * num_layers
+        self.capacity = 0
+
+    def ensure(self, positions: int) -> None:
+        """Grow every layer so each row can hold `positions` entries (lazy, step-wise)."""
+        if positions <= self.capacity:
+            return
+        new_cap = min(self.max_positions, -(-positions // GROW) * GROW)
+        for i in range(self.num_layers):
+            k, v = self.keys[i], self.values[i]
+            if k is None:
+                continue  # shapes are learnt at the first write
+            pad = [(0, 0), (0, new_cap - self.capacity), (0, 0), (0, 0)]
+            self.keys[i] = mx.pad(k, pad)
+            self.values[i] = mx.pad(v, pad)
+        self.capacity = new_cap
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys + self.values if a is not None)
+
+    def clear(self) -> None:
+        """Drop all storage (memory back to zero); cursors are the engine's business."""
+        self.keys = [None] * self.num_layers
+        self.values = [None] * self.num_layers
+        self.capacity = 0
+
+    def _init_layer(self, layer: int, keys: mx.array, values: mx.array) -> None:
+        _, heads, _, k_dim = keys.shape
+        v_dim = values.shape[-1]
+        self.keys[layer] = mx.zeros((self.rows, self.capacity, heads, k_dim), keys.dtype)
+        self.values[layer] = mx.zeros((self.rows, self.capacity, heads, v_dim), values.dtype)
+
+
+@dataclass
+class ForwardPlan:
+    """Which rows a forward touches and where: shared by every layer's RowView."""
+
+    rows: list[int]  # store rows, one per batch entry
+    starts: list[int]  # first position written per batch entry
+    length: int  # new positions per batch entry (q)
+    mask: mx.array | str | None  # [B, 1, q, kv_len] bool, "causal" or None
+    kv_len: int  # positions each batch entry reads (max over entries of start + q)
+    all_rows: bool  # rows == range(store.rows): read by slicing, not gathering
+
+
+class RowView:
+    """One layer's view of the store for one forward; the interface mlx-lm attention calls."""
+
+    def __init__(self, store: RowStore, layer: int, plan: ForwardPlan) -> None:
+        self.store = store
+        self.layer = layer
+        self.plan = plan
+        starts = plan.starts
+        # rope offset: an int when all entries start together, else per-entry positions [B]
+        self.offset = starts[0] if len(set(starts)) == 1 else mx.array(starts)
+
+    def make_mask(self, n: int, return_array: bool = False, window_size=None):
+        return self.plan.mask
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """keys/values [B, kv_heads, q, dim] -> all readable keys/values [B, kv_heads, kv_len, dim]."""
+        store, plan, i = self.store, self.plan, self.layer
+        if store.keys[i] is None:
+            store._init_layer(i, keys, values)
+        k = keys.transpose(0, 2, 1, 3)  # [B, q, heads, dim]
+        v = values.transpose(0, 2, 1, 3)
+        if len(plan.rows) == 1 or len(set(plan.starts)) == 1 and _is_range(plan.rows):
+            r0, s = plan.rows[0], plan.starts[0]
+            rows = slice(r0, r0 + len(plan.rows))
+            store.keys[i][rows, s : s + plan.length] = k
+            store.values[i][rows, s : s + plan.length] = v
+        else:
+            # decode at per-row cursors (q == 1): scatter one position per row
+            ridx, pidx = mx.array(plan.rows), mx.array(plan.starts)
+            store.keys[i][ridx, pidx] = k[:, 0]
+            store.values[i][ridx, pidx] = v[:, 0]
+        kl = plan.kv_len
+        if plan.all_rows:
+            ks, vs = store.keys[i][:, :kl], store.values[i][:, :kl]
+        elif _is_range(plan.rows):
+            r0 = plan.rows[0]
+            ks = store.keys[i][r0 : r0 + len(plan.rows), :kl]
+            vs = store.values[i][r0 : r0 + len(plan.rows), :kl]
+        else:
+            ridx = mx.array(plan.rows)
+            ks, vs = store.keys[i][ridx, :kl], store.values[i][ridx, :kl]
+        return ks.transpose(0, 2, 1, 3), vs.transpose(0, 2, 1, 3)
+
+
+def _is_range(rows: list[int]) -> bool:
+    return rows == list(range(rows[0], rows[0] + len(rows)))

@@ -1,0 +1,20 @@
+"""Continuous-batching scheduler: requests share the engine's rows (DESIGN.md S1-S10)."""
+
+from llm_server.scheduler.batch import BatchScheduler, SchedulerStats
+from llm_server.scheduler.request import (
+    FinishEvent,
+    GenerationRequest,
+    QueueFull,
+    SchedulerClosed,
+    TokenEvent,
+)
+
+__all__ = [
+    "BatchScheduler",
+    "FinishEvent",
+    "GenerationRequest",
+    "QueueFull",
+    "SchedulerClosed",
+    "SchedulerStats",
+    "TokenEvent",
+]

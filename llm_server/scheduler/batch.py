@@ -1,0 +1,367 @@
+"""The batch scheduler: one thread owns the engine and advances every running row together.
+
+Algorithm, once per step boundary:
+  1. serve exclusive leases (the batch is paused while one is held);
+  2. retire cancelled rows and skip cancelled queued requests;
+  3. admit queued requests into free rows in FIFO order: prefill, sample the first token;
+  4. one batched decode forward for all running rows, each at its own cursor; sample per row;
+     rows that hit EOS, a stop sequence or their limit retire and free their slot;
+  5. let the scorer run one padded scoring batch on its own session (C1).
+An idle scheduler sleeps on a condition variable, so a lone request starts at once (S7).
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from llm_server.decoding import FinishReason
+from llm_server.engines.base import Engine, EngineError
+from llm_server.scheduler.lease import Lease
+from llm_server.scheduler.request import (
+    FinishEvent,
+    GenerationRequest,
+    QueueFull,
+    RequestState,
+    SchedulerClosed,
+    TokenEvent,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Pump(Protocol):
+    """Work the scheduler runs between decode steps (the scorer)."""
+
+    def pending(self) -> bool: ...
+
+    def run_batch(self, engine: Engine) -> None: ...
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    rows: int  # rows in use for serving (the --concurrent-requests value)
+    rows_busy: int
+    queued: int
+    decode_steps: int
+    max_rows_busy: int  # high-water mark since start
+    last_error: str | None
+
+
+class BatchScheduler:
+    """Serves generation requests on `max_concurrent` rows of one engine (S1-S8)."""
+
+    def __init__(
+        self,
+        engine_factory: Callable[[], Engine],
+        max_concurrent: int = 1,
+        max_queued: int = 16,
+        retry_after: float = 1.0,
+        on_step: Callable[[float, int], None] | None = None,
+    ) -> None:
+        if max_concurrent < 1:
+            raise ValueError("max_concurrent must be >= 1")
+        if max_queued < 0:
+            raise ValueError("max_queued must be >= 0")
+        self._factory = engine_factory
+        self.max_concurrent = max_concurrent
+        self.max_queued = max_queued
+        self.retry_after = retry_after
+        self.on_step = on_step
+        self.engine: Engine | None = None
+        self.pump: Pump | None = None
+        self._cond = threading.Condition()
+        self._queue: collections.deque[GenerationRequest] = collections.deque()
+        self._running: dict[int, GenerationRequest] = {}
+        self._free: list[int] = []
+        self._leases: collections.deque[Lease] = collections.deque()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self.ready = threading.Event()
+        self.load_error: BaseException | None = None
+        self.last_error: str | None = None
+        self.decode_steps = 0
+        self.max_rows_busy = 0
+        self.admitted: list[int] = []  # request seq numbers in admission order (tests, replay)
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> BatchScheduler:
+        self._thread = threading.Thread(target=self._main, name="llm-scheduler", daemon=True)
+        self._thread.start()
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> Engine:
+        """Block until the engine is loaded; re-raise its load error."""
+        if not self.ready.wait(timeout):
+            raise TimeoutError("the model did not finish loading in time")
+        if self.load_error is not None:
+            raise self.load_error
+        assert self.engine is not None
+        return self.engine
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop admitting; let running and queued requests finish; True if the thread ended."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+    def abort(self) -> None:
+        """Cancel everything running or queued (second SIGTERM, tests)."""
+        with self._cond:
+            for req in [*self._queue, *self._running.values()]:
+                req.cancelled.set()
+            self._cond.notify_all()
+
+    # -- admission (any thread) ------------------------------------------------------
+
+    def submit(self, req: GenerationRequest) -> None:
+        """Admit `req` at once or raise QueueFull/SchedulerClosed (S3)."""
+        with self._cond:
+            if self._closing or self.load_error is not None:
+                raise SchedulerClosed("the server is shutting down")
+            waiting = len(self._queue)
+            if len(self._running) + waiting >= self.max_concurrent + self.max_queued:
+                raise QueueFull(len(self._running), waiting, self.retry_after)
+            req._wake = self.wake
+            self._queue.append(req)
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def lease(self) -> Lease:
+        """Queue an exclusive lease; wait on `lease.granted` (FIFO among holders)."""
+        lease = Lease(self.wake)
+        with self._cond:
+            self._leases.append(lease)
+            self._cond.notify_all()
+        return lease
+
+    def acquire_lease(self, timeout: float | None = None) -> Lease:
+        """Blocking form: returns a granted lease (use it as a context manager)."""
+        lease = self.lease()
+        try:
+            lease.granted.result(timeout)
+        except BaseException:
+            lease.release()
+            raise
+        return lease
+
+    def stats(self) -> SchedulerStats:
+        with self._cond:
+            return SchedulerStats(
+                rows=self.max_concurrent,
+                rows_busy=len(self._running),
+                queued=len(self._queue),
+                decode_steps=self.decode_steps,
+                max_rows_busy=self.max_rows_busy,
+                last_error=self.last_error,
+            )
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._running and not self._queue
+
+    # -- the scheduler thread --------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            self.engine = self._factory()
+            rows = min(self.max_concurrent, self.engine.rows)
+            if rows < self.max_concurrent:
+                log.warning(
+                    "the model has %d rows; serving %d requests at a time",
+                    self.engine.rows,
+                    rows,
+                )
+                self.max_concurrent = rows
+            self._free = list(range(rows))
+        except BaseException as exc:  # noqa: BLE001 - reported through wait_ready/health
+            self.load_error = exc
+            self.ready.set()
+            return
+        self.ready.set()
+        while self._wait_for_work():
+            self._serve_leases()
+            self._retire_cancelled()
+            self._admit()
+            if self._running:
+                self._decode_step()
+            if self.pump is not None and self.pump.pending() and not self._leases:
+                self.pump.run_batch(self.engine)
+
+    def _has_work(self) -> bool:
+        return bool(
+            self._queue
+            or self._running
+            or self._leases
+            or (self.pump is not None and self.pump.pending())
+        )
+
+    def _wait_for_work(self) -> bool:
+        with self._cond:
+            while not self._has_work():
+                if self._closing:
+                    return False
+                self._cond.wait()
+            return True
+
+    def _serve_leases(self) -> None:
+        while True:
+            with self._cond:
+                if not self._leases:
+                    return
+                lease = self._leases.popleft()
+            if lease.released.is_set():
+                continue  # abandoned before it was granted
+            lease.granted.set_result(None)
+            self._hold(lease)
+
+    def _hold(self, lease: Lease) -> None:
+        """Run the holder's calls until it releases; no decode step runs meanwhile (S6)."""
+        while True:
+            for fn, fut in lease.take_calls():
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(self.engine))
+                    except BaseException as exc:  # noqa: BLE001 - handed to the holder
+                        fut.set_exception(exc)
+            with self._cond:
+                if lease.released.is_set() and not lease.calls:
+                    return
+                if not lease.calls:
+                    self._cond.wait(timeout=1.0)
+
+    def _retire_cancelled(self) -> None:
+        for req in [r for r in self._running.values() if r.cancelled.is_set()]:
+            self._retire(req, FinishReason.CANCELLED, "")
+        with self._cond:
+            dropped = [r for r in self._queue if r.cancelled.is_set()]
+            if dropped:
+                self._queue = collections.deque(r for r in self._queue if not r.cancelled.is_set())
+        for req in dropped:
+            self._finish(req, FinishReason.CANCELLED, "")
+
+    def _admit(self) -> None:
+        while True:
+            with self._cond:
+                if not self._free or not self._queue:
+                    return
+                req = self._queue.popleft()
+                skipped = req.cancelled.is_set()
+                if not skipped:
+                    row = heapq.heappop(self._free)
+                    req.row, req.state = row, RequestState.RUNNING
+                    self._running[row] = req
+                    self.max_rows_busy = max(self.max_rows_busy, len(self._running))
+                    self.admitted.append(req.seq)
+            if skipped:
+                self._finish(req, FinishReason.CANCELLED, "")
+                continue
+            req.started_at = time.monotonic()
+            if req.exclusive:
+                self._run_exclusive(req)
+                continue
+            try:
+                logits = self.engine.prefill(row, req.prompt)
+            except Exception as exc:  # noqa: BLE001 - isolated to this request (S8)
+                self._fail(req, exc)
+                continue
+            self._advance(req, logits)
+
+    def _run_exclusive(self, req: GenerationRequest) -> None:
+        """Decode `req` alone to completion while the other rows wait (lease mode)."""
+        try:
+            logits = self.engine.prefill(req.row, req.prompt)
+            while self._advance(req, logits):
+                if req.cancelled.is_set():
+                    self._retire(req, FinishReason.CANCELLED, "")
+                    return
+                logits = self.engine.decode([req.row], [req.last_token])[0]
+        except Exception as exc:  # noqa: BLE001
+            self._fail(req, exc)
+
+    def _decode_step(self) -> None:
+        reqs = list(self._running.values())
+        rows = [r.row for r in reqs]
+        t0 = time.perf_counter()
+        try:
+            logits = self.engine.decode(rows, [r.last_token for r in reqs])
+        except Exception as exc:  # noqa: BLE001 - retry per request so the error stays put (S8)
+            log.warning("batched decode of %d rows failed (%s); retrying per request", len(rows), exc)
+            self.last_error = str(exc)
+            for req in reqs:
+                try:
+                    row_logits = self.engine.decode([req.row], [req.last_token])[0]
+                except Exception as row_exc:  # noqa: BLE001
+                    self._fail(req, row_exc)
+                    continue
+                self._advance(req, row_logits)
+        else:
+            for req, row_logits in zip(reqs, logits, strict=True):
+                self._advance(req, row_logits)
+        self.decode_steps += 1
+        if self.on_step is not None:
+            self.on_step(time.perf_counter() - t0, len(rows))
+
+    def _advance(self, req: GenerationRequest, logits: Any) -> bool:
+        """Sample from one row's logits and emit; returns True while the request continues."""
+        room = self.engine.context_length - self.engine.cursor(req.row)
+        try:
+            out = req.decoder.step(logits, room)
+        except Exception as exc:  # noqa: BLE001 - a decoding bug must not kill the thread
+            self._fail(req, exc)
+            return False
+        req.last_token = out.token_id
+        if req.first_token_at is None:
+            req.first_token_at = time.monotonic()
+        req.emit(TokenEvent(out.token_id, out.text, out.logprob))
+        if out.finish is None:
+            return True
+        self._retire(req, out.finish, "")
+        return False
+
+    def _fail(self, req: GenerationRequest, exc: BaseException) -> None:
+        log.error("request %d failed: %s", req.seq, exc)
+        self.last_error = str(exc)
+        self._retire(req, FinishReason.ERROR, "", error=str(exc))
+
+    def _retire(
+        self, req: GenerationRequest, reason: FinishReason, text: str, error: str | None = None
+    ) -> None:
+        row = req.row
+        if row is not None and self._running.get(row) is req:
+            try:
+                self.engine.release(row)
+            finally:
+                with self._cond:
+                    del self._running[row]
+                    heapq.heappush(self._free, row)
+        self._finish(req, reason, text, error)
+
+    def _finish(
+        self, req: GenerationRequest, reason: FinishReason, text: str, error: str | None = None
+    ) -> None:
+        req.state = RequestState.FINISHED
+        req.emit(
+            FinishEvent(
+                reason=reason,
+                text=text,
+                prompt_tokens=len(req.prompt),
+                completion_tokens=len(req.decoder.tokens),
+                timings=req.timings(),
+                error=error,
+            )
+        )

@@ -1,0 +1,103 @@
+"""The messages that cross the scheduler boundary: requests in, events out."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from llm_server.decoding import Decoder, FinishReason, TokenLogprob
+
+
+class QueueFull(Exception):
+    """Every row is busy and the wait queue is full (HTTP 429)."""
+
+    def __init__(self, running: int, queued: int, retry_after: float = 1.0) -> None:
+        super().__init__(
+            f"the server is full: {running} requests running and {queued} queued; retry later"
+        )
+        self.retry_after = retry_after
+
+
+class SchedulerClosed(Exception):
+    """The scheduler is shutting down or failed to load and admits nothing new (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token and the text it made safe to show."""
+
+    token_id: int
+    text: str
+    logprob: TokenLogprob | None
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds from submission; None where the request never got that far."""
+
+    queue_wait: float | None
+    first_token: float | None
+    total: float
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    """The last event of every request, whatever happened to it."""
+
+    reason: FinishReason
+    text: str  # last text delta (flushed)
+    prompt_tokens: int
+    completion_tokens: int
+    timings: Timings
+    error: str | None = None  # set when reason is ERROR
+
+
+Event = TokenEvent | FinishEvent
+
+
+class RequestState(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class GenerationRequest:
+    """Per-request state owned by the scheduler thread once submitted."""
+
+    prompt: list[int]
+    decoder: Decoder
+    emit: Callable[[Event], None]  # called on the scheduler thread; must not block
+    exclusive: bool = False  # run alone: the batch pauses while this request decodes
+    seq: int = field(default_factory=lambda: next(_ids))
+    state: RequestState = RequestState.QUEUED
+    row: int | None = None
+    last_token: int | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None
+    first_token_at: float | None = None
+    _wake: Callable[[], None] | None = None
+
+    def cancel(self) -> None:
+        """Ask the scheduler to drop this request (thread-safe, idempotent)."""
+        self.cancelled.set()
+        if self._wake is not None:
+            self._wake()
+
+    def timings(self) -> Timings:
+        now = time.monotonic()
+        return Timings(
+            queue_wait=None if self.started_at is None else self.started_at - self.submitted_at,
+            first_token=None
+            if self.first_token_at is None
+            else self.first_token_at - self.submitted_at,
+            total=now - self.submitted_at,
+        )

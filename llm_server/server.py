@@ -1,0 +1,85 @@
+"""Process wiring: build the service, run uvicorn on a bound socket, print the ready line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import socket
+from pathlib import Path
+
+import uvicorn
+
+from llm_server.api.app import AppState, create_app
+from llm_server.service import ModelService, ServiceConfig
+
+log = logging.getLogger("llm_server")
+
+
+def make_service(
+    model_path: Path,
+    model_id: str,
+    concurrent: int,
+    max_queued: int = 16,
+    dtype: str = "float32",
+    context_length: int | None = None,
+    default_max_tokens: int = 512,
+    engine_factory=None,
+) -> ModelService:
+    """A started (loading) service for `model_path`; the engine loads on the scheduler thread."""
+    from llm_server.cli import engine_rows
+
+    rows = engine_rows(model_path, concurrent)
+
+    def factory():
+        from llm_server.engines.mlx_engine import MLXEngine
+
+        return MLXEngine(model_path, rows=rows, context_length=context_length, dtype=dtype)
+
+    config = ServiceConfig(
+        model_path=model_path,
+        model_id=model_id,
+        concurrent_requests=rows,
+        max_queued=max_queued,
+        dtype=dtype,
+        default_max_tokens=default_max_tokens,
+    )
+    return ModelService(config, engine_factory or factory).start()
+
+
+async def run_server(args: argparse.Namespace, model_path: Path, sock: socket.socket, url: str) -> int:
+    model_id = args.model_id or model_path.name
+    state = AppState(None, model_id)
+    app = create_app(state)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=30)
+    server = uvicorn.Server(config)
+
+    async def load() -> None:
+        service = await asyncio.to_thread(
+            make_service, model_path, model_id, args.concurrent_requests, args.max_queued,
+            args.dtype, args.context_length, args.default_max_tokens,
+        )
+        state.service = service
+        try:
+            await asyncio.to_thread(service.wait_ready)
+        except Exception as exc:  # noqa: BLE001 - reported, then the process exits non-zero
+            log.error("failed to load %s: %s", model_path, exc)
+            server.should_exit = True
+            return
+        state.loading = False
+        log.info("serving %s (%s, rows=%d)", model_id, service.engine.name, service.scheduler.max_concurrent)
+        print(f"llm-server ready on {url}", flush=True)
+
+    loader = asyncio.create_task(load())
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        state.draining = True
+        if not loader.done():
+            loader.cancel()
+        if state.service is not None:
+            await asyncio.to_thread(state.service.close, 30)
+        with contextlib.suppress(OSError):
+            sock.close()
+    return 0 if state.service is not None and state.service.ready else 1

@@ -1,0 +1,130 @@
+"""The served model: tokenizer + scheduler + identity, and the async bridge to the scheduler.
+
+The HTTP layer calls `start_generation()`, which admits the request at once (or raises
+QueueFull / SchedulerClosed) and returns a handle whose events arrive on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from llm_server.decoding import Decoder, LogitsConstraint, SamplingParams
+from llm_server.engines.base import Engine
+from llm_server.fingerprint import system_fingerprint
+from llm_server.scheduler import BatchScheduler, FinishEvent, GenerationRequest, TokenEvent
+from llm_server.scheduler.request import Event
+from llm_server.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    model_path: Path
+    model_id: str
+    concurrent_requests: int = 1
+    max_queued: int = 16
+    dtype: str = "float32"
+    default_max_tokens: int = 512
+    constrained_mode: str = "batched"  # "batched" | "lease"
+
+
+class GenerationHandle:
+    """One admitted request as seen from the event loop."""
+
+    def __init__(self, request: GenerationRequest, queue: asyncio.Queue[Event]) -> None:
+        self.request = request
+        self._queue = queue
+        self.finish: FinishEvent | None = None
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Yield TokenEvents then one FinishEvent; cancels the request if abandoned."""
+        try:
+            while True:
+                ev = await self._queue.get()
+                if isinstance(ev, FinishEvent):
+                    self.finish = ev
+                    yield ev
+                    return
+                yield ev
+        finally:
+            if self.finish is None:
+                self.request.cancel()
+
+    def cancel(self) -> None:
+        self.request.cancel()
+
+
+class ModelService:
+    """Everything the handlers need about the one served model."""
+
+    def __init__(
+        self,
+        config: ServiceConfig,
+        engine_factory: Callable[[], Engine],
+        on_step: Callable[[float, int], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = Tokenizer(config.model_path)
+        self.scheduler = BatchScheduler(
+            engine_factory,
+            max_concurrent=config.concurrent_requests,
+            max_queued=config.max_queued,
+            on_step=on_step,
+        )
+        self.started_at = time.time()
+        self.engine: Engine | None = None
+        self.fingerprint = ""
+        self.batching = False
+
+    def start(self) -> ModelService:
+        self.scheduler.start()
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        engine = self.scheduler.wait_ready(timeout)
+        self.engine = engine
+        self.batching = self.scheduler.max_concurrent > 1
+        self.fingerprint = system_fingerprint(
+            self.config.model_id, engine.name, engine.dtype, self.scheduler.max_concurrent
+        )
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    @property
+    def context_length(self) -> int:
+        assert self.engine is not None
+        return self.engine.context_length
+
+    def start_generation(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        constraint: LogitsConstraint | None = None,
+    ) -> GenerationHandle:
+        """Admit a request now (raises QueueFull/SchedulerClosed) and return its handle."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        eos = self.tokenizer.eos_token_ids
+        decoder = Decoder(params, eos, self.tokenizer.decode, constraint)
+
+        def emit(ev: Event) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, ev)
+
+        exclusive = constraint is not None and self.config.constrained_mode == "lease"
+        req = GenerationRequest(prompt=prompt, decoder=decoder, emit=emit, exclusive=exclusive)
+        self.scheduler.submit(req)
+        return GenerationHandle(req, queue)
+
+    def close(self, timeout: float | None = None) -> bool:
+        return self.scheduler.close(timeout)
+
+
+__all__ = ["GenerationHandle", "ModelService", "ServiceConfig", "TokenEvent", "FinishEvent"]
