@@ -123,6 +123,15 @@ class ModelService:
         self.scheduler.submit(req)
         return GenerationHandle(req, queue)
 
+    async def score(
+        self, prompts: list[list[int]], top_k: int, generate_one: bool
+    ) -> list:
+        """Score every prompt together (C1); returns one ScoredPrompt per prompt, in order.
+
+        STUB until the scorer lands (issue 5).
+        """
+        raise NotImplementedError("scoring is not available yet")
+
     def close(self, timeout: float | None = None) -> bool:
         return self.scheduler.close(timeout)
 

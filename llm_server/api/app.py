@@ -238,7 +238,7 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(error_body(500, "internal server error"), status_code=500)
 
 
-def create_app(state: AppState) -> Starlette:
+def create_app(state: AppState, **options: object) -> Starlette:
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),

@@ -1,0 +1,65 @@
+"""A real uvicorn server on a loopback port in a background thread (tests, benchmark, replay)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+
+from llm_server.api.app import AppState, create_app
+from llm_server.service import ModelService
+
+
+class LiveServer:
+    """Serve `service` over HTTP on 127.0.0.1:<free port>; use as a context manager."""
+
+    def __init__(self, service: ModelService, model_id: str | None = None, **app_options) -> None:
+        self.service = service
+        self.state = AppState(service, model_id or service.config.model_id)
+        self.app = create_app(self.state, **app_options)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off")
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._run, name="live-server", daemon=True)
+
+    def _run(self) -> None:
+        asyncio.run(self.server.serve(sockets=[self._sock]))
+
+    def start(self, timeout: float = 60.0) -> LiveServer:
+        self.service.wait_ready(timeout)
+        self.state.loading = False
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise TimeoutError("uvicorn did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(10)
+        self._sock.close()
+
+    def __enter__(self) -> LiveServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def tiny_service(model_path: Path, concurrent: int = 1, max_queued: int = 16, **kw) -> ModelService:
+    """A started service on `model_path` (helper for tests)."""
+    from llm_server.server import make_service
+
+    svc = make_service(model_path, model_path.name, concurrent, max_queued, **kw)
+    svc.wait_ready(120)
+    return svc
