@@ -22,10 +22,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, type=Path, help="output folder")
     parser.add_argument("--rows", type=int, default=4, help="batch rows of the graph (1 = serial)")
     parser.add_argument("--context", type=int, default=None, help="positions per row")
-    parser.add_argument("--dtype", choices=("float16", "float32", "bfloat16"), default=None,
-                        help="weights dtype (default: float32 for mlx, float16 for coreml)")
-    parser.add_argument("--quantize", type=int, choices=(4, 8), default=None,
-                        help="mlx only: affine-quantize linear weights to this many bits")
+    parser.add_argument(
+        "--dtype",
+        choices=("float16", "float32", "bfloat16"),
+        default=None,
+        help="weights dtype (default: float32 for mlx, float16 for coreml)",
+    )
+    parser.add_argument(
+        "--quantize",
+        type=int,
+        choices=(4, 8),
+        default=None,
+        help="mlx only: affine-quantize linear weights to this many bits",
+    )
     return parser
 
 
@@ -58,14 +67,26 @@ def convert(args: argparse.Namespace, scratch: Path) -> Path:
     if args.to == "mlx":
         from converters.mlx_export import export_mlx
 
-        return export_mlx(src, args.out, rows=args.rows, context_length=args.context,
-                          dtype=args.dtype or "float32", quantize=args.quantize,
-                          source_hash=source_hash)
+        return export_mlx(
+            src,
+            args.out,
+            rows=args.rows,
+            context_length=args.context,
+            dtype=args.dtype or "float32",
+            quantize=args.quantize,
+            source_hash=source_hash,
+        )
     from converters.coreml_export import export_coreml
 
-    return export_coreml(src, args.out, rows=args.rows, context_length=args.context,
-                         dtype=args.dtype or "float16", source_hash=source_hash,
-                         progress=_progress("building graph"))
+    return export_coreml(
+        src,
+        args.out,
+        rows=args.rows,
+        context_length=args.context,
+        dtype=args.dtype or "float16",
+        source_hash=source_hash,
+        progress=_progress("building graph"),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

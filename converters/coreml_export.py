@@ -124,7 +124,9 @@ class _GraphBuilder:
     def rope(self, x, cos, sin):
         # x: [rows, heads, q, hd]; cos/sin: [rows, 1, q, hd]
         mb, half = self.mb, self.cfg.head_dim // 2
-        x1 = mb.slice_by_index(x=x, begin=[0, 0, 0, 0], end=[0, 0, 0, half], end_mask=[True] * 3 + [False])
+        x1 = mb.slice_by_index(
+            x=x, begin=[0, 0, 0, 0], end=[0, 0, 0, half], end_mask=[True] * 3 + [False]
+        )
         x2 = mb.slice_by_index(x=x, begin=[0, 0, 0, half], end=[0, 0, 0, 0], end_mask=[True] * 4)
         rotated = mb.concat(values=[mb.mul(x=x2, y=np.float16(-1.0)), x1], axis=-1)
         return mb.add(x=mb.mul(x=x, y=cos), y=mb.mul(x=rotated, y=sin))
@@ -159,7 +161,9 @@ class _GraphBuilder:
         groups = cfg.num_heads // cfg.num_kv_heads
         qg = mb.reshape(x=q, shape=[self.rows, cfg.num_kv_heads, -1, cfg.head_dim])
         scores = mb.matmul(x=qg, y=keys, transpose_y=True)  # [rows, kv, groups*q, ctx]
-        scores = mb.reshape(x=scores, shape=[self.rows, cfg.num_kv_heads, groups, -1, self.context_length])
+        scores = mb.reshape(
+            x=scores, shape=[self.rows, cfg.num_kv_heads, groups, -1, self.context_length]
+        )
         probs = mb.softmax(x=mb.add(x=scores, y=ctx["mask"]), axis=-1)
         probs = mb.reshape(x=probs, shape=[self.rows, cfg.num_kv_heads, -1, self.context_length])
         out = mb.matmul(x=probs, y=values)  # [rows, kv, groups*q, hd]
@@ -187,15 +191,21 @@ class _GraphBuilder:
         written = mb.reduce_max(x=hits16, axes=[1], keep_dims=False)  # [rows, ctx]
         written = mb.greater(x=mb.expand_dims(x=written, axes=[1, 3]), y=np.float16(0.5))
         mask = mb.expand_dims(x=attn_mask, axes=[2])  # [rows, 1, 1, q, ctx]
-        return {"cos": cos, "sin": sin, "onehot": onehot, "written": written, "mask": mask,
-                "k_states": k_states, "v_states": v_states}
+        return {
+            "cos": cos,
+            "sin": sin,
+            "onehot": onehot,
+            "written": written,
+            "mask": mask,
+            "k_states": k_states,
+            "v_states": v_states,
+        }
 
     def build(self, rows: int, progress: Callable[[Iterable], Iterable]):
         """The MIL program with symbolic q; returns (program, q symbol)."""
+        import coremltools as ct
         from coremltools.converters.mil import Builder as mb
         from coremltools.converters.mil.mil import Function, Program, get_new_symbol, types
-
-        import coremltools as ct
 
         self.mb, self.rows, cfg = mb, rows, self.cfg
         q = get_new_symbol()
@@ -217,8 +227,13 @@ class _GraphBuilder:
             x = mb.gather(x=embed, indices=inputs["input_ids"], axis=0)  # [rows, q, hidden]
             for layer in progress(range(cfg.num_layers)):
                 p = f"model.layers.{layer}."
-                x = mb.add(x=x, y=self.attention(self.rms_norm(x, p + "input_layernorm.weight"), layer, ctx))
-                x = mb.add(x=x, y=self.mlp(self.rms_norm(x, p + "post_attention_layernorm.weight"), layer))
+                x = mb.add(
+                    x=x,
+                    y=self.attention(self.rms_norm(x, p + "input_layernorm.weight"), layer, ctx),
+                )
+                x = mb.add(
+                    x=x, y=self.mlp(self.rms_norm(x, p + "post_attention_layernorm.weight"), layer)
+                )
             x = self.rms_norm(x, "model.norm.weight")
             head = embed if cfg.tie_word_embeddings else self.const16("lm_head.weight")
             logits = mb.cast(x=mb.linear(x=x, weight=head), dtype="fp32", name="logits")
@@ -248,13 +263,21 @@ def convert_program(program, rows: int, context_length: int, q_sizes: tuple[int,
     import coremltools as ct
 
     inputs = [
-        ct.TensorType(name="input_ids", dtype=np.int32, shape=ct.EnumeratedShapes([(rows, q) for q in q_sizes])),
+        ct.TensorType(
+            name="input_ids",
+            dtype=np.int32,
+            shape=ct.EnumeratedShapes([(rows, q) for q in q_sizes]),
+        ),
         ct.TensorType(
             name="attn_mask",
             dtype=np.float16,
             shape=ct.EnumeratedShapes([(rows, 1, q, context_length) for q in q_sizes]),
         ),
-        ct.TensorType(name="position_ids", dtype=np.int32, shape=ct.EnumeratedShapes([(rows, q) for q in q_sizes])),
+        ct.TensorType(
+            name="position_ids",
+            dtype=np.int32,
+            shape=ct.EnumeratedShapes([(rows, q) for q in q_sizes]),
+        ),
     ]
     # FLOAT32 here means "keep the dtypes the graph already has": it is fp16 by construction
     # with fp32 only where chosen (norm statistics, logits), which an fp16 pass would undo.

@@ -48,7 +48,11 @@ def _slice_by_index(x, begin, end, stride=None, begin_mask=None, end_mask=None, 
     begin_mask = begin_mask if begin_mask is not None else [False] * rank
     end_mask = end_mask if end_mask is not None else [False] * rank
     index = tuple(
-        slice(None if begin_mask[d] else int(begin[d]), None if end_mask[d] else int(end[d]), int(stride[d]))
+        slice(
+            None if begin_mask[d] else int(begin[d]),
+            None if end_mask[d] else int(end[d]),
+            int(stride[d]),
+        )
         for d in range(rank)
     )
     out = x[index]
@@ -65,7 +69,9 @@ def _softmax(x, axis):
 
 def _matmul(x, y, transpose_x=False, transpose_y=False):
     x, y = _f32(x), _f32(y)
-    return (np.swapaxes(x, -1, -2) if transpose_x else x) @ (np.swapaxes(y, -1, -2) if transpose_y else y)
+    return (np.swapaxes(x, -1, -2) if transpose_x else x) @ (
+        np.swapaxes(y, -1, -2) if transpose_y else y
+    )
 
 
 def _linear(x, weight, bias=None):
@@ -87,9 +93,15 @@ _OPS: dict[str, Callable[..., np.ndarray]] = {
     "rsqrt": lambda x, epsilon=1e-12: 1.0 / np.sqrt(_f32(x) + np.float32(epsilon)),
     "silu": lambda x: _f32(x) / (1.0 + np.exp(-_f32(x))),
     "softmax": lambda x, axis: _softmax(x, int(axis)),
-    "reduce_mean": lambda x, axes, keep_dims=False: _f32(x).mean(axis=_ints(axes), keepdims=bool(keep_dims)),
-    "reduce_max": lambda x, axes, keep_dims=False: x.max(axis=_ints(axes), keepdims=bool(keep_dims)),
-    "gather": lambda x, indices, axis=0, batch_dims=0, validate_indices=False: np.take(x, indices, axis=int(axis)),
+    "reduce_mean": lambda x, axes, keep_dims=False: _f32(x).mean(
+        axis=_ints(axes), keepdims=bool(keep_dims)
+    ),
+    "reduce_max": lambda x, axes, keep_dims=False: x.max(
+        axis=_ints(axes), keepdims=bool(keep_dims)
+    ),
+    "gather": lambda x, indices, axis=0, batch_dims=0, validate_indices=False: np.take(
+        x, indices, axis=int(axis)
+    ),
     "reshape": lambda x, shape: x.reshape([int(s) for s in shape]),
     "transpose": lambda x, perm: np.transpose(x, [int(p) for p in perm]),
     "expand_dims": _expand_dims,

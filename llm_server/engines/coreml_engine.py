@@ -28,7 +28,9 @@ MASK_HIDDEN = -30000.0  # additive mask value for hidden columns (fp16-represent
 Forward = Callable[[dict[str, np.ndarray], str], np.ndarray]
 
 
-def call_inputs(positions: np.ndarray, tokens: np.ndarray, context_length: int) -> dict[str, np.ndarray]:
+def call_inputs(
+    positions: np.ndarray, tokens: np.ndarray, context_length: int
+) -> dict[str, np.ndarray]:
     """Graph inputs for `tokens`/`positions` [rows, q]; negative positions write and see nothing."""
     columns = np.arange(context_length)
     visible = (columns[None, None, :] <= positions[:, :, None]) & (positions[:, :, None] >= 0)
@@ -50,7 +52,6 @@ class RowDriver:
         self.forward = forward
         self.cursors = [0] * rows
         self.score_cursor = 0
-        self.score_batch = 0
 
     def _run(self, session: str, slots: dict[int, tuple[list[int], int]], q: int) -> np.ndarray:
         """One forward: `slots` maps row -> (tokens, first position); other rows write nothing."""
@@ -72,7 +73,9 @@ class RowDriver:
 
     def prefill(self, row: int, tokens: Sequence[int]) -> np.ndarray:
         if not tokens or len(tokens) > self.context_length:
-            raise ValueError(f"prompt of {len(tokens)} tokens does not fit 1..{self.context_length}")
+            raise ValueError(
+                f"prompt of {len(tokens)} tokens does not fit 1..{self.context_length}"
+            )
         self.cursors[row], done, logits = 0, 0, None
         for take, q in self._chunks(len(tokens)):
             out = self._run("decode", {row: (list(tokens[done : done + take]), done)}, q)
@@ -84,7 +87,9 @@ class RowDriver:
         for row in rows:
             if self.cursors[row] >= self.context_length:
                 raise EngineError(f"row {row} is full ({self.context_length} positions)")
-        out = self._run("decode", {r: ([t], self.cursors[r]) for r, t in zip(rows, tokens)}, 1)
+        out = self._run(
+            "decode", {r: ([t], self.cursors[r]) for r, t in zip(rows, tokens, strict=True)}, 1
+        )
         for row in rows:
             self.cursors[row] += 1
         return np.asarray(out[list(rows), 0], dtype=np.float32)

@@ -48,14 +48,16 @@ def _run_package(package: Path, skip: tuple[int, int]) -> tuple[list[np.ndarray]
     """
     interp = MilInterpreter(package)
     manifest = read_manifest(package.parent)
-    driver = RowDriver(ROWS, CONTEXT, manifest.q_sizes, lambda inputs, _: interp.predict(inputs)["logits"])
+    driver = RowDriver(
+        ROWS, CONTEXT, manifest.q_sizes, lambda inputs, _: interp.predict(inputs)["logits"]
+    )
     logits = [[driver.prefill(row, prompt)] for row, prompt in enumerate(PROMPTS)]
     fed: list[list[int]] = [[] for _ in PROMPTS]
     for step in range(DECODE_STEPS):
         rows = [r for r in range(ROWS) if (r, step) != skip]
         tokens = [int(np.argmax(logits[r][-1])) for r in rows]
-        for r, row_logits in zip(rows, driver.decode(rows, tokens)):
-            fed[r].append(tokens[rows.index(r)])
+        for r, token, row_logits in zip(rows, tokens, driver.decode(rows, tokens), strict=True):
+            fed[r].append(token)
             logits[r].append(row_logits)
     return [np.stack(rows) for rows in logits], fed
 
@@ -92,7 +94,9 @@ def test_one_perturbed_weight_fails_the_check(exported, tmp_path):
     shutil.copytree(src, bad_src)
     weights = load_file(str(bad_src / "model.safetensors"))
     name = "model.layers.1.self_attn.v_proj.weight"
-    weights[name] = weights[name] + 0.05 * np.random.default_rng(1).standard_normal(weights[name].shape).astype(np.float32)
+    weights[name] = weights[name] + 0.05 * np.random.default_rng(1).standard_normal(
+        weights[name].shape
+    ).astype(np.float32)
     save_file(weights, str(bad_src / "model.safetensors"))
     bad_package = export_coreml(bad_src, tmp_path / "coreml", rows=ROWS, context_length=CONTEXT)
     worst, _ = _max_error(src, bad_package)
@@ -116,16 +120,25 @@ def test_graph_without_attn_mask_does_not_batch(tmp_path):
     from coremltools.converters.mil import Builder as mb
     from coremltools.converters.mil.mil import types
 
-    @mb.program(input_specs=[mb.TensorSpec((4, 8), dtype=types.int32)], opset_version=ct.target.iOS18)
+    @mb.program(
+        input_specs=[mb.TensorSpec((4, 8), dtype=types.int32)], opset_version=ct.target.iOS18
+    )
     def prog(input_ids):
         return mb.cast(x=input_ids, dtype="fp32", name="logits")
 
-    model = ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18, skip_model_load=True)
+    model = ct.convert(
+        prog,
+        convert_to="mlprogram",
+        minimum_deployment_target=ct.target.iOS18,
+        skip_model_load=True,
+    )
     model.save(str(tmp_path / "plain.mlpackage"))
     assert not supports_batching(tmp_path / "plain.mlpackage")
 
 
-@pytest.mark.skipif(sys.platform != "darwin", reason="Core ML models run only on macOS (MLModel.predict)")
+@pytest.mark.skipif(
+    sys.platform != "darwin", reason="Core ML models run only on macOS (MLModel.predict)"
+)
 def test_coreml_engine_matches_interpreter(exported):
     from llm_server.engines.coreml_engine import CoreMLEngine
 

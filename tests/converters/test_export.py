@@ -29,7 +29,9 @@ def _logits(folder: Path, prompt: list[int]) -> np.ndarray:
 
 @pytest.fixture(scope="module", params=["qwen3", "llama", "qwen2"])
 def hf(request, tmp_path_factory) -> Path:
-    return build_tiny_checkpoint(tmp_path_factory.mktemp(request.param), TinySpec(arch=request.param))
+    return build_tiny_checkpoint(
+        tmp_path_factory.mktemp(request.param), TinySpec(arch=request.param)
+    )
 
 
 def test_mlx_round_trip_float32_is_exact(hf, tmp_path):
@@ -67,7 +69,17 @@ def test_supports_batching_reads_the_manifest(hf, tmp_path):
 def test_cli_exports_mlx_and_coreml(hf, tmp_path):
     assert main([str(hf), "--to", "mlx", "--out", str(tmp_path / "m"), "--rows", "2"]) == 0
     assert read_manifest(tmp_path / "m").rows == 2
-    args = [str(hf), "--to", "coreml", "--out", str(tmp_path / "c"), "--rows", "1", "--context", "32"]
+    args = [
+        str(hf),
+        "--to",
+        "coreml",
+        "--out",
+        str(tmp_path / "c"),
+        "--rows",
+        "1",
+        "--context",
+        "32",
+    ]
     assert main(args) == 0
     assert not supports_batching(tmp_path / "c" / "model.mlpackage")
 
