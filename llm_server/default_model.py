@@ -71,9 +71,14 @@ def default_model_path(cache_dir: Path | None = None) -> Path:
     `cache_dir` is the folder that holds converted models (default: `default_cache_dir()`).
     Later calls, from any process, return the same folder without converting again.
     """
-    gguf = default_gguf_path()
+    return converted_gguf_path(default_gguf_path(), cache_dir, name=MODEL_NAME)
+
+
+def converted_gguf_path(gguf: Path, cache_dir: Path | None = None, name: str | None = None) -> Path:
+    """HF-layout folder for any `.gguf` file, converted once into the cache (process-safe)."""
+    gguf = Path(gguf)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    folder = cache / f"{MODEL_NAME}-{_cache_key(gguf)}"
+    folder = cache / f"{name or gguf.stem}-{_cache_key(gguf)}"
     if folder.is_dir():
         return folder  # import_gguf renames into place, so an existing folder is complete
     cache.mkdir(parents=True, exist_ok=True)

@@ -89,6 +89,7 @@ class BatchScheduler:
         self.decode_steps = 0
         self.max_rows_busy = 0
         self.admitted: list[int] = []  # request seq numbers in admission order (tests, replay)
+        self.step_trace: list[tuple[int, ...]] | None = None  # set to [] to record each step's seqs
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -296,6 +297,8 @@ class BatchScheduler:
     def _decode_step(self) -> None:
         reqs = list(self._running.values())
         rows = [r.row for r in reqs]
+        if self.step_trace is not None:
+            self.step_trace.append(tuple(r.seq for r in reqs))
         t0 = time.perf_counter()
         try:
             logits = self.engine.decode(rows, [r.last_token for r in reqs])

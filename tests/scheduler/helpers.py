@@ -1,0 +1,65 @@
+"""Driving the real BatchScheduler directly (no HTTP) in tests."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llm_server.decoding import Decoder, FinishReason, SamplingParams
+from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.scheduler import BatchScheduler, FinishEvent, GenerationRequest, TokenEvent
+from llm_server.tokenizer import Tokenizer
+
+
+@dataclass
+class Outcome:
+    """Everything one request produced."""
+
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    finish: FinishEvent | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, ev) -> None:
+        if isinstance(ev, TokenEvent):
+            self.tokens.append(ev.token_id)
+            self.text += ev.text
+        else:
+            self.text += ev.text
+            self.finish = ev
+            self.done.set()
+
+    @property
+    def reason(self) -> FinishReason | None:
+        return None if self.finish is None else self.finish.reason
+
+
+def make_request(
+    tok: Tokenizer, prompt: list[int], max_tokens: int, **params
+) -> tuple[GenerationRequest, Outcome]:
+    out = Outcome()
+    sp = SamplingParams(max_tokens=max_tokens, temperature=params.pop("temperature", 0.0), **params)
+    decoder = Decoder(sp, tok.eos_token_ids, tok.decode)
+    return GenerationRequest(prompt=prompt, decoder=decoder, emit=out.emit), out
+
+
+def start_scheduler(model: Path, concurrent: int, max_queued: int = 64, engine_cls=MLXEngine, **kw):
+    sched = BatchScheduler(
+        lambda: engine_cls(model, rows=concurrent, **kw),
+        max_concurrent=concurrent,
+        max_queued=max_queued,
+    ).start()
+    sched.wait_ready(60)
+    return sched
+
+
+def serve_alone(model: Path, tok: Tokenizer, prompt: list[int], max_tokens: int, **params) -> Outcome:
+    sched = start_scheduler(model, 1)
+    try:
+        req, out = make_request(tok, prompt, max_tokens, **params)
+        sched.submit(req)
+        assert out.done.wait(60)
+        return out
+    finally:
+        sched.close(10)
