@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, help="cap the context (default: the model's)")
     p.add_argument("--default-max-tokens", type=int, default=512,
                    help="max_tokens when a request gives none (default 512)")
+    p.add_argument("--constrained-mode", default="batched", choices=["batched", "lease"],
+                   help="response_format requests: decode inside the batch with a per-row mask "
+                   "(batched, default) or alone while the batch pauses (lease)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 

@@ -26,10 +26,13 @@ def make_service(
     context_length: int | None = None,
     default_max_tokens: int = 512,
     engine_factory=None,
+    constrained_mode: str = "batched",
 ) -> ModelService:
     """A started (loading) service for `model_path`; the engine loads on the scheduler thread."""
     from llm_server.cli import engine_rows
 
+    if constrained_mode not in ("batched", "lease"):
+        raise ValueError(f"constrained_mode must be 'batched' or 'lease', not {constrained_mode!r}")
     rows = engine_rows(model_path, concurrent)
 
     def factory():
@@ -44,6 +47,7 @@ def make_service(
         max_queued=max_queued,
         dtype=dtype,
         default_max_tokens=default_max_tokens,
+        constrained_mode=constrained_mode,
     )
     return ModelService(config, engine_factory or factory).start()
 
@@ -59,6 +63,7 @@ async def run_server(args: argparse.Namespace, model_path: Path, sock: socket.so
         service = await asyncio.to_thread(
             make_service, model_path, model_id, args.concurrent_requests, args.max_queued,
             args.dtype, args.context_length, args.default_max_tokens,
+            constrained_mode=args.constrained_mode,
         )
         state.service = service
         try:
