@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait for a row before 429 (default 16)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                    help="compute dtype (float32 on CPU; default float32)")
+    p.add_argument("--backend", default="auto", choices=["auto", "mlx", "coreml"],
+                   help="engine; auto picks coreml for an .mlpackage, else mlx")
     p.add_argument("--context-length", type=int, help="cap the context (default: the model's)")
     p.add_argument("--default-max-tokens", type=int, default=512,
                    help="max_tokens when a request gives none (default 512)")
@@ -59,6 +61,8 @@ def resolve_model(model: str | None) -> Path:
         from llm_server.default_model import converted_gguf_path
 
         return converted_gguf_path(path)
+    if path.suffix == ".mlpackage" or (path.is_dir() and any(path.glob("*.mlpackage"))):
+        return path
     if not path.is_dir() or not (path / "config.json").is_file():
         raise SystemExit(f"llm-server: {path} is not a model folder (it needs config.json)")
     if not os.access(path / "config.json", os.R_OK):

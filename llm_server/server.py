@@ -17,6 +17,15 @@ from llm_server.service import ModelService, ServiceConfig
 log = logging.getLogger("llm_server")
 
 
+def pick_backend(model_path: Path, backend: str = "auto") -> str:
+    """'coreml' for a Core ML package (or a folder holding one), else 'mlx'; or as asked."""
+    if backend != "auto":
+        return backend
+    if model_path.suffix == ".mlpackage" or any(model_path.glob("*.mlpackage")):
+        return "coreml"
+    return "mlx"
+
+
 def make_service(
     model_path: Path,
     model_id: str,
@@ -26,22 +35,27 @@ def make_service(
     context_length: int | None = None,
     default_max_tokens: int = 512,
     engine_factory=None,
+    backend: str = "auto",
     constrained_mode: str = "batched",
 ) -> ModelService:
     """A started (loading) service for `model_path`; the engine loads on the scheduler thread."""
     from llm_server.cli import engine_rows
 
-    if constrained_mode not in ("batched", "lease"):
-        raise ValueError(f"constrained_mode must be 'batched' or 'lease', not {constrained_mode!r}")
     rows = engine_rows(model_path, concurrent)
+    chosen = pick_backend(model_path, backend)
 
     def factory():
+        if chosen == "coreml":
+            from llm_server.engines.coreml_engine import CoreMLEngine
+
+            return CoreMLEngine(model_path)
         from llm_server.engines.mlx_engine import MLXEngine
 
         return MLXEngine(model_path, rows=rows, context_length=context_length, dtype=dtype)
 
+    tokenizer_path = model_path.parent if model_path.suffix == ".mlpackage" else model_path
     config = ServiceConfig(
-        model_path=model_path,
+        model_path=tokenizer_path,
         model_id=model_id,
         concurrent_requests=rows,
         max_queued=max_queued,
@@ -63,7 +77,7 @@ async def run_server(args: argparse.Namespace, model_path: Path, sock: socket.so
         service = await asyncio.to_thread(
             make_service, model_path, model_id, args.concurrent_requests, args.max_queued,
             args.dtype, args.context_length, args.default_max_tokens,
-            constrained_mode=args.constrained_mode,
+            constrained_mode=args.constrained_mode, backend=args.backend,
         )
         state.service = service
         try:

@@ -287,3 +287,44 @@ def test_seeded_sampling_is_the_same_alone_or_batched(tiny_model_path, tok):
             assert out.tokens == want.tokens
     finally:
         sched.close(10)
+
+
+def test_model_without_batching_is_served_serially_with_a_warning(
+    tiny_model_path, tok, tmp_path, caplog, make_service
+):
+    """S1: a rows-1 export at --concurrent-requests 4 warns once and serves one at a time."""
+    import asyncio
+    import logging
+
+    from converters.mlx_export import export_mlx
+
+    serial = export_mlx(tiny_model_path, tmp_path / "rows1", rows=1)
+    with caplog.at_level(logging.WARNING):
+        svc = make_service(serial, concurrent=4)
+    warnings = [r for r in caplog.records if "does not support batching" in r.getMessage()]
+    assert len(warnings) == 1
+    assert svc.scheduler.max_concurrent == 1 and not svc.batching
+    prompts = _prompts(3, seed=4)
+    expected = [serve_alone(tiny_model_path, tok, p, 12) for p in prompts]
+
+    async def run_all():
+        from llm_server.decoding import SamplingParams
+
+        handles = [svc.start_generation(p, SamplingParams(max_tokens=12, temperature=0.0)) for p in prompts]
+        outs = []
+        for h in handles:
+            outs.append([ev.token_id async for ev in h.events() if hasattr(ev, "token_id")])
+        return outs
+
+    outs = asyncio.run(run_all())
+    assert outs == [e.tokens for e in expected]
+    assert svc.scheduler.stats().max_rows_busy == 1
+
+
+def test_fingerprint_depends_on_batch_size(tiny_model_path, make_service):
+    """S9: batched and serial servers report different system fingerprints."""
+    one = make_service(tiny_model_path, concurrent=1)
+    four = make_service(tiny_model_path, concurrent=4)
+    again = make_service(tiny_model_path, concurrent=4)
+    assert one.fingerprint.startswith("fp_") and one.fingerprint != four.fingerprint
+    assert four.fingerprint == again.fingerprint
