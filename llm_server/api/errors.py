@@ -12,6 +12,7 @@ _TYPES = {
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
+    501: "server_error",
     503: "service_unavailable",
 }
 
@@ -41,7 +42,9 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict:
     return {
         "error": {
             "message": message,

@@ -48,8 +48,14 @@ def _get(body: dict, key: str, kinds: type | tuple[type, ...], default: Any = No
 
 def _kind_name(kinds: type | tuple[type, ...]) -> str:
     kinds = kinds if isinstance(kinds, tuple) else (kinds,)
-    names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
-             list: "an array", dict: "an object"}
+    names = {
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        bool: "a boolean",
+        list: "an array",
+        dict: "an object",
+    }
     return " or ".join(names.get(k, k.__name__) for k in kinds)
 
 
@@ -80,7 +86,9 @@ def _stop(body: dict) -> tuple[str, ...]:
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise invalid("stop", "'stop' must be a string or an array of strings")
     if len(stop) > MAX_STOP_SEQUENCES:
-        raise invalid("stop", f"'stop' takes at most {MAX_STOP_SEQUENCES} sequences, got {len(stop)}")
+        raise invalid(
+            "stop", f"'stop' takes at most {MAX_STOP_SEQUENCES} sequences, got {len(stop)}"
+        )
     for s in stop:
         if not s:
             raise invalid("stop", "stop sequences must not be empty")
@@ -149,8 +157,12 @@ def parse_messages(body: dict) -> tuple[dict[str, str], ...]:
         role = m.get("role")
         if role not in ROLES:
             raise invalid(f"messages[{i}].role", f"role must be one of {', '.join(ROLES)}")
-        out.append({"role": "system" if role == "developer" else role,
-                    "content": _content(m.get("content"), i)})
+        out.append(
+            {
+                "role": "system" if role == "developer" else role,
+                "content": _content(m.get("content"), i),
+            }
+        )
     return tuple(out)
 
 
@@ -188,14 +200,19 @@ def _prompts(body: dict, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
         raise invalid("prompt", "'prompt' is required")
     if isinstance(prompt, str):
         items: list = [prompt]
-    elif isinstance(prompt, list) and prompt and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     ):
         items = [prompt]
     elif isinstance(prompt, list) and prompt:
         items = prompt
     else:
-        raise invalid("prompt", "'prompt' must be a string, an array of strings, token ids, or arrays of token ids")
+        raise invalid(
+            "prompt",
+            "'prompt' must be a string, an array of strings, token ids, or arrays of token ids",
+        )
     out: list[str | tuple[int, ...]] = []
     for i, p in enumerate(items):
         if isinstance(p, str):
@@ -203,7 +220,10 @@ def _prompts(body: dict, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
         elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             bad = [t for t in p if not 0 <= t < vocab_size]
             if bad:
-                raise invalid(f"prompt[{i}]", f"token id {bad[0]} is outside the vocabulary 0..{vocab_size - 1}")
+                raise invalid(
+                    f"prompt[{i}]",
+                    f"token id {bad[0]} is outside the vocabulary 0..{vocab_size - 1}",
+                )
             out.append(tuple(p))
         else:
             raise invalid(f"prompt[{i}]", f"prompt[{i}] must be a string or an array of token ids")

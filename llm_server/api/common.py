@@ -1,0 +1,164 @@
+"""What every handler shares: app state, the service accessor, body reading and admission."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+from starlette.requests import Request
+
+from llm_server.api.errors import APIError, invalid
+from llm_server.decoding import LogitsConstraint, SamplingParams
+from llm_server.scheduler import FinishEvent, QueueFull, SchedulerClosed
+from llm_server.service import GenerationHandle, ModelService
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+class AppState:
+    """What the handlers share: the service (None until the model is loaded)."""
+
+    def __init__(self, service: ModelService | None, model_id: str) -> None:
+        self._service = service
+        self._listeners: list[Callable[[ModelService], None]] = []
+        self.model_id = model_id
+        self.loading = service is None or not service.ready
+        self.draining = False
+
+    @property
+    def service(self) -> ModelService | None:
+        return self._service
+
+    @service.setter
+    def service(self, service: ModelService | None) -> None:
+        self._service = service
+        if service is not None:
+            for listener in self._listeners:
+                listener(service)
+
+    def on_service(self, listener: Callable[[ModelService], None]) -> None:
+        """Call `listener(service)` now if a service is set, and whenever one is set later."""
+        self._listeners.append(listener)
+        if self._service is not None:
+            listener(self._service)
+
+
+def get_service(request: Request) -> ModelService:
+    """The ready service, or 503 while loading or draining."""
+    st: AppState = request.app.state.llm
+    if st.draining:
+        raise APIError(503, "the server is shutting down", code="shutting_down")
+    if st.service is None or not st.service.ready:
+        raise APIError(
+            503,
+            "the model is still loading; retry shortly",
+            code="model_loading",
+            headers={"Retry-After": "1"},
+        )
+    return st.service
+
+
+async def read_json(request: Request) -> dict:
+    """The request body as a JSON object; 413 over the app's limit, 400 when malformed."""
+    limit: int = request.app.state.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise _too_large(limit)
+    try:
+        data = json.loads(bytes(body))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return data
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        413, f"the request body is over the {limit} byte limit", code="request_too_large"
+    )
+
+
+def check_model(service: ModelService, model: str | None, served_id: str) -> None:
+    """404 unless `model` names the served model (or is absent / "default")."""
+    if model is not None and model not in (served_id, service.config.model_id, "default"):
+        raise APIError(
+            404,
+            f"model {model!r} does not exist; this server serves {served_id!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def check_prompt(service: ModelService, n_tokens: int, param: str) -> None:
+    """400 for an empty prompt or one that does not fit the context (S4)."""
+    if n_tokens == 0:
+        raise invalid(param, f"'{param}' is empty; send at least one token")
+    ctx = service.context_length
+    if n_tokens > ctx:
+        raise APIError(
+            400,
+            f"'{param}' has {n_tokens} tokens but the context holds {ctx}; shorten it",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def scheduler_errors(exc: Exception) -> APIError | None:
+    """The HTTP error for an admission failure (429 full, 503 closing), else None."""
+    if isinstance(exc, QueueFull):
+        retry = str(max(1, round(exc.retry_after)))
+        return APIError(429, str(exc), code="queue_full", headers={"Retry-After": retry})
+    if isinstance(exc, SchedulerClosed):
+        return APIError(503, str(exc), code="shutting_down")
+    return None
+
+
+def admit(
+    service: ModelService,
+    prompt: list[int],
+    params: SamplingParams,
+    constraint: LogitsConstraint | None = None,
+) -> GenerationHandle:
+    """Admit one generation now (before any response byte, S3) or raise 429/503."""
+    try:
+        return service.start_generation(prompt, params, constraint)
+    except (QueueFull, SchedulerClosed) as exc:
+        raise scheduler_errors(exc) from None
+
+
+def admit_all(
+    service: ModelService, prompts: list[list[int]], params: SamplingParams
+) -> list[GenerationHandle]:
+    """Admit every prompt of a request, or none: earlier ones are cancelled on a refusal."""
+    handles: list[GenerationHandle] = []
+    try:
+        for prompt in prompts:
+            handles.append(admit(service, prompt, params))
+    except APIError:
+        for h in handles:
+            h.cancel()
+        raise
+    return handles
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def record_finish(request: Request, fin: FinishEvent) -> None:
+    """Feed a finished generation into the app's metrics."""
+    request.app.state.metrics.tokens_generated.inc(fin.completion_tokens)
+
+
+def served_id(request: Request) -> str:
+    return request.app.state.llm.model_id

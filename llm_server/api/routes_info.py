@@ -1,0 +1,117 @@
+"""Read-only routes: models, health, and the tokenizer endpoints lm-evaluation-harness reads."""
+
+from __future__ import annotations
+
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from llm_server.api.common import AppState, check_model, get_service, read_json, served_id
+from llm_server.api.errors import invalid
+from llm_server.api.schemas import parse_messages
+from llm_server.blas import active_blas
+from llm_server.tokenizer import ChatTemplateError
+
+
+async def list_models(request: Request) -> Response:
+    st: AppState = request.app.state.llm
+    created = int(st.service.started_at) if st.service else int(time.time())
+    model = {"id": st.model_id, "object": "model", "created": created, "owned_by": "llm-server"}
+    return JSONResponse({"object": "list", "data": [model]})
+
+
+async def health(request: Request) -> Response:
+    st: AppState = request.app.state.llm
+    svc = st.service
+    body: dict = {"status": "loading", "ready": False, "model": st.model_id, "blas": active_blas()}
+    if svc is not None and svc.ready:
+        stats = svc.scheduler.stats()
+        body.update(
+            {
+                "status": "draining" if st.draining else "ok",
+                "ready": not st.draining,
+                "engine": svc.engine.name,
+                "dtype": svc.engine.dtype,
+                "batching": svc.batching,
+                "concurrent_requests": stats.rows,
+                "rows_busy": stats.rows_busy,
+                "queue_length": stats.queued,
+                "max_queued": svc.config.max_queued,
+                "context_length": svc.context_length,
+                "system_fingerprint": svc.fingerprint,
+                "last_error": stats.last_error,
+            }
+        )
+    return JSONResponse(body, status_code=200 if body["ready"] else 503)
+
+
+async def tokenize(request: Request) -> Response:
+    """`{"prompt": str, "add_special_tokens": bool}` or `{"messages": [...]}` -> token ids."""
+    service = get_service(request)
+    body = await read_json(request)
+    check_model(service, body.get("model"), served_id(request))
+    add_special = body.get("add_special_tokens", True)
+    if not isinstance(add_special, bool):
+        raise invalid("add_special_tokens", "'add_special_tokens' must be a boolean")
+    tok = service.tokenizer
+    if "messages" in body:
+        try:
+            ids = tok.apply_chat_template(list(parse_messages(body)))
+        except ChatTemplateError as exc:
+            raise invalid("messages", str(exc)) from None
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise invalid(
+                "prompt", "'prompt' is required and must be a string (or send 'messages')"
+            )
+        ids = tok.encode(prompt, add_special_tokens=add_special)
+    return JSONResponse(
+        {
+            "count": len(ids),
+            "max_model_len": service.context_length,
+            "tokens": ids,
+            "token_strs": tok.token_strings(ids),
+        }
+    )
+
+
+async def detokenize(request: Request) -> Response:
+    """`{"tokens": [int]}` -> `{"prompt": str}` (special tokens kept, as vLLM does)."""
+    service = get_service(request)
+    body = await read_json(request)
+    check_model(service, body.get("model"), served_id(request))
+    tokens = body.get("tokens")
+    vocab = service.tokenizer.vocab_size
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in tokens
+    ):
+        raise invalid("tokens", "'tokens' is required and must be an array of token ids")
+    bad = [t for t in tokens if not 0 <= t < vocab]
+    if bad:
+        raise invalid("tokens", f"token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
+    return JSONResponse({"prompt": service.tokenizer.decode(tokens, skip_special_tokens=False)})
+
+
+async def tokenizer_info(request: Request) -> Response:
+    """Special tokens and chat template, as lm-eval's RemoteTokenizer reads them."""
+    service = get_service(request)
+    hf = service.tokenizer.hf
+    template = getattr(hf, "chat_template", None)
+    return JSONResponse(
+        {
+            "name_or_path": served_id(request),
+            "tokenizer_class": type(hf).__name__,
+            "eos_token": hf.eos_token,
+            "eos_token_id": hf.eos_token_id,
+            "bos_token": hf.bos_token,
+            "bos_token_id": hf.bos_token_id,
+            "pad_token": hf.pad_token,
+            "pad_token_id": hf.pad_token_id,
+            "unk_token": hf.unk_token,
+            "chat_template": template if isinstance(template, str) else None,
+            "model_max_length": service.context_length,
+            "vocab_size": service.tokenizer.vocab_size,
+        }
+    )
