@@ -18,6 +18,7 @@ from llm_server.engines.base import Engine
 from llm_server.fingerprint import system_fingerprint
 from llm_server.scheduler import BatchScheduler, FinishEvent, GenerationRequest, TokenEvent
 from llm_server.scheduler.request import Event
+from llm_server.scheduler.scorer import ScoredPrompt, Scorer, check_prompts
 from llm_server.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,11 @@ class ModelService:
             max_queued=config.max_queued,
             on_step=on_step,
         )
+        # Scoring runs between decode steps on the engine's separate scoring session (C1).
+        self.scorer = Scorer(
+            wake=self.scheduler.wake, max_queued=config.concurrent_requests + config.max_queued
+        )
+        self.scheduler.pump = self.scorer
         self.started_at = time.time()
         self.engine: Engine | None = None
         self.fingerprint = ""
@@ -125,15 +131,20 @@ class ModelService:
 
     async def score(
         self, prompts: list[list[int]], top_k: int, generate_one: bool
-    ) -> list:
+    ) -> list[ScoredPrompt]:
         """Score every prompt together (C1); returns one ScoredPrompt per prompt, in order.
 
-        STUB until the scorer lands (issue 5).
+        Raises ValueError (empty or too long prompt, bad top_k), QueueFull, SchedulerClosed,
+        or ScoringError when the engine failed on this request's batch.
         """
-        raise NotImplementedError("scoring is not available yet")
+        check_prompts(prompts, self.context_length, top_k)
+        req = self.scorer.submit(prompts, top_k, generate_one)
+        return await asyncio.wrap_future(req.future)
 
     def close(self, timeout: float | None = None) -> bool:
-        return self.scheduler.close(timeout)
+        closed = self.scheduler.close(timeout)
+        self.scorer.close()  # fails scoring requests that can no longer run
+        return closed
 
 
 __all__ = ["GenerationHandle", "ModelService", "ServiceConfig", "TokenEvent", "FinishEvent"]
