@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype (float32 on CPU; default float32)")
     p.add_argument("--backend", default="auto", choices=["auto", "mlx", "coreml"],
                    help="engine; auto picks coreml for an .mlpackage, else mlx")
+    p.add_argument("--prefix-cache-bytes", type=_size, default=None, metavar="BYTES",
+                   help="bound of the prompt prefix cache, e.g. 512M or 2G (default: half the "
+                   "model's weight bytes; 0 turns it off)")
     p.add_argument("--context-length", type=int, help="cap the context (default: the model's)")
     p.add_argument("--default-max-tokens", type=int, default=512,
                    help="max_tokens when a request gives none (default 512)")
@@ -36,7 +39,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="response_format requests: decode inside the batch with a per-row mask "
                    "(batched, default) or alone while the batch pauses (lease)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* "
+                   "(default: env LLM_SERVER_API_KEY; none when unset)")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="allow browser requests from ORIGIN (repeatable; default: CORS off)")
+    p.add_argument("--max-body-size", type=_size, default=4 << 20, metavar="SIZE",
+                   help="largest request body, e.g. 4M (default 4M); larger gets HTTP 413")
     return p
+
+
+def _size(text: str) -> int:
+    """'512M', '2G', '1000000' -> bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().removesuffix("B")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M, 2G or bytes)") from None
 
 
 def validate_args(args: argparse.Namespace) -> None:
@@ -46,6 +67,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise SystemExit("llm-server: --max-queued must be 0 or more")
     if not 0 <= args.port <= 65535:
         raise SystemExit("llm-server: --port must be between 0 and 65535")
+    if args.max_body_size < 1:
+        raise SystemExit("llm-server: --max-body-size must be at least 1 byte")
 
 
 def resolve_model(model: str | None) -> Path:

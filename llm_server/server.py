@@ -37,6 +37,7 @@ def make_service(
     engine_factory=None,
     backend: str = "auto",
     constrained_mode: str = "batched",
+    prefix_cache_bytes: int | None = None,
 ) -> ModelService:
     """A started (loading) service for `model_path`; the engine loads on the scheduler thread."""
     from llm_server.cli import engine_rows
@@ -51,7 +52,13 @@ def make_service(
             return CoreMLEngine(model_path)
         from llm_server.engines.mlx_engine import MLXEngine
 
-        return MLXEngine(model_path, rows=rows, context_length=context_length, dtype=dtype)
+        return MLXEngine(
+            model_path,
+            rows=rows,
+            context_length=context_length,
+            dtype=dtype,
+            prefix_cache_bytes=prefix_cache_bytes,
+        )
 
     tokenizer_path = model_path.parent if model_path.suffix == ".mlpackage" else model_path
     config = ServiceConfig(
@@ -69,7 +76,12 @@ def make_service(
 async def run_server(args: argparse.Namespace, model_path: Path, sock: socket.socket, url: str) -> int:
     model_id = args.model_id or model_path.name
     state = AppState(None, model_id)
-    app = create_app(state)
+    app = create_app(
+        state,
+        api_key=args.api_key,
+        cors_origins=args.cors_origin,
+        max_body_bytes=args.max_body_size,
+    )
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=30)
     server = uvicorn.Server(config)
 
@@ -78,6 +90,7 @@ async def run_server(args: argparse.Namespace, model_path: Path, sock: socket.so
             make_service, model_path, model_id, args.concurrent_requests, args.max_queued,
             args.dtype, args.context_length, args.default_max_tokens,
             constrained_mode=args.constrained_mode, backend=args.backend,
+            prefix_cache_bytes=args.prefix_cache_bytes,
         )
         state.service = service
         try:

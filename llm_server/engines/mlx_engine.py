@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from llm_server.engines.base import EngineError, ScoreChunkResult
+from llm_server.engines.prefix_cache import PrefixCache
 from llm_server.engines.row_cache import ForwardPlan, RowStore, RowView
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,9 @@ class MLXEngine:
         rows: int = 1,
         context_length: int | None = None,
         dtype: str = "float32",
+        prefix_cache_bytes: int | None = None,
     ) -> None:
+        """`prefix_cache_bytes`: bound of the prompt prefix cache (None: half the weights; 0: off)."""
         from mlx_lm.utils import load_model
 
         path = Path(model_path)
@@ -66,6 +69,11 @@ class MLXEngine:
         self.num_layers = len(self.model.layers)
         self._store = RowStore(self.num_layers, rows, self.context_length)
         self._cursors = [0] * rows
+        self._row_tokens: list[list[int]] = [[] for _ in range(rows)]  # ids whose KV each row holds
+        self.row_cached = [0] * rows  # prompt tokens the last prefill took from the prefix cache
+        if prefix_cache_bytes is None:
+            prefix_cache_bytes = self.weight_bytes() // 2
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self._score_cache: list | None = None
         self._score_offset = 0
         self.forward_count = 0  # batched forwards run (decode + prefill + scoring)
@@ -76,10 +84,26 @@ class MLXEngine:
         return self._cursors[row]
 
     def release(self, row: int) -> None:
+        """Free `row`; its history (prompt + generated) goes to the prefix cache first."""
         self._check_row(row)
+        n = self._cursors[row]
+        if n and self.prefix_cache.enabled:
+            keys, values = self._store.read_row(row, n)
+            self.prefix_cache.insert(self._row_tokens[row][:n], keys, values)
         self._cursors[row] = 0
+        self._row_tokens[row] = []
         if not any(self._cursors):
             self._store.clear()  # idle: give the KV memory back
+            mx.clear_cache()
+
+    def cached_tokens(self, row: int) -> int:
+        """Prompt tokens of the row's last prefill that came from the prefix cache."""
+        return self.row_cached[row]
+
+    def weight_bytes(self) -> int:
+        from mlx.utils import tree_flatten
+
+        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
 
     def prefill(self, row: int, tokens: Sequence[int]) -> np.ndarray:
         self._check_row(row)
@@ -89,11 +113,19 @@ class MLXEngine:
         if n > self.context_length:
             raise ValueError(f"prompt of {n} tokens exceeds the context of {self.context_length}")
         self._cursors[row] = 0
+        self._row_tokens[row] = []
+        tokens = [int(t) for t in tokens]
+        entry, reused = self.prefix_cache.match(tokens)
+        if entry is not None:
+            self._store.write_prefix(row, entry.keys, entry.values, reused)
+            self._cursors[row] = reused
+        self.row_cached[row] = reused
         logits = None
-        for start in range(0, n, PREFILL_CHUNK):
-            chunk = list(tokens[start : start + PREFILL_CHUNK])
+        for start in range(reused, n, PREFILL_CHUNK):
+            chunk = tokens[start : start + PREFILL_CHUNK]
             logits = self._forward_rows([row], [start], [chunk], last_only=True)
             self._cursors[row] = start + len(chunk)
+        self._row_tokens[row] = tokens
         return logits[0]
 
     def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
@@ -105,9 +137,10 @@ class MLXEngine:
             if self._cursors[r] >= self.context_length:
                 raise EngineError(f"row {r} is full ({self.context_length} positions)")
         starts = [self._cursors[r] for r in rows]
-        logits = self._forward_rows(rows, starts, [[t] for t in tokens], last_only=True)
-        for r in rows:
+        logits = self._forward_rows(rows, starts, [[int(t)] for t in tokens], last_only=True)
+        for r, t in zip(rows, tokens, strict=True):
             self._cursors[r] += 1
+            self._row_tokens[r].append(int(t))
         return logits
 
     def kv_bytes(self) -> int:

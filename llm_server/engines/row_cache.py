@@ -49,6 +49,23 @@ class RowStore:
         self.values = [None] * self.num_layers
         self.capacity = 0
 
+    def write_prefix(self, row: int, keys: list[mx.array], values: list[mx.array], n: int) -> None:
+        """Copy `n` cached positions ([n, heads, dim] per layer) into the start of `row`."""
+        self.ensure(n)
+        for i in range(self.num_layers):
+            k, v = keys[i][:n], values[i][:n]
+            if self.keys[i] is None:
+                self._init_layer(i, k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None])
+            self.keys[i][row, :n] = k
+            self.values[i][row, :n] = v
+
+    def read_row(self, row: int, n: int) -> tuple[list[mx.array], list[mx.array]]:
+        """The first `n` positions of `row`, per layer [n, heads, dim] (lazy slices)."""
+        return (
+            [k[row, :n] for k in self.keys if k is not None],
+            [v[row, :n] for v in self.values if v is not None],
+        )
+
     def _init_layer(self, layer: int, keys: mx.array, values: mx.array) -> None:
         _, heads, _, k_dim = keys.shape
         v_dim = values.shape[-1]

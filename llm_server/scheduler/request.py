@@ -54,6 +54,7 @@ class FinishEvent:
     completion_tokens: int
     timings: Timings
     error: str | None = None  # set when reason is ERROR
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
 
 
 Event = TokenEvent | FinishEvent
@@ -80,6 +81,7 @@ class GenerationRequest:
     state: RequestState = RequestState.QUEUED
     row: int | None = None
     last_token: int | None = None
+    cached_tokens: int = 0
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None

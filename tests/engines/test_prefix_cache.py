@@ -1,0 +1,112 @@
+"""Prompt prefix cache: same output with it on or off, bounded bytes, cached_tokens reported."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llm_server.engines import mlx_engine
+from llm_server.tokenizer import Tokenizer
+from tests.scheduler.helpers import make_request, start_scheduler
+
+KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny model: layers * (k, v) * kv_heads * head_dim * f32
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_path) -> Tokenizer:
+    return Tokenizer(tiny_model_path)
+
+
+def _run_batch(sched, tok, prompts: list[list[int]], max_tokens: int = 12):
+    pairs = [make_request(tok, p, max_tokens, ignore_eos=True) for p in prompts]
+    for req, _ in pairs:
+        sched.submit(req)
+    for _, out in pairs:
+        assert out.done.wait(60)
+    return [out for _, out in pairs]
+
+
+def _conversations(model, tok: Tokenizer, cache_bytes: int, turns: int = 3, chats: int = 4):
+    """Multi-turn chats at 4 rows: each turn resends the whole history plus the answer."""
+    sched = start_scheduler(model, 4, prefix_cache_bytes=cache_bytes)
+    system = {"role": "system", "content": "You are a terse assistant. " * 6}
+    histories = [[system, {"role": "user", "content": f"question {i}: tell me about {i * 7}"}] for i in range(chats)]
+    outs_per_turn = []
+    try:
+        for turn in range(turns):
+            prompts = [tok.apply_chat_template(h) for h in histories]
+            outs = _run_batch(sched, tok, prompts)
+            outs_per_turn.append(outs)
+            for h, out in zip(histories, outs, strict=True):
+                h.append({"role": "assistant", "content": out.text})
+                h.append({"role": "user", "content": f"and then? (turn {turn})"})
+        return outs_per_turn, sched.engine.prefix_cache.stats()
+    finally:
+        sched.close(10)
+
+
+def test_multi_turn_outputs_identical_with_cache_on_and_off(tok, tiny_model_path):
+    off, off_stats = _conversations(tiny_model_path, tok, 0)
+    on, on_stats = _conversations(tiny_model_path, tok, 64 << 20)
+    for turn_off, turn_on in zip(off, on, strict=True):
+        assert [o.tokens for o in turn_on] == [o.tokens for o in turn_off]
+    assert off_stats.hits == 0 and all(o.finish.cached_tokens == 0 for t in off for o in t)
+    later = [o.finish.cached_tokens for t in on[1:] for o in t]
+    assert all(c > 0 for c in later)  # every follow-up turn reused its history
+    assert on_stats.hit_tokens == sum(o.finish.cached_tokens for t in on for o in t)
+
+
+def test_shared_system_prompt_and_same_prefix_at_once(tok, tiny_model_path):
+    system = list(range(40, 190))  # 150 shared tokens
+    prompts = [system + [200 + i, 201 + i, 202] for i in range(8)]
+    off = start_scheduler(tiny_model_path, 4, prefix_cache_bytes=0)
+    on = start_scheduler(tiny_model_path, 4, prefix_cache_bytes=64 << 20)
+    try:
+        ref = _run_batch(off, tok, prompts)
+        first = _run_batch(on, tok, prompts[:4])  # four with the same prefix at once: no entry yet
+        second = _run_batch(on, tok, prompts[4:])
+        assert [o.tokens for o in first + second] == [o.tokens for o in ref]
+        assert [o.finish.cached_tokens for o in first] == [0, 0, 0, 0]
+        assert all(o.finish.cached_tokens >= 150 for o in second)
+    finally:
+        off.close(10)
+        on.close(10)
+
+
+def test_chunk_boundaries_and_eviction_keep_outputs_identical(tok, tiny_model_path, monkeypatch):
+    monkeypatch.setattr(mlx_engine, "PREFILL_CHUNK", 16)
+    rng = np.random.default_rng(2)
+    base = [int(t) for t in rng.integers(3, 380, 70)]
+    prompts = [base[:n] + [int(t) for t in rng.integers(3, 380, 9)] for n in (17, 33, 50, 70, 15, 64)]
+    bound = 90 * KV_BYTES_PER_TOKEN  # room for about one entry: evictions happen on the way
+    off = start_scheduler(tiny_model_path, 1, prefix_cache_bytes=0)
+    on = start_scheduler(tiny_model_path, 1, prefix_cache_bytes=bound)
+    try:
+        for p in prompts:
+            want = _run_batch(off, tok, [p], 10)[0]
+            got = _run_batch(on, tok, [p], 10)[0]
+            assert got.tokens == want.tokens
+            assert on.engine.prefix_cache.bytes <= bound
+        stats = on.engine.prefix_cache.stats()
+        assert stats.hits >= 3 and stats.entries >= 1
+    finally:
+        off.close(10)
+        on.close(10)
+
+
+def test_byte_bound_holds_under_distinct_long_prompts(tok, tiny_model_path):
+    bound = 1000 * KV_BYTES_PER_TOKEN
+    sched = start_scheduler(tiny_model_path, 4, prefix_cache_bytes=bound)
+    rng = np.random.default_rng(8)
+    try:
+        seen_max = 0
+        for _ in range(4):
+            prompts = [[int(t) for t in rng.integers(3, 380, 300)] for _ in range(4)]
+            _run_batch(sched, tok, prompts, 4)
+            stats = sched.engine.prefix_cache.stats()
+            seen_max = max(seen_max, stats.bytes)
+            assert stats.bytes <= bound
+        assert seen_max > bound // 2  # it filled up, and evicted to stay under the bound
+        assert sched.engine.prefix_cache.stats().entries <= 3
+    finally:
+        sched.close(10)
