@@ -31,8 +31,9 @@ class ConstraintViolation(RuntimeError):
     """The matcher rejected a sampled token (a bug: masked tokens cannot be sampled)."""
 
 
-# id(hf tokenizer) -> (weak reference to it, {vocab_size: LLTokenizer}); building one takes ~0.5 s.
-_tokenizers: dict[int, tuple[weakref.ref, dict[int, Any]]] = {}
+# id(hf tokenizer) -> (weak reference to it, {(vocab_size, eos ids): LLTokenizer}); building one
+# takes ~0.5 s, so it happens once per served tokenizer.
+_tokenizers: dict[int, tuple[weakref.ref, dict[tuple[int, tuple[int, ...]], Any]]] = {}
 _tokenizers_lock = threading.Lock()
 
 
@@ -41,28 +42,31 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
 
     `vocab_size` is the width of the model's logits (it may exceed the tokenizer's own size).
     """
-    hf = getattr(tokenizer, "hf", tokenizer)
-    eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
+    if hasattr(tokenizer, "hf"):  # our Tokenizer: EOS ids include the model config's
+        hf, eos = tokenizer.hf, tuple(sorted(tokenizer.eos_token_ids))
+    else:
+        hf, eos = tokenizer, (int(tokenizer.eos_token_id),)
+    key = (vocab_size, eos)
     with _tokenizers_lock:
-        for key in [k for k, (ref, _) in _tokenizers.items() if ref() is None]:
-            del _tokenizers[key]  # the tokenizer was collected; its id may be reused
+        for dead in [k for k, (ref, _) in _tokenizers.items() if ref() is None]:
+            del _tokenizers[dead]  # the tokenizer was collected; its id may be reused
         entry = _tokenizers.get(id(hf))
         if entry is None or entry[0]() is not hf:
             entry = (weakref.ref(hf), {})
             _tokenizers[id(hf)] = entry
-        by_vocab = entry[1]
-        if vocab_size not in by_vocab:
+        built = entry[1]
+        if key not in built:
             import llguidance.hf
 
             try:
-                by_vocab[vocab_size] = llguidance.hf.from_tokenizer(
-                    hf, n_vocab=vocab_size, eos_token=eos
+                built[key] = llguidance.hf.from_tokenizer(
+                    hf, n_vocab=vocab_size, eos_token=list(eos)
                 )
             except ValueError as exc:  # a slow (non-Rust) tokenizer
                 raise ConstraintError(
                     f"constrained decoding is not available for this model's tokenizer: {exc}"
                 ) from exc
-        return by_vocab[vocab_size]
+        return built[key]
 
 
 def schema_for(response_format: Any) -> dict[str, Any]:
