@@ -238,11 +238,8 @@ class Scorer:
         try:
             self._forward(engine, batch)
         except Exception as exc:  # noqa: BLE001 - fails this batch's requests only
-            log.error("scoring batch %d failed: %s", batch.seq, exc)
             self._close_batch(engine)
-            err = ScoringError(f"scoring failed: {exc}")
-            for m in batch.members:
-                self._fail(m.request, err)
+            self._fail_batch(batch, exc)
             return
         if batch.offset >= batch.tokens.shape[1]:
             self._close_batch(engine)
@@ -275,7 +272,11 @@ class Scorer:
             chunks=chunks,
             top_k=min(k, engine.vocab_size),
         )
-        engine.score_begin(rows)
+        try:
+            engine.score_begin(rows)
+        except Exception as exc:  # noqa: BLE001 - must not escape into the scheduler loop
+            self._fail_batch(batch, exc)
+            return None
         self._batch = batch
         return batch
 
@@ -328,6 +329,12 @@ class Scorer:
             req.remaining -= 1
             if req.remaining == 0:
                 req.future.set_result(list(req.results))
+
+    def _fail_batch(self, batch: _Batch, exc: Exception) -> None:
+        log.error("scoring batch %d failed: %s", batch.seq, exc)
+        err = ScoringError(f"scoring failed: {exc}")
+        for m in batch.members:
+            self._fail(m.request, err)
 
     def _fail(self, req: ScoreRequest, exc: BaseException) -> None:
         if req.claim():

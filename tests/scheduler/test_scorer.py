@@ -76,6 +76,7 @@ class RecordingEngine:
     def __init__(self, inner: MLXEngine, poison: int | None = None) -> None:
         self._inner = inner
         self.poison = poison
+        self.fail_begin = False
         self.events: list[tuple[str, int]] = []  # ("decode", rows) | ("score", offset)
         self._offset = 0
 
@@ -87,6 +88,8 @@ class RecordingEngine:
         return self._inner.decode(rows, tokens)
 
     def score_begin(self, batch: int) -> None:
+        if self.fail_begin:
+            raise EngineError("no memory for a scoring session")
         self._offset = 0
         self._inner.score_begin(batch)
 
@@ -203,7 +206,13 @@ def test_engine_error_fails_only_that_batch(engine, caplog):
         bad.future.result(0)
     assert_scores_match(engine, [4, 5, 6, 8], good.future.result(0)[0], 1, True)
     assert "scoring batch" in caplog.text
-    # the scorer keeps working after a failure
+    # the scorer keeps working after a failure, also one in opening the session
+    wrapped.fail_begin = True
+    no_session = scorer.submit([[1, 2]], 1, False)
+    drain(scorer, wrapped)
+    with pytest.raises(ScoringError, match="no memory for a scoring session"):
+        no_session.future.result(0)
+    wrapped.fail_begin = False
     again = scorer.submit([[1, 2, 3]], 1, False)
     drain(scorer, wrapped)
     assert_scores_match(engine, [1, 2, 3], again.future.result(0)[0], 1, False)
