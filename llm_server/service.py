@@ -141,6 +141,11 @@ class ModelService:
         req = self.scorer.submit(prompts, top_k, generate_one)
         return await asyncio.wrap_future(req.future)
 
+    def prefix_cache_stats(self):
+        """The engine's prefix cache counters (PrefixCacheStats), or None without one."""
+        cache = getattr(self.engine, "prefix_cache", None)
+        return cache.stats() if cache is not None else None
+
     def close(self, timeout: float | None = None) -> bool:
         closed = self.scheduler.close(timeout)
         self.scorer.close()  # fails scoring requests that can no longer run

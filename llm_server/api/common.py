@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 
 from starlette.requests import Request
@@ -58,8 +59,25 @@ def get_service(request: Request) -> ModelService:
     return st.service
 
 
+# A \uD800-\uDFFF escape: half of a surrogate pair, or a lone one that no tokenizer can encode.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 async def read_json(request: Request) -> dict:
-    """The request body as a JSON object; 413 over the app's limit, 400 when malformed."""
+    """The request body as a JSON object; 415 unless sent as JSON, 413 over the app's limit,
+    400 when malformed.
+
+    Requiring `Content-Type: application/json` makes browsers preflight cross-site requests,
+    so a web page cannot make a loopback server generate (CORS is off unless configured).
+    """
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise APIError(
+            415,
+            f"the request body must be JSON sent with 'Content-Type: application/json', "
+            f"got {media_type or 'no content type'!r}",
+            code="unsupported_media_type",
+        )
     limit: int = request.app.state.max_body_bytes
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
@@ -70,12 +88,34 @@ async def read_json(request: Request) -> dict:
         if len(body) > limit:
             raise _too_large(limit)
     try:
-        data = json.loads(bytes(body))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        text = bytes(body).decode("utf-8")  # strict: no encoded surrogates either
+    except UnicodeDecodeError as exc:
+        raise APIError(
+            400, f"the request body is not valid UTF-8 (byte {exc.start}); send UTF-8 JSON"
+        ) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests arrays or objects too deeply") from None
+    if _SURROGATE_ESCAPE.search(text) and not _encodable(data):
+        raise APIError(
+            400, "the request body has an unpaired UTF-16 surrogate escape (\\ud800-\\udfff); "
+            "send valid Unicode text"
+        )
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     return data
+
+
+def _encodable(data: object) -> bool:
+    """True when every string in `data` is valid Unicode (surrogate escapes come in pairs)."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _too_large(limit: int) -> APIError:
@@ -147,12 +187,16 @@ def admit_all(
     return handles
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI usage; `cached_tokens` (prompt tokens from the prefix cache) where known."""
+    out: dict = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def record_finish(request: Request, fin: FinishEvent) -> None:

@@ -35,6 +35,15 @@ class _SchedulerCollector(Collector):
             "llm_server_queue_length": ("requests waiting for a row", stats.queued if stats else 0),
             "llm_server_ready": ("1 once the model is loaded", 1 if stats else 0),
         }
+        cache = svc.prefix_cache_stats() if stats else None
+        if cache is not None:
+            values["llm_server_prefix_cache_entries"] = ("prefix cache entries", cache.entries)
+            values["llm_server_prefix_cache_bytes"] = ("bytes held by the prefix cache", cache.bytes)
+            values["llm_server_prefix_cache_hits"] = ("prefix cache hits since start", cache.hits)
+            values["llm_server_prefix_cache_hit_tokens"] = (
+                "prompt tokens reused from the prefix cache since start",
+                cache.hit_tokens,
+            )
         for name, (doc, value) in values.items():
             yield GaugeMetricFamily(name, doc, value=value)
 

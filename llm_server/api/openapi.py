@@ -28,7 +28,7 @@ _SAMPLING = {
     "model": _STR,
     "temperature": {"type": "number", "minimum": 0, "maximum": 2},
     "top_p": {"type": "number", "minimum": 0, "maximum": 1},
-    "seed": _nullable(_INT),
+    "seed": _nullable({"type": "integer", "minimum": 0}),
     "stop": _STOP,
     "n": {"type": "integer", "minimum": 1, "maximum": 1},
     "stream": _BOOL,
@@ -37,7 +37,12 @@ _SAMPLING = {
 _USAGE = {
     "type": "object",
     "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-    "properties": {"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT},
+    "properties": {
+        "prompt_tokens": _INT,
+        "completion_tokens": _INT,
+        "total_tokens": _INT,
+        "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": _INT}},
+    },
 }
 _TOP_ENTRY = {
     "type": "object",
@@ -308,6 +313,7 @@ _ERROR_STATUSES = {
     "401": "missing or wrong API key (/v1/* when a key is set)",
     "404": "unknown model",
     "413": "request body over the size limit",
+    "415": "the body is not sent as application/json",
     "429": "every row busy and the queue full (see Retry-After)",
     "503": "the model is loading or the server is shutting down",
 }
@@ -336,7 +342,7 @@ def _post(op_id: str, summary: str, request: str, response: str, stream: bool = 
                 "required": True,
                 "content": {"application/json": {"schema": _ref(request)}},
             },
-            "responses": {"200": ok, **_errors("400", "401", "404", "413", "429", "503")},
+            "responses": {"200": ok, **_errors("400", "401", "404", "413", "415", "429", "503")},
         }
     }
 

@@ -85,7 +85,7 @@ async def chat_completions(request: Request) -> Response:
             "model": served_id(request),
             "system_fingerprint": service.fingerprint,
             "choices": [choice],
-            "usage": usage(fin.prompt_tokens, fin.completion_tokens),
+            "usage": usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens),
         }
     )
 
@@ -137,6 +137,6 @@ async def _chat_stream(
         yield chunk({}, finish=finish_reason(ev))
         if chat.include_usage:
             yield sse(
-                {**base, "choices": [], "usage": usage(ev.prompt_tokens, ev.completion_tokens)}
+                {**base, "choices": [], "usage": usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)}
             )
     yield sse("[DONE]")

@@ -43,6 +43,16 @@ async def health(request: Request) -> Response:
                 "last_error": stats.last_error,
             }
         )
+        cache = svc.prefix_cache_stats()
+        if cache is not None:
+            body["prefix_cache"] = {
+                "hits": cache.hits,
+                "hit_tokens": cache.hit_tokens,
+                "lookups": cache.lookups,
+                "entries": cache.entries,
+                "bytes": cache.bytes,
+                "max_bytes": cache.max_bytes,
+            }
     return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
 

@@ -110,3 +110,23 @@ def test_byte_bound_holds_under_distinct_long_prompts(tok, tiny_model_path):
         assert sched.engine.prefix_cache.stats().entries <= 3
     finally:
         sched.close(10)
+
+
+def test_http_reports_cached_tokens_and_cache_stats(tiny_model_path, live_server):
+    import httpx
+
+    srv = live_server(tiny_model_path, concurrent=2)
+    system = {"role": "system", "content": "Answer briefly and politely. " * 8}
+    body = {"messages": [system, {"role": "user", "content": "hello"}], "max_tokens": 3, "temperature": 0}
+    with httpx.Client(base_url=srv.url, timeout=30) as client:
+        first = client.post("/v1/chat/completions", json=body).json()
+        body["messages"][1]["content"] = "goodbye"
+        second = client.post("/v1/chat/completions", json=body).json()
+        health = client.get("/health").json()
+        metrics = client.get("/metrics").text
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < second["usage"]["prompt_tokens"]
+    assert health["prefix_cache"]["hits"] == 1 and health["prefix_cache"]["hit_tokens"] == cached
+    assert 0 < health["prefix_cache"]["bytes"] <= health["prefix_cache"]["max_bytes"]
+    assert "llm_server_prefix_cache_hit_tokens" in metrics
