@@ -20,7 +20,9 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama", TinySpec(arch="llama"))
+    return build_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny") / "tiny-llama", TinySpec(arch="llama")
+    )
 
 
 @pytest.fixture(scope="session")

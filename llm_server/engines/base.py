@@ -67,9 +67,7 @@ class Engine(Protocol):
         """Open a fresh scoring session of `batch` rows, separate from the decode rows."""
         ...
 
-    def score_chunk(
-        self, tokens: np.ndarray, targets: np.ndarray, top_k: int
-    ) -> ScoreChunkResult:
+    def score_chunk(self, tokens: np.ndarray, targets: np.ndarray, top_k: int) -> ScoreChunkResult:
         """Run `tokens` [N, q] on the scoring session at its cursor; reduce to log-probs.
 
         `targets` [N, q] are the ids whose log-probability is returned per position.

@@ -117,8 +117,12 @@ def _weights(spec: TinySpec, cfg: dict) -> dict[str, np.ndarray]:
         w[p + "self_attn.o_proj.weight"] = mat(h, nq * hd)
         if cfg["model_type"] == "qwen2":
             w[p + "self_attn.q_proj.bias"] = (0.1 * rng.standard_normal(nq * hd)).astype(np.float32)
-            w[p + "self_attn.k_proj.bias"] = (0.1 * rng.standard_normal(nkv * hd)).astype(np.float32)
-            w[p + "self_attn.v_proj.bias"] = (0.1 * rng.standard_normal(nkv * hd)).astype(np.float32)
+            w[p + "self_attn.k_proj.bias"] = (0.1 * rng.standard_normal(nkv * hd)).astype(
+                np.float32
+            )
+            w[p + "self_attn.v_proj.bias"] = (0.1 * rng.standard_normal(nkv * hd)).astype(
+                np.float32
+            )
         if cfg["model_type"] == "qwen3":
             w[p + "self_attn.q_norm.weight"] = norm(hd)
             w[p + "self_attn.k_norm.weight"] = norm(hd)

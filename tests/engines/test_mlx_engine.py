@@ -12,7 +12,9 @@ from llm_server.engines.mlx_engine import MLXEngine
 TOL = 1e-4
 
 
-def _greedy_alone(engine: MLXEngine, prompt: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
+def _greedy_alone(
+    engine: MLXEngine, prompt: list[int], n: int
+) -> tuple[list[int], list[np.ndarray]]:
     logits = engine.prefill(0, prompt)
     tokens, seen = [], [logits]
     for _ in range(n):

@@ -30,7 +30,10 @@ def _conversations(model, tok: Tokenizer, cache_bytes: int, turns: int = 3, chat
     """Multi-turn chats at 4 rows: each turn resends the whole history plus the answer."""
     sched = start_scheduler(model, 4, prefix_cache_bytes=cache_bytes)
     system = {"role": "system", "content": "You are a terse assistant. " * 6}
-    histories = [[system, {"role": "user", "content": f"question {i}: tell me about {i * 7}"}] for i in range(chats)]
+    histories = [
+        [system, {"role": "user", "content": f"question {i}: tell me about {i * 7}"}]
+        for i in range(chats)
+    ]
     outs_per_turn = []
     try:
         for turn in range(turns):
@@ -77,7 +80,9 @@ def test_chunk_boundaries_and_eviction_keep_outputs_identical(tok, tiny_model_pa
     monkeypatch.setattr(mlx_engine, "PREFILL_CHUNK", 16)
     rng = np.random.default_rng(2)
     base = [int(t) for t in rng.integers(3, 380, 70)]
-    prompts = [base[:n] + [int(t) for t in rng.integers(3, 380, 9)] for n in (17, 33, 50, 70, 15, 64)]
+    prompts = [
+        base[:n] + [int(t) for t in rng.integers(3, 380, 9)] for n in (17, 33, 50, 70, 15, 64)
+    ]
     bound = 90 * KV_BYTES_PER_TOKEN  # room for about one entry: evictions happen on the way
     off = start_scheduler(tiny_model_path, 1, prefix_cache_bytes=0)
     on = start_scheduler(tiny_model_path, 1, prefix_cache_bytes=bound)
@@ -117,7 +122,11 @@ def test_http_reports_cached_tokens_and_cache_stats(tiny_model_path, live_server
 
     srv = live_server(tiny_model_path, concurrent=2)
     system = {"role": "system", "content": "Answer briefly and politely. " * 8}
-    body = {"messages": [system, {"role": "user", "content": "hello"}], "max_tokens": 3, "temperature": 0}
+    body = {
+        "messages": [system, {"role": "user", "content": "hello"}],
+        "max_tokens": 3,
+        "temperature": 0,
+    }
     with httpx.Client(base_url=srv.url, timeout=30) as client:
         first = client.post("/v1/chat/completions", json=body).json()
         body["messages"][1]["content"] = "goodbye"

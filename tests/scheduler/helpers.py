@@ -54,7 +54,9 @@ def start_scheduler(model: Path, concurrent: int, max_queued: int = 64, engine_c
     return sched
 
 
-def serve_alone(model: Path, tok: Tokenizer, prompt: list[int], max_tokens: int, **params) -> Outcome:
+def serve_alone(
+    model: Path, tok: Tokenizer, prompt: list[int], max_tokens: int, **params
+) -> Outcome:
     sched = start_scheduler(model, 1)
     try:
         req, out = make_request(tok, prompt, max_tokens, **params)

@@ -39,12 +39,15 @@ def test_staggered_requests_match_serving_each_alone(tiny_model_path, tok):
     prompts = _prompts(16)
     limits = [5 + (7 * i) % 40 for i in range(16)]
     stops = [("zz",) if i % 5 == 0 else () for i in range(16)]
-    expected = [serve_alone(tiny_model_path, tok, p, m, stop=s) for p, m, s in zip(prompts, limits, stops)]
+    expected = [
+        serve_alone(tiny_model_path, tok, p, m, stop=s)
+        for p, m, s in zip(prompts, limits, stops, strict=False)
+    ]
 
     sched = start_scheduler(tiny_model_path, 4)
     try:
         outs, reqs = [], []
-        for i, (p, m, s) in enumerate(zip(prompts, limits, stops)):
+        for i, (p, m, s) in enumerate(zip(prompts, limits, stops, strict=False)):
             req, out = make_request(tok, p, m, stop=s)
             sched.submit(req)
             reqs.append(req)
@@ -53,7 +56,7 @@ def test_staggered_requests_match_serving_each_alone(tiny_model_path, tok):
                 time.sleep(0.02)  # arrivals spread over the run
         for out in outs:
             assert out.done.wait(60)
-        for i, (got, want) in enumerate(zip(outs, expected)):
+        for i, (got, want) in enumerate(zip(outs, expected, strict=False)):
             assert got.tokens == want.tokens, f"request {i} differs from serving it alone"
             assert got.text == want.text and got.reason == want.reason
         stats = sched.stats()
@@ -155,7 +158,7 @@ def test_random_cancels_return_scheduler_to_idle(tiny_model_path, tok):
         for req, _ in rng.sample(pairs, 50):
             time.sleep(rng.random() * 0.004)
             req.cancel()
-        for req, out in pairs:
+        for _, out in pairs:
             assert out.done.wait(30), "a request was lost"
         assert sum(o.reason == FinishReason.CANCELLED for _, o in pairs) >= 1
         _wait_idle(sched)
@@ -181,9 +184,8 @@ def test_lease_pauses_decoding_and_resumes(tiny_model_path, tok):
             time.sleep(0.2)
             assert sched.stats().decode_steps == steps
             assert len(out.tokens) == held_tokens
-        with pytest.raises(RuntimeError, match="boom"):
-            with sched.acquire_lease() as lease:
-                lease.call_sync(lambda engine: (_ for _ in ()).throw(RuntimeError("boom")))
+        with pytest.raises(RuntimeError, match="boom"), sched.acquire_lease() as lease:
+            lease.call_sync(lambda engine: (_ for _ in ()).throw(RuntimeError("boom")))
         assert out.done.wait(30)  # the batch resumed after both leases
         assert out.reason == FinishReason.LENGTH and len(out.tokens) == 300
     finally:
@@ -198,10 +200,12 @@ def test_lease_holders_are_served_in_order(tiny_model_path):
         waiting = [sched.lease() for _ in range(3)]
         threads = []
         for i, lease in enumerate(waiting):
+
             def hold(i=i, lease=lease):
                 lease.granted.result(10)
                 order.append(i)
                 lease.release()
+
             threads.append(threading.Thread(target=hold))
             threads[-1].start()
         time.sleep(0.05)
@@ -253,7 +257,7 @@ def test_failed_batch_forward_fails_only_its_request(tiny_model_path, tok):
             sched.submit(pairs[2][0])
         assert bad_out.done.wait(30)
         assert bad_out.reason == FinishReason.ERROR and "out-of-memory" in bad_out.finish.error
-        for (_, out), want in zip(pairs, expected):
+        for (_, out), want in zip(pairs, expected, strict=False):
             assert out.done.wait(30)
             assert out.tokens == want.tokens
         assert "out-of-memory" in sched.stats().last_error
@@ -282,7 +286,7 @@ def test_seeded_sampling_is_the_same_alone_or_batched(tiny_model_path, tok):
         pairs = [make_request(tok, p, 25, **params) for p in prompts]
         for req, _ in pairs:
             sched.submit(req)
-        for (_, out), want in zip(pairs, expected):
+        for (_, out), want in zip(pairs, expected, strict=False):
             assert out.done.wait(30)
             assert out.tokens == want.tokens
     finally:
@@ -310,7 +314,9 @@ def test_model_without_batching_is_served_serially_with_a_warning(
     async def run_all():
         from llm_server.decoding import SamplingParams
 
-        handles = [svc.start_generation(p, SamplingParams(max_tokens=12, temperature=0.0)) for p in prompts]
+        handles = [
+            svc.start_generation(p, SamplingParams(max_tokens=12, temperature=0.0)) for p in prompts
+        ]
         outs = []
         for h in handles:
             outs.append([ev.token_id async for ev in h.events() if hasattr(ev, "token_id")])
