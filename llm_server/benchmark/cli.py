@@ -1,0 +1,113 @@
+"""`llm-benchmark`: our server vs mlx_lm.server on one fixed load, plus scoring and the roofline.
+
+Servers run one at a time as subprocesses (ours, then mlx_lm.server, at each concurrency), each
+started fresh and stopped before the next. Writes benchmark.json, benchmark.md and benchmark.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+FULL = {"concurrency": "1,2,4,8", "requests": 32, "max_tokens": 64, "scoring_prompts": 32}
+QUICK = {"concurrency": "1,2", "requests": 4, "max_tokens": 8, "scoring_prompts": 4}
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: Path
+    out: Path
+    quick: bool
+    concurrencies: list[int]
+    requests: int
+    max_tokens: int
+    scoring_prompts: int
+    mlx_lm: bool
+    scoring: bool
+    constrained: bool
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llm-benchmark", description=__doc__)
+    p.add_argument("--model", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"reduced smoke run: concurrency {QUICK['concurrency']}, {QUICK['requests']} "
+                   f"requests, {QUICK['max_tokens']} tokens, {QUICK['scoring_prompts']} scoring prompts")  # fmt: skip
+    p.add_argument("--out", help="output folder (default: benchmark-results/<date-time>)")
+    p.add_argument(
+        "--concurrency", help=f"comma-separated concurrencies (default {FULL['concurrency']})"
+    )
+    p.add_argument(
+        "--requests", type=int, help=f"requests per concurrency (default {FULL['requests']})"
+    )
+    p.add_argument(
+        "--max-tokens", type=int, help=f"new tokens per request (default {FULL['max_tokens']})"
+    )
+    p.add_argument("--scoring-prompts", type=int,
+                   help=f"prompts in the scoring benchmark (default {FULL['scoring_prompts']}; 0 skips it)")  # fmt: skip
+    p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx_lm.server comparison")
+    p.add_argument("--constrained", action="store_true",
+                   help="also run the constrained-decoding benchmark (llm_server.benchmark.constrained)")  # fmt: skip
+    return p
+
+
+def _concurrencies(text: str) -> list[int]:
+    try:
+        values = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise SystemExit(
+            f"llm-benchmark: --concurrency takes integers like 1,2,4,8, not {text!r}"
+        ) from None
+    if not values or values[0] < 1:
+        raise SystemExit("llm-benchmark: --concurrency values must be 1 or more")
+    return values
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    """Resolve defaults (full or quick) and validate; exits with a message on bad input."""
+    base = QUICK if args.quick else FULL
+    requests = args.requests if args.requests is not None else base["requests"]
+    max_tokens = args.max_tokens if args.max_tokens is not None else base["max_tokens"]
+    scoring = args.scoring_prompts if args.scoring_prompts is not None else base["scoring_prompts"]
+    if requests < 1 or max_tokens < 1 or scoring < 0:
+        raise SystemExit(
+            "llm-benchmark: --requests and --max-tokens must be 1 or more, --scoring-prompts 0 or more"
+        )
+    from llm_server.cli import resolve_model
+
+    model = resolve_model(args.model)  # exits with a message when the folder is unusable
+    out = Path(args.out) if args.out else Path("benchmark-results") / time.strftime("%Y%m%d-%H%M%S")
+    return Settings(
+        model=model, out=out, quick=args.quick,
+        concurrencies=_concurrencies(args.concurrency or base["concurrency"]),
+        requests=requests, max_tokens=max_tokens, scoring_prompts=scoring,
+        mlx_lm=not args.no_mlx_lm, scoring=scoring > 0, constrained=args.constrained,
+    )  # fmt: skip
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C, so every server gets stopped
+
+
+def main(argv: list[str] | None = None) -> None:
+    from llm_server.blas import ensure_openblas
+
+    ensure_openblas()  # same fast path as llm-server; --constrained runs the engine in-process
+    args = build_parser().parse_args(argv)
+    settings = settings_from(args)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    from llm_server.benchmark.runner import run_benchmark
+
+    try:
+        paths = run_benchmark(settings)
+    except KeyboardInterrupt:
+        print("llm-benchmark: interrupted; all servers stopped", file=sys.stderr)
+        sys.exit(130)
+    with contextlib.suppress(OSError):
+        print(paths.markdown.read_text())
+    print(f"llm-benchmark: wrote {paths.json}, {paths.markdown} and {paths.plot}", file=sys.stderr)

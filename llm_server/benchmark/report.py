@@ -1,0 +1,203 @@
+"""Write the benchmark's JSON file and Markdown tables."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+MB = 1e6
+SERVERS = ("ours", "mlx_lm")
+MET = {True: "met", False: "**not met**", None: "n/a"}
+
+
+def write_json(report: dict, path: Path) -> None:
+    path.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
+
+
+def _num(x: float | None, spec: str = ".2f") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def _one(s: dict | None, key: str, scale: float = 1.0, spec: str = ".2f") -> str:
+    return _num(None if not s or s.get(key) is None else s[key] * scale, spec)
+
+
+def _pair(
+    ours: dict | None, theirs: dict | None, key: str, scale: float = 1.0, spec: str = ".2f"
+) -> str:
+    return f"{_one(ours, key, scale, spec)} / {_one(theirs, key, scale, spec)}"
+
+
+def _ratio(ours: dict | None, theirs: dict | None, key: str) -> str:
+    if not ours or not theirs or not theirs.get(key) or ours.get(key) is None:
+        return "–"
+    return f"{ours[key] / theirs[key]:.2f}x"
+
+
+def _rows(report: dict) -> list[tuple[int, dict | None, dict | None]]:
+    servers = report["servers"]
+    cs = sorted({int(c) for s in SERVERS for c in servers.get(s, {})})
+    return [
+        (c, servers.get("ours", {}).get(str(c)), servers.get("mlx_lm", {}).get(str(c))) for c in cs
+    ]
+
+
+def throughput_table(report: dict) -> list[str]:
+    lines = [
+        "| concurrency | tok/s ours | tok/s mlx_lm | ours/mlx_lm | req/s ours / mlx_lm | p50 latency s | p99 latency s | p50 TTFT s | p99 TTFT s | TPOT p50 ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c, o, t in _rows(report):
+        lines.append(
+            f"| {c} | {_one(o, 'tokens_per_s', spec='.1f')} | {_one(t, 'tokens_per_s', spec='.1f')} "
+            f"| {_ratio(o, t, 'tokens_per_s')} | {_pair(o, t, 'requests_per_s', spec='.2f')} "
+            f"| {_pair(o, t, 'latency_p50_s')} | {_pair(o, t, 'latency_p99_s')} "
+            f"| {_pair(o, t, 'ttft_p50_s', spec='.3f')} | {_pair(o, t, 'ttft_p99_s', spec='.3f')} "
+            f"| {_pair(o, t, 'tpot_p50_ms', spec='.1f')} |"
+        )
+    return lines
+
+
+def memory_table(report: dict) -> list[str]:
+    lines = [
+        "| concurrency | peak RSS MB | RSS after warm-up MB | RSS after load MB | after/warm-up |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for c, o, t in _rows(report):
+        lines.append(
+            f"| {c} | {_pair(o, t, 'rss_peak_bytes', 1 / MB, '.0f')} "
+            f"| {_pair(o, t, 'rss_warm_bytes', 1 / MB, '.0f')} "
+            f"| {_pair(o, t, 'rss_after_bytes', 1 / MB, '.0f')} "
+            f"| {_pair(o, t, 'rss_after_over_warm', spec='.2f')} |"
+        )
+    return lines
+
+
+def _identity_lines(report: dict) -> list[str]:
+    lines = []
+    for name in SERVERS:
+        ident = report.get("identity", {}).get(name)
+        if not ident or ident.get("identical") is None:
+            continue
+        if ident["identical"]:
+            verdict = "identical"
+        else:
+            verdict = "differ: " + "; ".join(
+                f"c{c}: {', '.join(ids)}" for c, ids in ident["differing"].items() if ids
+            )
+        lines.append(
+            f"- {name}: greedy outputs at every concurrency vs c{ident['reference_concurrency']}: {verdict}"
+        )
+    cross = report.get("identity", {}).get("ours_vs_mlx_lm_same_text")
+    if cross:
+        n = report["meta"]["requests"]
+        shown = ", ".join(f"c{c} {k}/{n}" for c, k in cross.items())
+        lines.append(f"- ours vs mlx_lm.server, same text (information only): {shown}")
+    return lines
+
+
+def _scoring_lines(scoring: dict | None) -> list[str]:
+    if not scoring:
+        return ["Not run."]
+    if scoring.get("status") != "ok":
+        return [f"Unavailable: {scoring.get('error')}"]
+    lengths = scoring["lengths"]
+    return [
+        f"{scoring['prompts']} prompts of {min(lengths)}-{max(lengths)} tokens ({sum(lengths)} tokens), "
+        f"`/v1/completions` echo+logprobs, max_tokens 0, on our server at concurrency "
+        f"{scoring['server_concurrency']}; best of {scoring['repeats']}.",
+        "",
+        "| mode | requests | wall s | tokens scored/s |",
+        "|---|---:|---:|---:|",
+        f"| padded batches (one request) | 1 | {scoring['padded_wall_s']:.2f} | {scoring['padded_tokens_per_s']:.0f} |",
+        f"| one prompt per request | {scoring['prompts']} | {scoring['sequential_wall_s']:.2f} "
+        f"| {scoring['sequential_tokens_per_s']:.0f} |",
+        "",
+        f"Speed-up {scoring['speedup']:.2f}x; largest |logprob| difference padded vs alone: "
+        f"{scoring['max_abs_logprob_diff']:.2e}.",
+    ]
+
+
+def _roofline_lines(roof: dict | None) -> list[str]:
+    if not roof:
+        return ["Not run."]
+    return [
+        f"Read bandwidth {roof['bandwidth_gb_s']:.1f} GB/s (sum of a {roof['array_bytes'] / 2**20:.0f} MiB "
+        f"float32 array, {roof['threads']} thread(s), best of {roof['repeats']} before and after the run); weights read per decode "
+        f"step {roof['weight_bytes'] / MB:.1f} MB; roofline {roof['roofline_tokens_per_s']:.1f} tok/s; "
+        f"our single-stream decode {_num(roof.get('single_stream_tokens_per_s'), '.1f')} tok/s = "
+        f"{_num(roof.get('single_stream_fraction'), '.1%')} of the roofline "
+        f"(mlx_lm.server {_num(roof.get('mlx_lm_single_stream_fraction'), '.1%')}).",
+    ]
+
+
+def _load(meta: dict) -> str:
+    start, end = meta.get("load_average_start"), meta.get("load_average_end")
+    if not start or not end:
+        return "unknown"
+    return f"{start[0]:.1f} at the start, {end[0]:.1f} at the end (1-minute)"
+
+
+def _constrained_lines(section: dict | None) -> list[str]:
+    if not section:
+        return []
+    head = ["## Constrained decoding", ""]
+    if section.get("status") != "ok":
+        return [*head, f"Unavailable: {section.get('error') or section.get('exit_code')}", ""]
+    md = Path(section["markdown"]) if section.get("markdown") else None
+    body = md.read_text().strip() if md and md.is_file() else "Ran; no Markdown was written."
+    return [*head, body, ""]
+
+
+def markdown(report: dict) -> str:
+    meta = report["meta"]
+    ours = report["servers"].get("ours", {})
+    c1, c4 = ours.get("1"), ours.get("4")
+    scaling = _ratio(c4, c1, "tokens_per_s") if c1 and c4 else "–"
+    lines = [
+        f"# llm-benchmark: {meta['model_name']}",
+        "",
+        f"{meta['started']} · {meta['machine']} · BLAS preload: {meta['blas_preload'] or 'none'} · "
+        f"{'quick' if meta['quick'] else 'full'} run · load average {_load(meta)} · "
+        f"commit {meta.get('git_commit') or 'unknown'}",
+        "",
+        f"Load per concurrency: {meta['requests']} streaming chat requests from {meta['prompt_count']} "
+        f"fixed prompts, max_tokens {meta['max_tokens']}, temperature 0; each server started fresh "
+        f"per concurrency and warmed up with that many requests. {meta['mlx_lm_note']}",
+        f"Completion tokens: {meta['token_counting']}",
+        "",
+        "## Throughput and latency (cells: ours / mlx_lm.server)",
+        "",
+        *throughput_table(report),
+        "",
+        f"Our concurrency-4 / concurrency-1 throughput: {scaling}",
+        "",
+        "## Memory (cells: ours / mlx_lm.server)",
+        "",
+        *memory_table(report),
+        "",
+        "## Greedy output identity",
+        "",
+        *(_identity_lines(report) or ["Only one concurrency was run."]),
+        "",
+        "## Scoring",
+        "",
+        *_scoring_lines(report.get("scoring")),
+        "",
+        "## Roofline",
+        "",
+        *_roofline_lines(report.get("roofline")),
+        "",
+        "## Targets (issue 11)",
+        "",
+        "| target | measured | result |",
+        "|---|---|---|",
+        *(f"| {t['description']} | {t['value']} | {MET[t['met']]} |" for t in report["targets"]),
+        "",
+        *_constrained_lines(report.get("constrained")),
+    ]
+    return "\n".join(lines)
+
+
+def write_markdown(report: dict, path: Path) -> None:
+    path.write_text(markdown(report))

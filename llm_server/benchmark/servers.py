@@ -1,0 +1,164 @@
+"""Start and stop the servers under test as subprocesses, one at a time, with the same BLAS env.
+
+Every server is stopped on the way out (SIGTERM, then SIGKILL after a grace period), also when
+the benchmark fails or is interrupted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from llm_server.blas import preload_env
+
+READY_RE = re.compile(r"llm-server ready on (http://\S+)")
+STOP_GRACE_S = 30.0
+
+
+class ServerStartError(RuntimeError):
+    """A server under test exited or did not become ready; the message points at its log."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """What to launch. `kind` is "ours" or "mlx_lm"; `concurrency` is the load it will get."""
+
+    kind: str
+    model: Path
+    concurrency: int
+    max_queued: int
+    start_timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class RunningServer:
+    kind: str
+    pid: int
+    url: str  # base URL without /v1
+    command: tuple[str, ...]
+    log_path: Path
+
+
+def server_env() -> dict[str, str]:
+    """The environment both servers get: ours and mlx_lm.server run with the same BLAS preload."""
+    env = preload_env()
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago (mlx_lm.server cannot pick its own)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command_for(spec: ServerSpec, port: int | None = None) -> list[str]:
+    """argv for a server. mlx_lm.server keeps its batching defaults (decode 32, prompts 8)."""
+    if spec.kind == "ours":
+        return [
+            sys.executable, "-c", "from llm_server.cli import main; main()",
+            "--model", str(spec.model), "--port", "0",
+            "--concurrent-requests", str(spec.concurrency),
+            "--max-queued", str(spec.max_queued), "--log-level", "warning",
+        ]  # fmt: skip
+    if spec.kind == "mlx_lm":
+        return [
+            sys.executable, "-m", "mlx_lm", "server", "--model", str(spec.model),
+            "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING",
+        ]  # fmt: skip
+    raise ValueError(f"unknown server kind {spec.kind!r} (expected 'ours' or 'mlx_lm')")
+
+
+def _pump(stream, log_file, ready: dict, event: threading.Event) -> None:
+    """Copy a child's output to its log; note our ready line when it appears."""
+    for line in iter(stream.readline, ""):
+        log_file.write(line)
+        log_file.flush()
+        match = READY_RE.search(line)
+        if match and "url" not in ready:
+            ready["url"] = match.group(1)
+            event.set()
+    event.set()  # EOF: the process is gone
+
+
+def _wait_ours(
+    proc: subprocess.Popen, ready: dict, event: threading.Event, spec: ServerSpec
+) -> str:
+    if not event.wait(spec.start_timeout_s) or "url" not in ready:
+        raise ServerStartError(f"llm-server did not print its ready line (exit code {proc.poll()})")
+    return ready["url"]
+
+
+def _wait_mlx_lm(proc: subprocess.Popen, url: str, spec: ServerSpec) -> str:
+    deadline = time.monotonic() + spec.start_timeout_s
+    with httpx.Client(trust_env=False, timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise ServerStartError(f"mlx_lm.server exited with code {proc.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(f"{url}/health").status_code == 200:
+                    return url
+            time.sleep(0.2)
+    raise ServerStartError(
+        f"mlx_lm.server did not answer /health within {spec.start_timeout_s:.0f} s"
+    )
+
+
+def stop(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> int | None:
+    """SIGTERM the server's process group, SIGKILL it after `grace_s`; returns the exit code."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode
+
+
+@contextlib.contextmanager
+def running(spec: ServerSpec, log_path: Path) -> Iterator[RunningServer]:
+    """Start a server, wait until it answers, yield it, and always stop it afterwards."""
+    port = free_port() if spec.kind == "mlx_lm" else None
+    cmd = command_for(spec, port)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log_file:
+        # A new session keeps a terminal's Ctrl-C away from the child: we stop it ourselves.
+        proc = subprocess.Popen(
+            cmd, env=server_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )  # fmt: skip
+        ready: dict[str, str] = {}
+        event = threading.Event()
+        pump = threading.Thread(
+            target=_pump, args=(proc.stdout, log_file, ready, event), daemon=True
+        )
+        pump.start()
+        try:
+            try:
+                if spec.kind == "ours":
+                    url = _wait_ours(proc, ready, event, spec)
+                else:
+                    url = _wait_mlx_lm(proc, f"http://127.0.0.1:{port}", spec)
+            except ServerStartError as exc:
+                raise ServerStartError(f"{exc}; see {log_path}") from None
+            yield RunningServer(spec.kind, proc.pid, url, tuple(cmd), log_path)
+        finally:
+            stop(proc)
+            pump.join(5.0)
