@@ -45,6 +45,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow browser requests from ORIGIN (repeatable; default: CORS off)")
     p.add_argument("--max-body-size", type=_size, default=4 << 20, metavar="SIZE",
                    help="largest request body, e.g. 4M (default 4M); larger gets HTTP 413")
+    p.add_argument("--log-requests", metavar="FILE",
+                   help="append one JSON line per API request to FILE (see README, Replay)")
+    p.add_argument("--replay", metavar="FILE",
+                   help="instead of serving, run the request log FILE through the API in-process "
+                   "and print a report")
+    p.add_argument("--replay-concurrent", action="store_true",
+                   help="with --replay: send every request at once (default: one after another)")
+    p.add_argument("--replay-check", action="store_true",
+                   help="with --replay: exit 1 when a deterministic (temperature 0) request's "
+                   "output differs from the log")
+    p.add_argument("--replay-report", metavar="FILE",
+                   help="with --replay: also write the report as JSON to FILE")
     return p
 
 
@@ -69,6 +81,11 @@ def validate_args(args: argparse.Namespace) -> None:
         raise SystemExit("llm-server: --port must be between 0 and 65535")
     if args.max_body_size < 1:
         raise SystemExit("llm-server: --max-body-size must be at least 1 byte")
+    replay_only = args.replay_concurrent or args.replay_check or args.replay_report
+    if replay_only and not args.replay:
+        raise SystemExit(
+            "llm-server: --replay-concurrent, --replay-check and --replay-report need --replay FILE"
+        )
 
 
 def resolve_model(model: str | None) -> Path:
@@ -141,6 +158,10 @@ def main(argv: list[str] | None = None) -> None:
 
     log.info("BLAS: %s", active_blas())
     model_path = resolve_model(args.model)
+    if args.replay:
+        from llm_server.server import run_replay
+
+        sys.exit(asyncio.run(run_replay(args, model_path)))
     sock, url = _bind(args)
     from llm_server.server import run_server
 

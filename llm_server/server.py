@@ -12,6 +12,8 @@ from pathlib import Path
 import uvicorn
 
 from llm_server.api.app import AppState, create_app
+from llm_server.api.request_log import RequestRecorder
+from llm_server.api.security import resolve_api_key
 from llm_server.service import ModelService, ServiceConfig
 
 log = logging.getLogger("llm_server")
@@ -76,11 +78,13 @@ def make_service(
 async def run_server(args: argparse.Namespace, model_path: Path, sock: socket.socket, url: str) -> int:
     model_id = args.model_id or model_path.name
     state = AppState(None, model_id)
+    request_log = open_request_log(args.log_requests)
     app = create_app(
         state,
         api_key=args.api_key,
         cors_origins=args.cors_origin,
         max_body_bytes=args.max_body_size,
+        request_log=request_log,
     )
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=30)
     server = uvicorn.Server(config)
@@ -112,6 +116,57 @@ async def run_server(args: argparse.Namespace, model_path: Path, sock: socket.so
             loader.cancel()
         if state.service is not None:
             await asyncio.to_thread(state.service.close, 30)
+        if request_log is not None:  # after the drain: every finished request has its line
+            await asyncio.to_thread(request_log.close)
         with contextlib.suppress(OSError):
             sock.close()
     return 0 if state.service is not None and state.service.ready else 1
+
+
+def open_request_log(path: str | None) -> RequestRecorder | None:
+    """The --log-requests recorder (appending), or None; exits with a message if unwritable."""
+    if not path:
+        return None
+    try:
+        return RequestRecorder(path)
+    except OSError as exc:
+        raise SystemExit(f"llm-server: cannot write the request log {path}: {exc.strerror}") from None
+
+
+async def run_replay(args: argparse.Namespace, model_path: Path) -> int:
+    """--replay FILE: run the log through the app in-process, print the report, exit code."""
+    from replay.cli import finish, load
+    from replay.runner import replay_app
+
+    request_log = load(args.replay, "llm-server")
+    model_id = args.model_id or model_path.name
+    # The queue holds the whole log, so --replay-concurrent admits everything at once.
+    queued = max(args.max_queued, len(request_log.entries))
+    service = await asyncio.to_thread(
+        make_service, model_path, model_id, args.concurrent_requests, queued,
+        args.dtype, args.context_length, args.default_max_tokens,
+        constrained_mode=args.constrained_mode, backend=args.backend,
+        prefix_cache_bytes=args.prefix_cache_bytes,
+    )
+    recorder = open_request_log(args.log_requests)
+    try:
+        await asyncio.to_thread(service.wait_ready)
+        key = resolve_api_key(args.api_key)
+        app = create_app(
+            AppState(service, model_id),
+            api_key=key,
+            max_body_bytes=args.max_body_size,
+            request_log=recorder,
+        )
+        report = await replay_app(
+            app,
+            request_log,
+            concurrent=args.replay_concurrent,
+            api_key=key,
+            max_rows_busy=lambda: service.scheduler.stats().max_rows_busy,
+        )
+    finally:
+        await asyncio.to_thread(service.close, 30)
+        if recorder is not None:
+            await asyncio.to_thread(recorder.close)
+    return finish(report, args.replay_report, args.replay_check)

@@ -17,6 +17,7 @@ from llm_server.api.common import DEFAULT_MAX_BODY_BYTES, AppState
 from llm_server.api.errors import APIError, error_body
 from llm_server.api.metrics import Metrics, RequestCounter, metrics_endpoint
 from llm_server.api.openapi import openapi_schema
+from llm_server.api.request_log import RequestLogMiddleware, RequestRecorder, observe_generations
 from llm_server.api.routes_chat import chat_completions
 from llm_server.api.routes_completions import completions
 from llm_server.api.routes_info import detokenize, health, list_models, tokenize, tokenizer_info
@@ -72,11 +73,13 @@ def create_app(
     api_key: str | None = None,
     cors_origins: Sequence[str] = (),
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    request_log: RequestRecorder | None = None,
 ) -> Starlette:
     """The ASGI app for `state`.
 
     `api_key` (else env LLM_SERVER_API_KEY) guards /v1/*; `cors_origins` enables CORS for
-    those origins only; request bodies over `max_body_bytes` get 413.
+    those origins only; request bodies over `max_body_bytes` get 413; `request_log` records
+    every API request (the caller closes it after the service has drained).
     """
     if max_body_bytes < 1:
         raise ValueError("max_body_bytes must be at least 1")
@@ -94,6 +97,10 @@ def create_app(
     key = resolve_api_key(api_key)
     if key is not None:
         middleware.append(Middleware(APIKeyMiddleware, api_key=key))
+    if request_log is not None:  # innermost: logs only requests the key check let through
+        request_log.set_secret(key)
+        middleware.append(Middleware(RequestLogMiddleware, recorder=request_log, state=state))
+        state.on_service(observe_generations)
     app = Starlette(
         routes=ROUTES,
         middleware=middleware,

@@ -1,0 +1,147 @@
+"""Is a replayed response the logged one? Compares what a user reads, reports where it first differs.
+
+Chat: each choice's message content (character index), finish_reason, logprob tokens (token
+index). Completions: each choice's text (character index), logprob tokens and values (token
+index; values within LOGPROB_TOLERANCE), finish_reason. Errors: status and error code. Other
+endpoints: the whole body, less the fields that change on every call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+LOGPROB_TOLERANCE = 1e-3  # nats; batched and serial float32 scoring agree far closer than this
+VOLATILE = {"id", "created", "system_fingerprint"}
+
+
+@dataclass(frozen=True)
+class Difference:
+    """Where a replayed response first departs from the logged one."""
+
+    field: str  # e.g. "choices[0].message.content", "status"
+    position: int | None = None  # first differing index in `unit`s; None for whole values
+    unit: str | None = None  # "char" | "token" | None
+    logged: object = None  # short excerpts around the position
+    replayed: object = None
+
+
+def is_deterministic(endpoint: str, request: dict) -> bool:
+    """True when the request must give the same output every time (temperature 0, scoring)."""
+    if not endpoint.startswith("/v1/"):
+        return True  # tokenizer routes and the like
+    max_tokens = request.get("max_tokens", request.get("max_completion_tokens"))
+    scoring = bool(request.get("echo")) and request.get("logprobs") is not None
+    legacy = endpoint.endswith("/completions") and not endpoint.endswith("/chat/completions")
+    if legacy and (scoring or max_tokens == 0):
+        return True  # scoring is greedy; max_tokens 0 only echoes
+    temperature = request.get("temperature")
+    return isinstance(temperature, int | float) and temperature == 0
+
+
+def compare(
+    endpoint: str,
+    logged_status: int,
+    logged: dict | None,
+    status: int,
+    replayed: dict | None,
+) -> Difference | None:
+    """None when the replay matches the log, else the first difference."""
+    if status != logged_status:
+        return Difference("status", logged=logged_status, replayed=status)
+    if logged is None or replayed is None:
+        return None if logged == replayed else Difference("body", logged=logged, replayed=replayed)
+    if "error" in logged or "error" in replayed:
+        return _compare_error(logged, replayed)
+    if endpoint.endswith("/chat/completions"):
+        return _compare_choices(logged, replayed, _chat_choice)
+    if endpoint.endswith("/completions"):
+        return _compare_choices(logged, replayed, _completion_choice)
+    a = {k: v for k, v in logged.items() if k not in VOLATILE}
+    b = {k: v for k, v in replayed.items() if k not in VOLATILE}
+    return None if a == b else Difference("body", logged=a, replayed=b)
+
+
+def _compare_error(logged: dict, replayed: dict) -> Difference | None:
+    a, b = logged.get("error"), replayed.get("error")
+    code_a = a.get("code") if isinstance(a, dict) else a
+    code_b = b.get("code") if isinstance(b, dict) else b
+    return None if code_a == code_b else Difference("error", logged=code_a, replayed=code_b)
+
+
+def _compare_choices(logged: dict, replayed: dict, one) -> Difference | None:
+    a, b = logged.get("choices") or [], replayed.get("choices") or []
+    if len(a) != len(b):
+        return Difference("choices", logged=len(a), replayed=len(b))
+    for i, (ca, cb) in enumerate(zip(a, b, strict=True)):
+        diff = one(f"choices[{i}]", ca, cb)
+        if diff is not None:
+            return diff
+    return None
+
+
+def _chat_choice(where: str, a: dict, b: dict) -> Difference | None:
+    text_a = (a.get("message") or {}).get("content") or ""
+    text_b = (b.get("message") or {}).get("content") or ""
+    diff = text_difference(f"{where}.message.content", text_a, text_b)
+    if diff is None:
+        lp_a = [t.get("token") for t in ((a.get("logprobs") or {}).get("content") or [])]
+        lp_b = [t.get("token") for t in ((b.get("logprobs") or {}).get("content") or [])]
+        diff = token_difference(f"{where}.logprobs.content", lp_a, lp_b)
+    return diff or _same(f"{where}.finish_reason", a.get("finish_reason"), b.get("finish_reason"))
+
+
+def _completion_choice(where: str, a: dict, b: dict) -> Difference | None:
+    diff = text_difference(f"{where}.text", a.get("text") or "", b.get("text") or "")
+    lp_a, lp_b = a.get("logprobs") or {}, b.get("logprobs") or {}
+    if diff is None:
+        diff = token_difference(
+            f"{where}.logprobs.tokens", lp_a.get("tokens") or [], lp_b.get("tokens") or []
+        )
+    if diff is None:
+        diff = logprob_difference(
+            f"{where}.logprobs.token_logprobs",
+            lp_a.get("token_logprobs") or [],
+            lp_b.get("token_logprobs") or [],
+        )
+    return diff or _same(f"{where}.finish_reason", a.get("finish_reason"), b.get("finish_reason"))
+
+
+def _same(where: str, a: object, b: object) -> Difference | None:
+    return None if a == b else Difference(where, logged=a, replayed=b)
+
+
+def first_difference(a: list | str, b: list | str) -> int | None:
+    """Index of the first position where `a` and `b` differ (a length difference counts)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def text_difference(where: str, a: str, b: str) -> Difference | None:
+    pos = first_difference(a, b)
+    if pos is None:
+        return None
+    return Difference(where, pos, "char", a[pos : pos + 40], b[pos : pos + 40])
+
+
+def token_difference(where: str, a: list, b: list) -> Difference | None:
+    pos = first_difference(a, b)
+    if pos is None:
+        return None
+    return Difference(where, pos, "token", a[pos : pos + 5], b[pos : pos + 5])
+
+
+def logprob_difference(where: str, a: list, b: list) -> Difference | None:
+    def close(x: float | None, y: float | None) -> bool:
+        if x is None or y is None:
+            return x is y
+        return math.isclose(x, y, rel_tol=0.0, abs_tol=LOGPROB_TOLERANCE)
+
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if not close(x, y):
+            return Difference(where, i, "token", x, y)
+    if len(a) != len(b):
+        return Difference(where, min(len(a), len(b)), "token")
+    return None
