@@ -296,3 +296,12 @@ def test_http_bad_response_format_is_a_400_and_nothing_runs(default_model_path, 
                 assert error["param"].startswith("response_format")
     stats = srv.service.scheduler.stats()
     assert srv.service.scheduler.idle() and stats.decode_steps == 0 and stats.rows_busy == 0
+
+
+def test_constrained_mode_flag_defaults_to_batched():
+    from llm_server.cli import build_parser
+
+    assert build_parser().parse_args([]).constrained_mode == "batched"
+    assert build_parser().parse_args(["--constrained-mode", "lease"]).constrained_mode == "lease"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--constrained-mode", "alone"])
