@@ -17,7 +17,7 @@ from llm_server.api.common import DEFAULT_MAX_BODY_BYTES, AppState
 from llm_server.api.errors import APIError, error_body
 from llm_server.api.metrics import Metrics, RequestCounter, metrics_endpoint
 from llm_server.api.openapi import openapi_schema
-from llm_server.api.request_log import RequestLogMiddleware, RequestRecorder, observe_generations
+from llm_server.api.request_log import RequestLogMiddleware, RequestRecorder
 from llm_server.api.routes_chat import chat_completions
 from llm_server.api.routes_completions import completions
 from llm_server.api.routes_info import detokenize, health, list_models, tokenize, tokenizer_info
@@ -100,7 +100,6 @@ def create_app(
     if request_log is not None:  # innermost: logs only requests the key check let through
         request_log.set_secret(key)
         middleware.append(Middleware(RequestLogMiddleware, recorder=request_log, state=state))
-        state.on_service(observe_generations)
     app = Starlette(
         routes=ROUTES,
         middleware=middleware,

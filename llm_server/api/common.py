@@ -200,7 +200,10 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
 
 
 def record_finish(request: Request, fin: FinishEvent) -> None:
-    """Feed a finished generation into the app's metrics."""
+    """Feed a finished generation into the app's metrics and the request log."""
+    from llm_server.api.request_log import note_finish
+
+    note_finish(fin)
     request.app.state.metrics.tokens_generated.inc(fin.completion_tokens)
 
 

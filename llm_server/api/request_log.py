@@ -9,7 +9,6 @@ the file; `close()` writes every queued line before it returns. Headers are neve
 from __future__ import annotations
 
 import contextvars
-import functools
 import json
 import logging
 import queue
@@ -21,7 +20,7 @@ from pathlib import Path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llm_server.api.common import AppState
-from llm_server.service import GenerationHandle, ModelService
+from llm_server.scheduler import FinishEvent
 from replay.log import LogEntry, Timings, utc_now
 from replay.sse import aggregate, sse_events
 
@@ -100,7 +99,7 @@ class _Exchange:
     status: int | None = None
     content_type: str = ""
     response: bytearray = field(default_factory=bytearray)
-    handles: list[GenerationHandle] = field(default_factory=list)
+    finishes: list[tuple[float, FinishEvent]] = field(default_factory=list)  # (when, event)
 
 
 _current: contextvars.ContextVar[_Exchange | None] = contextvars.ContextVar(
@@ -108,22 +107,11 @@ _current: contextvars.ContextVar[_Exchange | None] = contextvars.ContextVar(
 )
 
 
-def observe_generations(service: ModelService) -> None:
-    """Let the logger see the generation handles each request starts (for scheduler timings)."""
-    if getattr(service, "_request_log_observed", False):
-        return
-    start = service.start_generation
-
-    @functools.wraps(start)
-    def start_generation(*args, **kwargs) -> GenerationHandle:
-        handle = start(*args, **kwargs)
-        exchange = _current.get()
-        if exchange is not None:
-            exchange.handles.append(handle)
-        return handle
-
-    service.start_generation = start_generation  # type: ignore[method-assign]
-    service._request_log_observed = True  # type: ignore[attr-defined]
+def note_finish(fin: FinishEvent) -> None:
+    """Called by the routes for every finished generation: the log takes its scheduler timings."""
+    exchange = _current.get()
+    if exchange is not None:
+        exchange.finishes.append((time.monotonic(), fin))
 
 
 class RequestLogMiddleware:
@@ -183,7 +171,7 @@ class RequestLogMiddleware:
         stream = ex.content_type.startswith("text/event-stream")
         response = _response(path, bytes(ex.response), stream)
         if response is not None and stream and response.get("usage") is None:
-            response["usage"] = _usage(ex.handles)
+            response["usage"] = _usage([fin for _, fin in ex.finishes])
         fingerprint = (response or {}).get("system_fingerprint")
         if fingerprint is None and self.state.service is not None:
             fingerprint = self.state.service.fingerprint or None
@@ -209,10 +197,9 @@ def _response(path: str, raw: bytes, stream: bool) -> dict | None:
     return body if isinstance(body, dict) else None
 
 
-def _usage(handles: list[GenerationHandle]) -> dict | None:
+def _usage(finishes: list[FinishEvent]) -> dict | None:
     """Token counts from the scheduler when a stream did not ask for a usage chunk."""
-    finishes = [h.finish for h in handles]
-    if not finishes or any(f is None for f in finishes):
+    if not finishes:
         return None
     prompt = sum(f.prompt_tokens for f in finishes)
     completion = sum(f.completion_tokens for f in finishes)
@@ -226,12 +213,13 @@ def _usage(handles: list[GenerationHandle]) -> dict | None:
 def _timings(ex: _Exchange, total: float) -> Timings:
     """Scheduler queue wait and time to first token (from arrival) of the request's first row."""
     waits, firsts = [], []
-    for h in ex.handles:
-        t = h.finish.timings if h.finish is not None else h.request.timings()
+    for when, fin in ex.finishes:
+        t = fin.timings
         if t.queue_wait is not None:
             waits.append(t.queue_wait)
         if t.first_token is not None:
-            firsts.append(h.request.submitted_at - ex.started + t.first_token)
+            submitted = (when - ex.started) - t.total  # arrival -> submission to the scheduler
+            firsts.append(submitted + t.first_token)
     return Timings(
         queue_wait=min(waits) if waits else None,
         first_token=min(firsts) if firsts else None,
