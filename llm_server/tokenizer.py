@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,6 +16,8 @@ class Tokenizer:
     """A Hugging Face fast tokenizer plus the model's EOS ids and chat template."""
 
     def __init__(self, model_path: str | Path) -> None:
+        # transformers warns at import that PyTorch is missing; we only use its tokenizers
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         from transformers import AutoTokenizer
 
         path = Path(model_path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -31,12 +32,15 @@ from llm_server.tokenizer import ChatTemplateError
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _constraint(service: ModelService, chat: ChatRequest) -> LogitsConstraint | None:
+async def _constraint(service: ModelService, chat: ChatRequest) -> LogitsConstraint | None:
+    """Compile the response_format grammar off the event loop (a big schema takes a while)."""
     if chat.response_format is None:
         return None
-    assert service.engine is not None  # get_service() returned a ready service
+    vocab = service.engine.vocab_size
     try:
-        return build_constraint(chat.response_format, service.tokenizer, service.engine.vocab_size)
+        return await asyncio.to_thread(
+            build_constraint, chat.response_format, service.tokenizer, vocab
+        )
     except ConstraintError as exc:
         raise invalid("response_format", str(exc)) from None
 
@@ -47,7 +51,7 @@ async def chat_completions(request: Request) -> Response:
     check_model(service, chat.model, served_id(request))
     if not any(m["content"] for m in chat.messages):
         raise invalid("messages", "every message is empty; send some content")
-    constraint = _constraint(service, chat)
+    constraint = await _constraint(service, chat)
     try:
         prompt = service.tokenizer.apply_chat_template(list(chat.messages))
     except ChatTemplateError as exc:
@@ -137,6 +141,10 @@ async def _chat_stream(
         yield chunk({}, finish=finish_reason(ev))
         if chat.include_usage:
             yield sse(
-                {**base, "choices": [], "usage": usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)}
+                {
+                    **base,
+                    "choices": [],
+                    "usage": usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens),
+                }
             )
     yield sse("[DONE]")
