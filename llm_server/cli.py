@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "output differs from the log")
     p.add_argument("--replay-report", metavar="FILE",
                    help="with --replay: also write the report as JSON to FILE")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, seconds running requests may take to finish before they "
+                   "are cancelled (default 30); a second SIGTERM exits at once")
     return p
 
 

@@ -15,8 +15,11 @@ from llm_server.api.app import AppState, create_app
 from llm_server.api.request_log import RequestRecorder
 from llm_server.api.security import resolve_api_key
 from llm_server.service import ModelService, ServiceConfig
+from llm_server.shutdown import DrainingServer
 
 log = logging.getLogger("llm_server")
+
+MAX_HEADER_BYTES = 16 * 1024  # request line + headers; more gets a plain 400 from h11
 
 
 def pick_backend(model_path: Path, backend: str = "auto") -> str:
@@ -86,8 +89,15 @@ async def run_server(args: argparse.Namespace, model_path: Path, sock: socket.so
         max_body_bytes=args.max_body_size,
         request_log=request_log,
     )
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=30)
-    server = uvicorn.Server(config)
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=30,
+        http="h11",  # the same parser (and header limit) whether or not httptools is installed
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+    )
+    server = DrainingServer(config, state, drain_timeout=args.drain_timeout)
 
     async def load() -> None:
         service = await asyncio.to_thread(

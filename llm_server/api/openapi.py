@@ -319,6 +319,14 @@ _ERROR_STATUSES = {
 }
 
 
+# One server-sent event: `data` is a JSON chunk (or an error object), then "[DONE]".
+_SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": _STR, "event": _STR, "id": _STR},
+}
+
+
 def _json(schema_name: str, description: str) -> dict:
     return {
         "description": description,
@@ -333,7 +341,7 @@ def _errors(*statuses: str) -> dict:
 def _post(op_id: str, summary: str, request: str, response: str, stream: bool = False) -> dict:
     ok = _json(response, "success")
     if stream:
-        ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+        ok["content"]["text/event-stream"] = {"schema": _SSE_EVENT}
     return {
         "post": {
             "operationId": op_id,

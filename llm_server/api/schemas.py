@@ -102,6 +102,8 @@ def _sampling(body: dict, max_tokens: int, logprobs: bool, top: int) -> Sampling
     if n != 1:
         raise invalid("n", f"only n=1 is supported, got {n}; send separate requests instead")
     seed = _get(body, "seed", int)
+    if seed is not None and seed < 0:
+        raise invalid("seed", f"'seed' must be 0 or more, got {seed}")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),

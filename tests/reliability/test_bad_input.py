@@ -1,0 +1,479 @@
+"""The bad-input catalogue: what clients may send, the status each gets, and that none is a 500.
+
+Decisions this catalogue pins down:
+- unknown fields are ignored (as OpenAI does); a known field of the wrong type is a 400;
+- a huge `max_tokens` is accepted and capped by the context: generation stops when the
+  context is full, with finish_reason "length" (no 400 for asking for more than fits);
+- bodies must be UTF-8 JSON objects sent as `application/json` (415 otherwise: this keeps
+  browsers from posting to a loopback server cross-site without a CORS preflight);
+- control characters are plain text; unpaired surrogate escapes are a 400.
+See tests/api/test_errors.py for the per-route error paths; this is the broader list.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import pytest
+
+from tests.api.helpers import assert_openai_error
+
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+VOCAB = 384  # the tiny checkpoint's vocabulary (tests/conftest.py: tiny_model_path)
+CONTEXT = 1024
+MSG = [{"role": "user", "content": "hi"}]
+JSON_CT = {"content-type": "application/json"}
+
+
+def chat(**kw) -> dict:
+    return {"messages": MSG, "max_tokens": 2, "temperature": 0, **kw}
+
+
+def comp(**kw) -> dict:
+    return {"prompt": "hi", "max_tokens": 2, "temperature": 0, **kw}
+
+
+def user(content) -> dict:
+    return chat(messages=[{"role": "user", "content": content}])
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    path: str
+    body: dict | bytes
+    status: int
+    param: str | None = None
+    words: tuple[str, ...] = ()  # the message must name what to fix
+    code: str | None = None
+    headers: dict[str, str] = field(default_factory=lambda: dict(JSON_CT))
+    finish: str | None = None  # for 200s: the finish_reason expected
+
+
+CASES = [
+    # -- the body itself --
+    Case("malformed-json", CHAT, b'{"messages": [', 400, None, ("not valid JSON",)),
+    Case("json-array-body", COMP, b'["hi"]', 400, None, ("JSON object",)),
+    Case("json-scalar-body", COMP, b"42", 400, None, ("JSON object",)),
+    Case("empty-body", CHAT, b"", 400, None, ("not valid JSON",)),
+    Case(
+        "text-plain",
+        CHAT,
+        json.dumps(chat()).encode(),
+        415,
+        None,
+        ("application/json", "text/plain"),
+        "unsupported_media_type",
+        {"content-type": "text/plain"},
+    ),
+    Case(
+        "form-urlencoded",
+        COMP,
+        b"prompt=hi",
+        415,
+        None,
+        ("application/json",),
+        "unsupported_media_type",
+        {"content-type": "application/x-www-form-urlencoded"},
+    ),
+    Case(
+        "no-content-type",
+        CHAT,
+        json.dumps(chat()).encode(),
+        415,
+        None,
+        ("Content-Type",),
+        headers={},
+    ),
+    Case(
+        "json-with-charset",
+        CHAT,
+        json.dumps(chat()).encode(),
+        200,
+        headers={"content-type": "application/json; charset=utf-8"},
+        finish="length",
+    ),
+    Case(
+        "body-over-limit",
+        CHAT,
+        json.dumps(user("a " * (2 << 20))).encode(),
+        413,
+        None,
+        ("limit",),
+        "request_too_large",
+    ),
+    Case(
+        "invalid-utf8",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}',
+        400,
+        None,
+        ("UTF-8",),
+    ),
+    Case("encoded-surrogate", COMP, b'{"prompt": "a\xed\xa0\x80b"}', 400, None, ("UTF-8",)),
+    Case(
+        "lone-surrogate-escape",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
+        400,
+        None,
+        ("surrogate",),
+    ),
+    Case(
+        "lone-surrogate-tokenize", "/tokenize", b'{"prompt": "\\udc00"}', 400, None, ("surrogate",)
+    ),
+    Case(
+        "surrogate-pair-ok",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}], "max_tokens": 1}',
+        200,
+        finish="length",
+    ),
+    Case(
+        "deep-nesting",
+        CHAT,
+        b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        400,
+        None,
+        ("deeply",),
+    ),
+    Case(
+        "nan-temperature",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+        400,
+        "temperature",
+        ("temperature", "between 0 and 2"),
+    ),
+    Case(
+        "infinite-top-p",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "hi"}], "top_p": 1e999}',
+        400,
+        "top_p",
+        ("top_p", "between 0 and 1"),
+    ),
+    # -- fields: unknown ignored, wrong types refused --
+    Case(
+        "unknown-fields-ignored",
+        CHAT,
+        chat(frobnicate={"x": [1]}, user_id="u1", logit_bias_x=3),
+        200,
+        finish="length",
+    ),
+    Case("stream-as-string", CHAT, chat(stream="yes"), 400, "stream", ("stream", "boolean")),
+    Case(
+        "max-tokens-as-string",
+        CHAT,
+        chat(max_tokens="10"),
+        400,
+        "max_tokens",
+        ("max_tokens", "integer"),
+    ),
+    Case(
+        "max-tokens-as-bool",
+        COMP,
+        comp(max_tokens=True),
+        400,
+        "max_tokens",
+        ("max_tokens", "boolean"),
+    ),
+    Case(
+        "max-tokens-as-float",
+        COMP,
+        comp(max_tokens=2.5),
+        400,
+        "max_tokens",
+        ("max_tokens", "integer"),
+    ),
+    Case("model-as-number", CHAT, chat(model=7), 400, "model", ("model", "string")),
+    Case(
+        "logprobs-as-string", CHAT, chat(logprobs="yes"), 400, "logprobs", ("logprobs", "boolean")
+    ),
+    Case("seed-negative", CHAT, chat(seed=-5), 400, "seed", ("seed", "0 or more")),
+    Case("seed-huge", CHAT, chat(seed=2**80, temperature=0.7), 200, finish="length"),
+    # -- messages --
+    Case("missing-messages", CHAT, {"max_tokens": 2}, 400, "messages", ("messages", "required")),
+    Case("messages-empty-list", CHAT, chat(messages=[]), 400, "messages", ("non-empty",)),
+    Case("messages-a-string", CHAT, chat(messages="hi"), 400, "messages", ("array",)),
+    Case("message-not-object", CHAT, chat(messages=["hi"]), 400, "messages[0]", ("object",)),
+    Case(
+        "message-without-role",
+        CHAT,
+        chat(messages=[{"content": "x"}]),
+        400,
+        "messages[0].role",
+        ("role", "user"),
+    ),
+    Case(
+        "all-contents-empty",
+        CHAT,
+        chat(messages=[{"role": "system", "content": ""}, {"role": "user", "content": None}]),
+        400,
+        "messages",
+        ("empty",),
+    ),
+    Case("content-a-number", CHAT, user(5), 400, "messages[0].content", ("string", "text parts")),
+    Case(
+        "content-part-audio",
+        CHAT,
+        user([{"type": "input_audio", "input_audio": {"data": "AAAA"}}]),
+        400,
+        "messages[0].content[0]",
+        ("input_audio", "text"),
+    ),
+    Case(
+        "content-part-no-type",
+        CHAT,
+        user([{"text": "hi"}]),
+        400,
+        "messages[0].content[0]",
+        ("None", "text"),
+    ),
+    Case(
+        "content-part-nested",
+        CHAT,
+        user([{"type": "text", "text": [{"type": "text", "text": "x"}]}]),
+        400,
+        "messages[0].content[0].text",
+        ("text",),
+    ),
+    Case(
+        "content-part-a-string", CHAT, user(["hi"]), 400, "messages[0].content[0]", ("str", "text")
+    ),
+    Case(
+        "text-parts-ok",
+        CHAT,
+        user([{"type": "text", "text": "hi"}, {"type": "text", "text": " there"}]),
+        200,
+        finish="length",
+    ),
+    Case(
+        "control-characters", CHAT, user("a\x00b\x07c\x1b[2J\x7f\u202e\ufeff"), 200, finish="length"
+    ),
+    Case("long-single-token-fits", CHAT, user("a" * 600), 200, finish="length"),
+    Case(
+        "long-single-token-too-long",
+        CHAT,
+        user("x" * 1_000_000),
+        400,
+        "messages",
+        ("tokens", str(CONTEXT), "shorten"),
+        "context_length_exceeded",
+    ),
+    Case(
+        "chat-over-context",
+        CHAT,
+        user("one two three " * 600),
+        400,
+        "messages",
+        ("context holds 1024", "shorten"),
+        "context_length_exceeded",
+    ),
+    # -- prompts (completions) --
+    Case("missing-prompt", COMP, {"max_tokens": 2}, 400, "prompt", ("prompt", "required")),
+    Case("empty-prompt", COMP, comp(prompt=""), 400, "prompt", ("empty",)),
+    Case("empty-id-list", COMP, comp(prompt=[]), 400, "prompt", ("token ids",)),
+    Case("empty-nested-id-list", COMP, comp(prompt=[[]]), 400, "prompt", ("empty",)),
+    Case(
+        "prompt-a-dict", COMP, comp(prompt={"text": "hi"}), 400, "prompt", ("string", "token ids")
+    ),
+    Case("prompt-mixed-garbage", COMP, comp(prompt=["a", 5.5]), 400, "prompt[1]", ("token ids",)),
+    Case(
+        "token-id-at-vocab",
+        COMP,
+        comp(prompt=[1, VOCAB]),
+        400,
+        "prompt[0]",
+        (str(VOCAB), "vocabulary"),
+    ),
+    Case("token-id-negative", COMP, comp(prompt=[-1]), 400, "prompt[0]", ("-1", "vocabulary")),
+    Case("token-id-2^70", COMP, comp(prompt=[[5], [2**70]]), 400, "prompt[1]", ("vocabulary",)),
+    Case("token-id-bool", COMP, comp(prompt=[True, 5]), 400, "prompt[0]", ("token ids",)),
+    Case(
+        "detokenize-out-of-vocab",
+        "/detokenize",
+        {"tokens": [VOCAB + 1]},
+        400,
+        "tokens",
+        ("vocabulary",),
+    ),
+    Case(
+        "prompt-over-context",
+        COMP,
+        comp(prompt=[5] * (CONTEXT + 1)),
+        400,
+        "prompt",
+        ("1025", "1024"),
+        "context_length_exceeded",
+    ),
+    Case(
+        "scoring-over-context",
+        COMP,
+        comp(prompt=[5] * (CONTEXT + 1), max_tokens=0, echo=True, logprobs=1),
+        400,
+        "prompt",
+        ("1025", "1024"),
+    ),
+    # -- max_tokens --
+    Case(
+        "max-tokens-negative",
+        CHAT,
+        chat(max_tokens=-3),
+        400,
+        "max_tokens",
+        ("max_tokens", "at least 1"),
+    ),
+    Case("max-tokens-zero-chat", CHAT, chat(max_tokens=0), 400, "max_tokens", ("at least 1",)),
+    Case("max-tokens-zero-echo-ok", COMP, comp(max_tokens=0, echo=True), 200, finish="length"),
+    Case("max-tokens-huge", COMP, comp(prompt=[5] * 1000, max_tokens=10**30), 200, finish="length"),
+    Case(
+        "max-tokens-over-room", COMP, comp(prompt=[7] * 1020, max_tokens=100), 200, finish="length"
+    ),
+    # -- sampling ranges --
+    Case(
+        "temperature-negative",
+        CHAT,
+        chat(temperature=-0.1),
+        400,
+        "temperature",
+        ("between 0 and 2",),
+    ),
+    Case(
+        "temperature-too-high",
+        COMP,
+        comp(temperature=2.5),
+        400,
+        "temperature",
+        ("between 0 and 2",),
+    ),
+    Case("top-p-negative", CHAT, chat(top_p=-1), 400, "top_p", ("between 0 and 1",)),
+    Case("top-p-over-one", COMP, comp(top_p=1.01), 400, "top_p", ("between 0 and 1",)),
+    Case(
+        "top-logprobs-negative",
+        CHAT,
+        chat(logprobs=True, top_logprobs=-1),
+        400,
+        "top_logprobs",
+        ("between 0 and 20",),
+    ),
+    Case(
+        "stop-too-many",
+        COMP,
+        comp(stop=["a", "b", "c", "d", "e", "f"]),
+        400,
+        "stop",
+        ("at most 4", "6"),
+    ),
+    Case("stop-too-long", CHAT, chat(stop="x" * 300), 400, "stop", ("at most 256",)),
+    Case("stop-empty-string", CHAT, chat(stop=[""]), 400, "stop", ("empty",)),
+    Case("stop-an-object", CHAT, chat(stop={"a": 1}), 400, "stop", ("string",)),
+    Case("n-two", CHAT, chat(n=2), 400, "n", ("n=1", "separate requests")),
+    Case("n-zero", COMP, comp(n=0), 400, "n", ("n=1",)),
+    Case("n-hundred", CHAT, chat(n=100), 400, "n", ("n=1",)),
+    # -- model and response_format --
+    Case(
+        "unknown-model",
+        CHAT,
+        chat(model="gpt-5-turbo"),
+        404,
+        "model",
+        ("gpt-5-turbo", "does not exist", "serves"),
+        "model_not_found",
+    ),
+    Case(
+        "unknown-model-tokenize",
+        "/tokenize",
+        {"prompt": "hi", "model": "other"},
+        404,
+        "model",
+        ("other",),
+    ),
+    Case(
+        "format-unknown-type",
+        CHAT,
+        chat(response_format={"type": "yaml"}),
+        400,
+        "response_format.type",
+        ("json_schema",),
+    ),
+    Case(
+        "format-not-object", CHAT, chat(response_format="json"), 400, "response_format", ("object",)
+    ),
+    Case(
+        "schema-missing",
+        CHAT,
+        chat(response_format={"type": "json_schema"}),
+        400,
+        "response_format",
+        ("json_schema", "schema"),
+    ),
+    Case(
+        "schema-a-list",
+        CHAT,
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}),
+        400,
+        "response_format",
+        ("JSON schema",),
+    ),
+    Case(
+        "schema-bad-type",
+        CHAT,
+        chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "wizard"}},
+            }
+        ),
+        400,
+        "response_format",
+        ("wizard",),
+    ),
+    Case(
+        "schema-a-string",
+        CHAT,
+        chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": "not a schema"},
+            }
+        ),
+        400,
+        "response_format",
+        ("schema",),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_input(http, case: Case):
+    kwargs = {"headers": case.headers}
+    kwargs["content"] = (
+        case.body if isinstance(case.body, bytes) else json.dumps(case.body).encode()
+    )
+    resp = http.post(case.path, **kwargs)
+    assert resp.status_code != 500, resp.text
+    assert "Traceback" not in resp.text and "/work/" not in resp.text and ".py" not in resp.text
+    if case.status == 200:
+        assert resp.status_code == 200, resp.text
+        choice = resp.json()["choices"][0]
+        if case.finish is not None:
+            assert choice["finish_reason"] == case.finish, choice
+        return
+    err = assert_openai_error(resp, case.status, case.param)
+    for word in case.words:
+        assert word in err["message"], (word, err["message"])
+    if case.code is not None:
+        assert err["code"] == case.code
+    expected_type = {404: "not_found_error"}.get(case.status, "invalid_request_error")
+    assert err["type"] == expected_type
+
+
+def test_catalogue_leaves_the_server_healthy(http):
+    """After every case above (run first in this module) the server still serves."""
+    body = http.get("/health").json()
+    assert body["status"] == "ok" and body["rows_busy"] == 0 and body["queue_length"] == 0
+    resp = http.post(CHAT, json=chat())
+    assert resp.status_code == 200
