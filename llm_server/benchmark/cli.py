@@ -90,15 +90,27 @@ def settings_from(args: argparse.Namespace) -> Settings:
     )  # fmt: skip
 
 
+def check_dependencies() -> None:
+    """Fail at once, not after a long run, when a package the report needs is missing."""
+    import importlib.util
+
+    missing = [m for m in ("httpx", "matplotlib", "tqdm") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(
+            f"llm-benchmark needs {', '.join(missing)}: run `pip install -e '.[dev]'` (or `make install`)"
+        )
+
+
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C, so every server gets stopped
 
 
 def main(argv: list[str] | None = None) -> None:
-    from llm_server.blas import ensure_openblas
+    from llm_server.blas import ensure_fast_blas
 
-    ensure_openblas()  # same fast path as llm-server; --constrained runs the engine in-process
+    ensure_fast_blas()  # same fast path as llm-server; --constrained runs the engine in-process
     args = build_parser().parse_args(argv)
+    check_dependencies()
     settings = settings_from(args)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     from llm_server.benchmark.runner import run_benchmark
