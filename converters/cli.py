@@ -90,9 +90,9 @@ def convert(args: argparse.Namespace, scratch: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from llm_server.blas import ensure_openblas
+    from llm_server.blas import ensure_fast_blas
 
-    ensure_openblas()
+    ensure_fast_blas()
     args = _parser().parse_args(argv)
     try:
         with tempfile.TemporaryDirectory(prefix="llm-convert-") as scratch:

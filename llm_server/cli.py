@@ -150,15 +150,16 @@ def _bind(args: argparse.Namespace) -> tuple[socket.socket, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from llm_server.blas import ensure_openblas
+    from llm_server.blas import ensure_fast_blas
 
-    ensure_openblas()
+    ensure_fast_blas()
     args = build_parser().parse_args(argv)
     validate_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from llm_server.blas import active_blas
+    from llm_server.blas import active_blas, check_blas
 
+    check_blas()  # re-execs with the fallback library if this one computes wrong products
     log.info("BLAS: %s", active_blas())
     model_path = resolve_model(args.model)
     if args.replay:

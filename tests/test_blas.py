@@ -1,0 +1,47 @@
+"""BLAS preload selection on Linux (BLIS preferred, OpenBLAS fallback, off)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from llm_server import blas
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux-only preload")
+
+
+def test_choice_follows_env_and_installed_libraries():
+    assert blas.chosen_blas({"LLM_SERVER_BLAS": "off"}) is None
+    assert blas.chosen_blas({"LLM_SERVER_NO_BLAS_PRELOAD": "1"}) is None
+    installed = [n for n in blas.PREFERENCE if blas.library_path(n)]
+    assert blas.chosen_blas({}) == (installed[0] if installed else None)
+    for name in installed:
+        env = blas.preload_env({"LLM_SERVER_BLAS": name, "LD_PRELOAD": "/x/libfoo.so"})
+        assert env["LD_PRELOAD"].split(":") == [blas.library_path(name), "/x/libfoo.so"]
+
+
+def test_entry_point_runs_with_a_fast_blas_and_correct_products():
+    """The process `make test` runs in has a real BLAS mapped, and its products are right."""
+    if blas.chosen_blas() is None:
+        pytest.skip("no BLIS or OpenBLAS installed")
+    assert blas.active_blas().split()[0] in ("blis", "openblas")
+    assert blas.check_blas()
+
+
+@pytest.mark.parametrize("name", ["blis", "openblas"])
+def test_each_library_computes_correct_products(name):
+    if blas.library_path(name) is None:
+        pytest.skip(f"{name} is not installed")
+    env = blas.preload_env({**_base_env(), "LLM_SERVER_BLAS": name})
+    code = "from llm_server import blas; assert blas.check_blas(); print(blas.active_blas())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(name)
+
+
+def _base_env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "BLIS_NUM_THREADS")}
