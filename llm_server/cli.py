@@ -16,50 +16,117 @@ log = logging.getLogger("llm_server")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llm-server", description=__doc__)
-    p.add_argument("--model", help="model folder (HF/MLX/converted) or .gguf file; default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument(
+        "--model",
+        help="model folder (HF/MLX/converted) or .gguf file; default: the embedded SmolLM2-135M-Instruct",
+    )
     p.add_argument("--model-id", help="id reported by /v1/models (default: the folder name)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port; 0 picks a free one (default 8080)")
     p.add_argument("--uds", help="serve on this Unix socket instead of TCP")
-    p.add_argument("--concurrent-requests", type=int, default=1, metavar="N",
-                   help="requests decoded together in one batch (default 1: no batching)")
-    p.add_argument("--max-queued", type=int, default=16, metavar="M",
-                   help="requests that may wait for a row before 429 (default 16)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
-                   help="compute dtype (float32 on CPU; default float32)")
-    p.add_argument("--backend", default="auto", choices=["auto", "mlx", "coreml"],
-                   help="engine; auto picks coreml for an .mlpackage, else mlx")
-    p.add_argument("--prefix-cache-bytes", type=_size, default=None, metavar="BYTES",
-                   help="bound of the prompt prefix cache, e.g. 512M or 2G (default: half the "
-                   "model's weight bytes; 0 turns it off)")
+    p.add_argument(
+        "--concurrent-requests",
+        type=int,
+        default=1,
+        metavar="N",
+        help="requests decoded together in one batch (default 1: no batching)",
+    )
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        default=16,
+        metavar="M",
+        help="requests that may wait for a row before 429 (default 16)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "float16", "bfloat16"],
+        help="compute dtype (float32 on CPU; default float32)",
+    )
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "mlx", "coreml"],
+        help="engine; auto picks coreml for an .mlpackage, else mlx",
+    )
+    p.add_argument(
+        "--prefix-cache-bytes",
+        type=_size,
+        default=None,
+        metavar="BYTES",
+        help="bound of the prompt prefix cache, e.g. 512M or 2G (default: half the "
+        "model's weight bytes; 0 turns it off)",
+    )
     p.add_argument("--context-length", type=int, help="cap the context (default: the model's)")
-    p.add_argument("--default-max-tokens", type=int, default=512,
-                   help="max_tokens when a request gives none (default 512)")
-    p.add_argument("--constrained-mode", default="batched", choices=["batched", "lease"],
-                   help="response_format requests: decode inside the batch with a per-row mask "
-                   "(batched, default) or alone while the batch pauses (lease)")
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=512,
+        help="max_tokens when a request gives none (default 512)",
+    )
+    p.add_argument(
+        "--constrained-mode",
+        default="batched",
+        choices=["batched", "lease"],
+        help="response_format requests: decode inside the batch with a per-row mask "
+        "(batched, default) or alone while the batch pauses (lease)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* "
-                   "(default: env LLM_SERVER_API_KEY; none when unset)")
-    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
-                   help="allow browser requests from ORIGIN (repeatable; default: CORS off)")
-    p.add_argument("--max-body-size", type=_size, default=4 << 20, metavar="SIZE",
-                   help="largest request body, e.g. 4M (default 4M); larger gets HTTP 413")
-    p.add_argument("--log-requests", metavar="FILE",
-                   help="append one JSON line per API request to FILE (see README, Replay)")
-    p.add_argument("--replay", metavar="FILE",
-                   help="instead of serving, run the request log FILE through the API in-process "
-                   "and print a report")
-    p.add_argument("--replay-concurrent", action="store_true",
-                   help="with --replay: send every request at once (default: one after another)")
-    p.add_argument("--replay-check", action="store_true",
-                   help="with --replay: exit 1 when a deterministic (temperature 0) request's "
-                   "output differs from the log")
-    p.add_argument("--replay-report", metavar="FILE",
-                   help="with --replay: also write the report as JSON to FILE")
-    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="on SIGTERM, seconds running requests may take to finish before they "
-                   "are cancelled (default 30); a second SIGTERM exits at once")
+    p.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on /v1/* "
+        "(default: env LLM_SERVER_API_KEY; none when unset)",
+    )
+    p.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="allow browser requests from ORIGIN (repeatable; default: CORS off)",
+    )
+    p.add_argument(
+        "--max-body-size",
+        type=_size,
+        default=4 << 20,
+        metavar="SIZE",
+        help="largest request body, e.g. 4M (default 4M); larger gets HTTP 413",
+    )
+    p.add_argument(
+        "--log-requests",
+        metavar="FILE",
+        help="append one JSON line per API request to FILE (see README, Replay)",
+    )
+    p.add_argument(
+        "--replay",
+        metavar="FILE",
+        help="instead of serving, run the request log FILE through the API in-process "
+        "and print a report",
+    )
+    p.add_argument(
+        "--replay-concurrent",
+        action="store_true",
+        help="with --replay: send every request at once (default: one after another)",
+    )
+    p.add_argument(
+        "--replay-check",
+        action="store_true",
+        help="with --replay: exit 1 when a deterministic (temperature 0) request's "
+        "output differs from the log",
+    )
+    p.add_argument(
+        "--replay-report",
+        metavar="FILE",
+        help="with --replay: also write the report as JSON to FILE",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, seconds running requests may take to finish before they "
+        "are cancelled (default 30); a second SIGTERM exits at once",
+    )
     return p
 
 
@@ -72,7 +139,9 @@ def _size(text: str) -> int:
             return int(float(t[:-1]) * units[t[-1]])
         return int(t)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M, 2G or bytes)") from None
+        raise argparse.ArgumentTypeError(
+            f"not a size: {text!r} (use e.g. 512M, 2G or bytes)"
+        ) from None
 
 
 def validate_args(args: argparse.Namespace) -> None:
@@ -143,7 +212,9 @@ def _bind(args: argparse.Namespace) -> tuple[socket.socket, str]:
     try:
         sock.bind((args.host, args.port))
     except OSError as exc:
-        raise SystemExit(f"llm-server: cannot bind {args.host}:{args.port}: {exc.strerror}") from None
+        raise SystemExit(
+            f"llm-server: cannot bind {args.host}:{args.port}: {exc.strerror}"
+        ) from None
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     return sock, f"http://{shown}:{port}"
@@ -155,7 +226,9 @@ def main(argv: list[str] | None = None) -> None:
     ensure_fast_blas()
     args = build_parser().parse_args(argv)
     validate_args(args)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from llm_server.blas import active_blas, check_blas
 

@@ -78,7 +78,9 @@ def make_service(
     return ModelService(config, engine_factory or factory).start()
 
 
-async def run_server(args: argparse.Namespace, model_path: Path, sock: socket.socket, url: str) -> int:
+async def run_server(
+    args: argparse.Namespace, model_path: Path, sock: socket.socket, url: str
+) -> int:
     model_id = args.model_id or model_path.name
     state = AppState(None, model_id)
     request_log = open_request_log(args.log_requests)
@@ -101,9 +103,16 @@ async def run_server(args: argparse.Namespace, model_path: Path, sock: socket.so
 
     async def load() -> None:
         service = await asyncio.to_thread(
-            make_service, model_path, model_id, args.concurrent_requests, args.max_queued,
-            args.dtype, args.context_length, args.default_max_tokens,
-            constrained_mode=args.constrained_mode, backend=args.backend,
+            make_service,
+            model_path,
+            model_id,
+            args.concurrent_requests,
+            args.max_queued,
+            args.dtype,
+            args.context_length,
+            args.default_max_tokens,
+            constrained_mode=args.constrained_mode,
+            backend=args.backend,
             prefix_cache_bytes=args.prefix_cache_bytes,
         )
         state.service = service
@@ -114,7 +123,12 @@ async def run_server(args: argparse.Namespace, model_path: Path, sock: socket.so
             server.should_exit = True
             return
         state.loading = False
-        log.info("serving %s (%s, rows=%d)", model_id, service.engine.name, service.scheduler.max_concurrent)
+        log.info(
+            "serving %s (%s, rows=%d)",
+            model_id,
+            service.engine.name,
+            service.scheduler.max_concurrent,
+        )
         print(f"llm-server ready on {url}", flush=True)
 
     loader = asyncio.create_task(load())
@@ -140,7 +154,9 @@ def open_request_log(path: str | None) -> RequestRecorder | None:
     try:
         return RequestRecorder(path)
     except OSError as exc:
-        raise SystemExit(f"llm-server: cannot write the request log {path}: {exc.strerror}") from None
+        raise SystemExit(
+            f"llm-server: cannot write the request log {path}: {exc.strerror}"
+        ) from None
 
 
 async def run_replay(args: argparse.Namespace, model_path: Path) -> int:
@@ -153,9 +169,16 @@ async def run_replay(args: argparse.Namespace, model_path: Path) -> int:
     # The queue holds the whole log, so --replay-concurrent admits everything at once.
     queued = max(args.max_queued, len(request_log.entries))
     service = await asyncio.to_thread(
-        make_service, model_path, model_id, args.concurrent_requests, queued,
-        args.dtype, args.context_length, args.default_max_tokens,
-        constrained_mode=args.constrained_mode, backend=args.backend,
+        make_service,
+        model_path,
+        model_id,
+        args.concurrent_requests,
+        queued,
+        args.dtype,
+        args.context_length,
+        args.default_max_tokens,
+        constrained_mode=args.constrained_mode,
+        backend=args.backend,
         prefix_cache_bytes=args.prefix_cache_bytes,
     )
     recorder = open_request_log(args.log_requests)

@@ -101,8 +101,9 @@ async def read_json(request: Request) -> dict:
         raise APIError(400, "the request body nests arrays or objects too deeply") from None
     if _SURROGATE_ESCAPE.search(text) and not _encodable(data):
         raise APIError(
-            400, "the request body has an unpaired UTF-16 surrogate escape (\\ud800-\\udfff); "
-            "send valid Unicode text"
+            400,
+            "the request body has an unpaired UTF-16 surrogate escape (\\ud800-\\udfff); "
+            "send valid Unicode text",
         )
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")

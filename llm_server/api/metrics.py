@@ -38,7 +38,10 @@ class _SchedulerCollector(Collector):
         cache = svc.prefix_cache_stats() if stats else None
         if cache is not None:
             values["llm_server_prefix_cache_entries"] = ("prefix cache entries", cache.entries)
-            values["llm_server_prefix_cache_bytes"] = ("bytes held by the prefix cache", cache.bytes)
+            values["llm_server_prefix_cache_bytes"] = (
+                "bytes held by the prefix cache",
+                cache.bytes,
+            )
             values["llm_server_prefix_cache_hits"] = ("prefix cache hits since start", cache.hits)
             values["llm_server_prefix_cache_hit_tokens"] = (
                 "prompt tokens reused from the prefix cache since start",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from llm_server.decoding import FinishReason
-from llm_server.engines.base import Engine, EngineError
+from llm_server.engines.base import Engine
 from llm_server.scheduler.lease import Lease
 from llm_server.scheduler.request import (
     FinishEvent,
@@ -309,7 +309,9 @@ class BatchScheduler:
         try:
             logits = self.engine.decode(rows, [r.last_token for r in reqs])
         except Exception as exc:  # noqa: BLE001 - retry per request so the error stays put (S8)
-            log.warning("batched decode of %d rows failed (%s); retrying per request", len(rows), exc)
+            log.warning(
+                "batched decode of %d rows failed (%s); retrying per request", len(rows), exc
+            )
             self.last_error = str(exc)
             for req in reqs:
                 try:
