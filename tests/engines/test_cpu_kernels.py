@@ -1,0 +1,41 @@
+"""CPU fast paths (numpy softmax/SiLU/log-softmax) equal MLX's own ops."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.activations import swiglu as mlx_swiglu
+
+from llm_server.engines import cpu_kernels
+
+
+@pytest.mark.parametrize(
+    ("batch", "length", "keys", "mask"),
+    [(1, 200, 200, "causal"), (1, 64, 256, "causal"), (4, 1, 300, "bool"), (2, 3, 40, None)],
+)
+def test_attention_matches_mlx_fast_sdpa(batch, length, keys, mask):
+    rng = np.random.default_rng(0)
+    q = mx.array(rng.standard_normal((batch, 6, length, 16)).astype(np.float32))
+    k = mx.array(rng.standard_normal((batch, 2, keys, 16)).astype(np.float32))
+    v = mx.array(rng.standard_normal((batch, 2, keys, 16)).astype(np.float32))
+    if mask == "bool":
+        cursors = mx.array([keys - 1, keys // 2, 7, 0])[:batch]
+        mask = (mx.arange(keys)[None, :] <= cursors[:, None])[:, None, None, :]
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    got = cpu_kernels.attention(q, k, v, 0.25, mask)
+    assert float(mx.abs(got - want).max()) <= 1e-5
+
+
+@pytest.mark.parametrize("rows", [3, 200])  # below and above the numpy threshold
+def test_swiglu_matches_mlx_lm(rows):
+    rng = np.random.default_rng(1)
+    gate = mx.array(rng.standard_normal((rows, 512)).astype(np.float32) * 4)
+    x = mx.array(rng.standard_normal((rows, 512)).astype(np.float32))
+    assert float(mx.abs(cpu_kernels.swiglu(gate, x) - mlx_swiglu(gate, x)).max()) <= 1e-5
+
+
+def test_log_softmax_matches_mlx():
+    logits = mx.array(np.random.default_rng(2).standard_normal((2, 5, 1000)).astype(np.float32) * 9)
+    want = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    assert np.abs(cpu_kernels.log_softmax(logits) - want).max() <= 1e-5
