@@ -11,6 +11,7 @@ small tensors (a decode step at short context) stay in MLX, where a sync would c
 from __future__ import annotations
 
 import sys
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -78,6 +79,87 @@ def log_softmax(logits: mx.array) -> np.ndarray:
     lse = np.log(np.exp(z).sum(axis=-1, keepdims=True))
     z -= lse
     return z
+
+
+SPLIT_MAX_ROWS = 2  # BLIS runs a 1-2 row product on one core; from 4 rows it uses both
+_local = threading.local()  # MLX streams belong to the thread that made them
+
+
+def _two_streams() -> tuple:
+    streams = getattr(_local, "streams", None)
+    if streams is None:
+        streams = _local.streams = (mx.new_stream(mx.cpu), mx.new_stream(mx.cpu))
+    return streams
+
+
+def split_matmul(x: mx.array, weight: mx.array) -> mx.array:
+    """x [..., in] @ weight[out, in].T with the output columns in two halves on two CPU streams.
+
+    A decode step of one or two rows reads every weight once and is bandwidth-bound, but the BLAS
+    runs such skinny products on one core; two streams put both cores' bandwidth to work. Each
+    output is the same dot product as in the unsplit product.
+    """
+    half = weight.shape[0] // 2
+    s1, s2 = _two_streams()
+    a = mx.matmul(x, weight[:half].T, stream=s1)
+    b = mx.matmul(x, weight[half:].T, stream=s2)
+    return mx.concatenate([a, b], axis=-1)
+
+
+def _rows(x: mx.array) -> int:
+    return x.size // x.shape[-1]
+
+
+def _split_linear_class():
+    import mlx.nn as nn
+
+    class SplitLinear(nn.Linear):
+        """An nn.Linear (same parameters) whose 1-2 row products are split across two streams."""
+
+        @classmethod
+        def wrap(cls, linear: nn.Linear) -> SplitLinear:
+            obj = cls.__new__(cls)
+            nn.Module.__init__(obj)
+            obj.weight = linear.weight
+            if "bias" in linear:
+                obj.bias = linear.bias
+            return obj
+
+        def __call__(self, x: mx.array) -> mx.array:
+            if _rows(x) > SPLIT_MAX_ROWS or self.weight.dtype != mx.float32 or not on_cpu():
+                return super().__call__(x)
+            out = split_matmul(x, self.weight)
+            return out + self.bias if "bias" in self else out
+
+    return SplitLinear
+
+
+def lm_head(model, hidden: mx.array) -> mx.array:
+    """The output projection, split across streams for a 1-2 row decode step on the CPU."""
+    tied = getattr(model.args, "tie_word_embeddings", False) or not hasattr(model, "lm_head")
+    layer = model.model.embed_tokens if tied else model.lm_head
+    weight = getattr(layer, "weight", None)
+    plain = _rows(hidden) > SPLIT_MAX_ROWS or weight is None or weight.dtype != mx.float32
+    if plain or not on_cpu() or (not tied and "bias" in layer):
+        return layer.as_linear(hidden) if tied else layer(hidden)
+    return split_matmul(hidden, weight)
+
+
+def split_linears(model) -> int:
+    """Swap the decoder layers' float nn.Linear modules for SplitLinear (CPU only)."""
+    import mlx.nn as nn
+
+    if not on_cpu():
+        return 0
+    split_linear = _split_linear_class()
+    count = 0
+    for layer in model.model.layers:
+        for part in (getattr(layer, "self_attn", None), getattr(layer, "mlp", None)):
+            for name, child in list(part.children().items()) if part is not None else []:
+                if type(child) is nn.Linear:
+                    part[name] = split_linear.wrap(child)
+                    count += 1
+    return count
 
 
 def install(model) -> bool:

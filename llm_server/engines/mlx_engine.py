@@ -61,6 +61,7 @@ class MLXEngine:
         cpu_kernels.install(self.model)  # numpy softmax/SiLU for big tensors on the CPU
         self.model.set_dtype(_DTYPES[dtype])
         mx.eval(self.model.parameters())
+        cpu_kernels.split_linears(self.model)  # 1-2 row decode products use both cores
         self.model_path = path
         self.dtype = dtype
         self.rows = rows
@@ -182,11 +183,7 @@ class MLXEngine:
         return np.array(logits, copy=False)
 
     def _lm_head(self, hidden: mx.array) -> mx.array:
-        if getattr(self.model.args, "tie_word_embeddings", False) or not hasattr(
-            self.model, "lm_head"
-        ):
-            return self.model.model.embed_tokens.as_linear(hidden)
-        return self.model.lm_head(hidden)
+        return cpu_kernels.lm_head(self.model, hidden)
 
     # -- scoring session -------------------------------------------------------------
 

@@ -55,7 +55,7 @@ def test_multi_turn_outputs_identical_with_cache_on_and_off(tok, tiny_model_path
         assert [o.tokens for o in turn_on] == [o.tokens for o in turn_off]
     assert off_stats.hits == 0 and all(o.finish.cached_tokens == 0 for t in off for o in t)
     later = [o.finish.cached_tokens for t in on[1:] for o in t]
-    assert all(c > 0 for c in later)  # every follow-up turn reused its history
+    assert all(c > 0 for c in later), later  # every follow-up turn reused its history
     assert on_stats.hit_tokens == sum(o.finish.cached_tokens for t in on for o in t)
 
 
