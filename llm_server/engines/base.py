@@ -40,6 +40,9 @@ class Engine(Protocol):
     dtype: str  # "float32" | "float16" | "bfloat16"
     supports_batching: bool  # attn_mask input and rows > 1
     dynamic_shapes: bool  # True when any batch size / query length can be fed (MLX)
+    # True when a new input shape costs a compile or an allocation (Core ML, compiled graphs):
+    # the scorer then pads the last chunk to SCORE_BUCKETS and rows to a power of two (C4).
+    padded_shapes: bool
 
     def prefill(self, row: int, tokens: Sequence[int]) -> np.ndarray:
         """Reset `row`, run `tokens` through it (chunked); its cursor becomes len(tokens).

@@ -131,6 +131,7 @@ class CoreMLEngine:
 
     name = "coreml"
     dynamic_shapes = False
+    padded_shapes = True  # q must be one of the enumerated sizes
     dtype = "float16"
 
     def __init__(self, model_path: str | Path) -> None:

@@ -40,8 +40,13 @@ class MLXEngine:
         context_length: int | None = None,
         dtype: str = "float32",
         prefix_cache_bytes: int | None = None,
+        padded_shapes: bool = False,
     ) -> None:
-        """`prefix_cache_bytes`: bound of the prompt prefix cache (None: half the weights; 0: off)."""
+        """`prefix_cache_bytes`: bound of the prompt prefix cache (None: half the weights; 0: off).
+
+        `padded_shapes`: have the scorer pad scoring shapes to buckets (C4). MLX runs any shape
+        without a compile, so by default it gets exact shapes and computes no padding.
+        """
         from mlx_lm.utils import load_model
 
         path = Path(model_path)
@@ -63,6 +68,7 @@ class MLXEngine:
         mx.eval(self.model.parameters())
         cpu_kernels.split_linears(self.model)  # 1-2 row decode products use both cores
         self.model_path = path
+        self.padded_shapes = padded_shapes
         self.dtype = dtype
         self.rows = rows
         self.supports_batching = rows > 1

@@ -144,17 +144,18 @@ def batch_size(lengths: Sequence[int], max_rows: int) -> int:
     return n
 
 
-def chunk_sizes(length: int, context_length: int) -> list[int]:
+def chunk_sizes(length: int, context_length: int, buckets: bool = True) -> list[int]:
     """Positions per forward for a batch `length` long (C3, C4).
 
-    Full chunks of SCORE_CHUNK, then the rest padded up to a bucket, never past the context.
+    Full chunks of SCORE_CHUNK, then the rest padded up to a bucket (when the engine wants
+    padded shapes), never past the context.
     """
     sizes, offset = [], 0
     while length - offset > SCORE_CHUNK:
         sizes.append(SCORE_CHUNK)
         offset += SCORE_CHUNK
     rest = length - offset
-    bucket = next(b for b in SCORE_BUCKETS if b >= rest)
+    bucket = next(b for b in SCORE_BUCKETS if b >= rest) if buckets else rest
     sizes.append(min(bucket, context_length - offset))
     return sizes
 
@@ -258,9 +259,10 @@ class Scorer:
         members = [m for m in taken if m.request.claim()]
         if not members:
             return None
-        rows = padded_rows(len(members), cap, engine.dynamic_shapes)
+        pad = getattr(engine, "padded_shapes", True)
+        rows = padded_rows(len(members), cap, engine.dynamic_shapes and pad)
         tokens, targets = _pad([m.tokens for m in members], rows)
-        chunks = chunk_sizes(tokens.shape[1], engine.context_length)
+        chunks = chunk_sizes(tokens.shape[1], engine.context_length, buckets=pad)
         k = max(m.request.top_k for m in members)
         if any(m.request.generate_one for m in members):
             k = max(k, 1)  # the generated token's logprob is the top-1 entry

@@ -27,7 +27,8 @@ TOL = 1e-4  # float32 scores, padded batch vs alone
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_path) -> MLXEngine:
-    return MLXEngine(tiny_model_path)
+    """An engine that asks for padded scoring shapes, so the C4 rules show in the trace."""
+    return MLXEngine(tiny_model_path, padded_shapes=True)
 
 
 def prompts_of(lengths: list[int], seed: int, vocab: int = 300) -> list[list[int]]:
@@ -165,7 +166,7 @@ def test_trace_shortest_first_padding_rule_chunks_and_buckets(engine):
 
 
 def test_last_chunk_never_passes_the_context(tiny_model_path):
-    engine = MLXEngine(tiny_model_path, context_length=300)
+    engine = MLXEngine(tiny_model_path, context_length=300, padded_shapes=True)
     scorer = Scorer()
     prompts = prompts_of([290, 300], seed=3)
     req = scorer.submit(prompts, 1, True)
@@ -321,3 +322,17 @@ def test_service_rejects_bad_scoring_requests(tiny_model_path, make_service):
         asyncio.run(score([[1] * 2000]))
     with pytest.raises(ValueError, match="logprobs must be between 0 and 20"):
         asyncio.run(score([[1]], top_k=21))
+
+
+def test_exact_shapes_on_an_engine_without_shape_costs(tiny_model_path):
+    """MLX runs any shape without a compile: no power-of-two rows, no bucket padding."""
+    engine = MLXEngine(tiny_model_path)
+    assert engine.padded_shapes is False
+    scorer = Scorer()
+    prompts = prompts_of([5, 10, 12, 14, 20, 40, 41, 129, 300], seed=6)
+    req = scorer.submit(prompts, 1, True)
+    drain(scorer, engine)
+    shapes = [(f.rows, f.q, f.offset) for f in scorer.trace]
+    assert shapes == [(4, 14, 0), (3, 41, 0), (2, 128, 0), (2, 128, 128), (2, 44, 256)]
+    for prompt, got in zip(prompts, req.future.result(0), strict=True):
+        assert_scores_match(engine, prompt, got, 1, True)
