@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_size,
         default=None,
         metavar="BYTES",
-        help="bound of the prompt prefix cache, e.g. 512M or 2G (default: half the "
+        help="bound of the prompt prefix cache, e.g. 512M or 2G (default: an eighth of the "
         "model's weight bytes; 0 turns it off)",
     )
     p.add_argument("--context-length", type=int, help="cap the context (default: the model's)")

@@ -146,3 +146,17 @@ def test_bad_settings_exit_with_a_message(flag, tiny_model_path):
     args = build_parser().parse_args(["--model", str(tiny_model_path), *flag])
     with pytest.raises(SystemExit, match="llm-benchmark: "):
         settings_from(args)
+
+
+def test_prefix_cache_benchmark_on_tiny_model(tiny_model_path, tmp_path):
+    """Multi-turn TTFT with the cache on and off: same outputs, later turns reuse history."""
+    from llm_server.benchmark import prefix
+
+    report = prefix.run(tiny_model_path, tmp_path, chats=2, turns=3, max_tokens=4)
+    assert report["outputs_identical"] is True
+    first, *later = report["turns_table"]
+    for row in later:
+        assert row["cached_tokens_mean"] > first["prompt_tokens_mean"] / 2
+        assert row["ttft_on_s"] > 0 and row["ttft_off_s"] > 0
+    md = (tmp_path / "prefix.md").read_text()
+    assert "| 3 |" in md and "identical with the cache on and off: True" in md

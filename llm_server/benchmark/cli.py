@@ -30,6 +30,7 @@ class Settings:
     mlx_lm: bool
     scoring: bool
     constrained: bool
+    prefix_cache: bool = False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scoring-prompts", type=int,
                    help=f"prompts in the scoring benchmark (default {FULL['scoring_prompts']}; 0 skips it)")  # fmt: skip
     p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx_lm.server comparison")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="also measure TTFT on a multi-turn workload with the prefix cache on and off")  # fmt: skip
     p.add_argument("--constrained", action="store_true",
                    help="also run the constrained-decoding benchmark (llm_server.benchmark.constrained)")  # fmt: skip
     return p
@@ -87,6 +90,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         concurrencies=_concurrencies(args.concurrency or base["concurrency"]),
         requests=requests, max_tokens=max_tokens, scoring_prompts=scoring,
         mlx_lm=not args.no_mlx_lm, scoring=scoring > 0, constrained=args.constrained,
+        prefix_cache=args.prefix_cache,
     )  # fmt: skip
 
 

@@ -138,6 +138,14 @@ def _load(meta: dict) -> str:
     return f"{start[0]:.1f} at the start, {end[0]:.1f} at the end (1-minute)"
 
 
+def _prefix_lines(section: dict | None) -> list[str]:
+    if not section:
+        return []
+    from llm_server.benchmark.prefix import markdown as prefix_markdown
+
+    return [prefix_markdown(section)]
+
+
 def _constrained_lines(section: dict | None) -> list[str]:
     if not section:
         return []
@@ -195,6 +203,7 @@ def markdown(report: dict) -> str:
         *(f"| {t['description']} | {t['value']} | {MET[t['met']]} |" for t in report["targets"]),
         "",
         *_constrained_lines(report.get("constrained")),
+        *_prefix_lines(report.get("prefix_cache")),
     ]
     return "\n".join(lines)
 

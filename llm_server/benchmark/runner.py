@@ -286,6 +286,11 @@ def _write(s: Settings, state: dict, bw: roofline.Bandwidth, kinds: list[str]) -
         )
     if s.constrained:
         rep["constrained"] = _constrained(s)
+    if s.prefix_cache:
+        from llm_server.benchmark import prefix
+
+        turns = 2 if s.quick else 4
+        rep["prefix_cache"] = prefix.run(s.model, s.out / "prefix", chats=4, turns=turns)
     rep["targets"] = targets.evaluate(rep)
     paths = OutputPaths(s.out / "benchmark.json", s.out / "benchmark.md", s.out / "benchmark.png")
     report.write_json(rep, paths.json)

@@ -40,6 +40,7 @@ class ServerSpec:
     concurrency: int
     max_queued: int
     start_timeout_s: float = 300.0
+    extra_args: tuple[str, ...] = ()  # more llm-server flags (ours only)
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ def command_for(spec: ServerSpec, port: int | None = None) -> list[str]:
             sys.executable, "-c", "from llm_server.cli import main; main()",
             "--model", str(spec.model), "--port", "0",
             "--concurrent-requests", str(spec.concurrency),
-            "--max-queued", str(spec.max_queued), "--log-level", "warning",
+            "--max-queued", str(spec.max_queued), "--log-level", "warning", *spec.extra_args,
         ]  # fmt: skip
     if spec.kind == "mlx_lm":
         return [

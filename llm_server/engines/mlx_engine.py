@@ -42,7 +42,7 @@ class MLXEngine:
         prefix_cache_bytes: int | None = None,
         padded_shapes: bool = False,
     ) -> None:
-        """`prefix_cache_bytes`: bound of the prompt prefix cache (None: half the weights; 0: off).
+        """`prefix_cache_bytes`: bound of the prompt prefix cache (None: an eighth of the weights, at least 64 MiB; 0: off).
 
         `padded_shapes`: have the scorer pad scoring shapes to buckets (C4). MLX runs any shape
         without a compile, so by default it gets exact shapes and computes no padding.
@@ -81,7 +81,7 @@ class MLXEngine:
         self._row_tokens: list[list[int]] = [[] for _ in range(rows)]  # ids whose KV each row holds
         self.row_cached = [0] * rows  # prompt tokens the last prefill took from the prefix cache
         if prefix_cache_bytes is None:
-            prefix_cache_bytes = self.weight_bytes() // 2
+            prefix_cache_bytes = max(self.weight_bytes() // 8, 64 << 20)
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self._score_cache: list | None = None
         self._score_offset = 0
