@@ -57,11 +57,6 @@ def chosen_blas(env: dict[str, str] | None = None) -> str | None:
     return None
 
 
-def openblas_library() -> str | None:
-    """Path of Debian's pthread OpenBLAS `libblas.so.3`, or None when not installed."""
-    return library_path("openblas")
-
-
 def preload_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """A copy of `env` (default: os.environ) with the chosen BLAS preloaded, when available."""
     env = dict(os.environ if env is None else env)
@@ -92,10 +87,6 @@ def ensure_fast_blas() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
-
-
-# Callers written before BLIS was supported.
-ensure_openblas = ensure_fast_blas
 
 
 def check_blas() -> bool:
