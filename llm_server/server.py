@@ -78,6 +78,24 @@ def make_service(
     return ModelService(config, engine_factory or factory).start()
 
 
+def service_from_args(
+    args: argparse.Namespace, model_path: Path, model_id: str, max_queued: int | None = None
+) -> ModelService:
+    """make_service() with the CLI's settings (the queue bound may be raised for replay)."""
+    return make_service(
+        model_path,
+        model_id,
+        args.concurrent_requests,
+        args.max_queued if max_queued is None else max_queued,
+        args.dtype,
+        args.context_length,
+        args.default_max_tokens,
+        constrained_mode=args.constrained_mode,
+        backend=args.backend,
+        prefix_cache_bytes=args.prefix_cache_bytes,
+    )
+
+
 async def run_server(
     args: argparse.Namespace, model_path: Path, sock: socket.socket, url: str
 ) -> int:
@@ -102,19 +120,7 @@ async def run_server(
     server = DrainingServer(config, state, drain_timeout=args.drain_timeout)
 
     async def load() -> None:
-        service = await asyncio.to_thread(
-            make_service,
-            model_path,
-            model_id,
-            args.concurrent_requests,
-            args.max_queued,
-            args.dtype,
-            args.context_length,
-            args.default_max_tokens,
-            constrained_mode=args.constrained_mode,
-            backend=args.backend,
-            prefix_cache_bytes=args.prefix_cache_bytes,
-        )
+        service = await asyncio.to_thread(service_from_args, args, model_path, model_id)
         state.service = service
         try:
             await asyncio.to_thread(service.wait_ready)
@@ -168,19 +174,7 @@ async def run_replay(args: argparse.Namespace, model_path: Path) -> int:
     model_id = args.model_id or model_path.name
     # The queue holds the whole log, so --replay-concurrent admits everything at once.
     queued = max(args.max_queued, len(request_log.entries))
-    service = await asyncio.to_thread(
-        make_service,
-        model_path,
-        model_id,
-        args.concurrent_requests,
-        queued,
-        args.dtype,
-        args.context_length,
-        args.default_max_tokens,
-        constrained_mode=args.constrained_mode,
-        backend=args.backend,
-        prefix_cache_bytes=args.prefix_cache_bytes,
-    )
+    service = await asyncio.to_thread(service_from_args, args, model_path, model_id, queued)
     recorder = open_request_log(args.log_requests)
     try:
         await asyncio.to_thread(service.wait_ready)
