@@ -182,6 +182,16 @@ def resolve_model(model: str | None) -> Path:
     return path
 
 
+def model_id_for(model: str | None, model_path: Path) -> str:
+    """The id /v1/models reports: the source's name, not the cache folder's hashed name."""
+    if model is None:
+        from llm_server.default_model import MODEL_NAME
+
+        return MODEL_NAME
+    source = Path(model)
+    return source.stem if source.suffix in (".gguf", ".mlpackage") else model_path.name
+
+
 def engine_rows(model_path: Path, concurrent: int) -> int:
     """Rows to serve with (S1): N when the graph supports batching, else 1 with a warning."""
     if concurrent <= 1:
@@ -235,6 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     check_blas()  # re-execs with the fallback library if this one computes wrong products
     log.info("BLAS: %s", active_blas())
     model_path = resolve_model(args.model)
+    if args.model_id is None:
+        args.model_id = model_id_for(args.model, model_path)
     if args.replay:
         from llm_server.server import run_replay
 
