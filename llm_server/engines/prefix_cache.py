@@ -17,7 +17,7 @@ import numpy as np
 @dataclass
 class PrefixEntry:
     tokens: np.ndarray  # [n] int32
-    keys: list[mx.array]  # per layer [n, kv_heads, dim]
+    keys: list[mx.array]  # per layer [kv_heads, n, dim]
     values: list[mx.array]
     nbytes: int
 

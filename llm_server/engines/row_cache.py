@@ -1,9 +1,10 @@
 """A row-addressed KV cache that mlx-lm's model classes accept as their `cache` list.
 
-The store keeps, per layer, keys and values for every row: [rows, capacity, kv_heads, head_dim],
-grown in steps of GROW positions (no per-token concatenation). A forward sees one `RowView` per
-layer, which tells the attention layer where each row's new keys go (`offset`), writes them, and
-returns the keys each row may attend to plus a per-row mask.
+The store keeps, per layer, keys and values for every row: [rows, kv_heads, capacity, head_dim]
+(the layout attention reads without a copy), grown in steps of GROW positions (no per-token
+concatenation). A forward sees one `RowView` per layer, which tells the attention layer where
+each row's new keys go (`offset`), writes them in place, and returns the keys each row may attend
+to plus a per-row mask.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class RowStore:
             k, v = self.keys[i], self.values[i]
             if k is None:
                 continue  # shapes are learnt at the first write
-            pad = [(0, 0), (0, new_cap - self.capacity), (0, 0), (0, 0)]
+            pad = [(0, 0), (0, 0), (0, new_cap - self.capacity), (0, 0)]
             self.keys[i] = mx.pad(k, pad)
             self.values[i] = mx.pad(v, pad)
         self.capacity = new_cap
@@ -50,27 +51,27 @@ class RowStore:
         self.capacity = 0
 
     def write_prefix(self, row: int, keys: list[mx.array], values: list[mx.array], n: int) -> None:
-        """Copy `n` cached positions ([n, heads, dim] per layer) into the start of `row`."""
+        """Copy `n` cached positions ([heads, n, dim] per layer) into the start of `row`."""
         self.ensure(n)
         for i in range(self.num_layers):
-            k, v = keys[i][:n], values[i][:n]
+            k, v = keys[i][:, :n], values[i][:, :n]
             if self.keys[i] is None:
-                self._init_layer(i, k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None])
-            self.keys[i][row, :n] = k
-            self.values[i][row, :n] = v
+                self._init_layer(i, k[None], v[None])
+            self.keys[i][row, :, :n] = k
+            self.values[i][row, :, :n] = v
 
     def read_row(self, row: int, n: int) -> tuple[list[mx.array], list[mx.array]]:
-        """The first `n` positions of `row`, per layer [n, heads, dim] (lazy slices)."""
+        """The first `n` positions of `row`, per layer [heads, n, dim] (lazy slices)."""
         return (
-            [k[row, :n] for k in self.keys if k is not None],
-            [v[row, :n] for v in self.values if v is not None],
+            [k[row, :, :n] for k in self.keys if k is not None],
+            [v[row, :, :n] for v in self.values if v is not None],
         )
 
     def _init_layer(self, layer: int, keys: mx.array, values: mx.array) -> None:
         _, heads, _, k_dim = keys.shape
         v_dim = values.shape[-1]
-        self.keys[layer] = mx.zeros((self.rows, self.capacity, heads, k_dim), keys.dtype)
-        self.values[layer] = mx.zeros((self.rows, self.capacity, heads, v_dim), values.dtype)
+        self.keys[layer] = mx.zeros((self.rows, heads, self.capacity, k_dim), keys.dtype)
+        self.values[layer] = mx.zeros((self.rows, heads, self.capacity, v_dim), values.dtype)
 
 
 @dataclass
@@ -100,33 +101,30 @@ class RowView:
         return self.plan.mask
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """keys/values [B, kv_heads, q, dim] -> all readable keys/values [B, kv_heads, kv_len, dim]."""
+        """keys/values [B, kv_heads, q, dim] -> readable keys/values [B, kv_heads, kv_len, dim]."""
         store, plan, i = self.store, self.plan, self.layer
         if store.keys[i] is None:
             store._init_layer(i, keys, values)
-        k = keys.transpose(0, 2, 1, 3)  # [B, q, heads, dim]
-        v = values.transpose(0, 2, 1, 3)
-        if len(plan.rows) == 1 or len(set(plan.starts)) == 1 and _is_range(plan.rows):
+        q = plan.length
+        if len(set(plan.starts)) == 1 and _is_range(plan.rows):
             r0, s = plan.rows[0], plan.starts[0]
             rows = slice(r0, r0 + len(plan.rows))
-            store.keys[i][rows, s : s + plan.length] = k
-            store.values[i][rows, s : s + plan.length] = v
+            store.keys[i][rows, :, s : s + q] = keys
+            store.values[i][rows, :, s : s + q] = values
         else:
-            # decode at per-row cursors (q == 1): scatter one position per row
-            ridx, pidx = mx.array(plan.rows), mx.array(plan.starts)
-            store.keys[i][ridx, pidx] = k[:, 0]
-            store.values[i][ridx, pidx] = v[:, 0]
+            # rows at their own cursors: one in-place slice update per row (cheaper than a
+            # scatter, and the store keeps the layout attention reads directly)
+            for b, (r, s) in enumerate(zip(plan.rows, plan.starts, strict=True)):
+                store.keys[i][r : r + 1, :, s : s + q] = keys[b : b + 1]
+                store.values[i][r : r + 1, :, s : s + q] = values[b : b + 1]
         kl = plan.kv_len
         if plan.all_rows:
-            ks, vs = store.keys[i][:, :kl], store.values[i][:, :kl]
-        elif _is_range(plan.rows):
-            r0 = plan.rows[0]
-            ks = store.keys[i][r0 : r0 + len(plan.rows), :kl]
-            vs = store.values[i][r0 : r0 + len(plan.rows), :kl]
-        else:
-            ridx = mx.array(plan.rows)
-            ks, vs = store.keys[i][ridx, :kl], store.values[i][ridx, :kl]
-        return ks.transpose(0, 2, 1, 3), vs.transpose(0, 2, 1, 3)
+            return store.keys[i][:, :, :kl], store.values[i][:, :, :kl]
+        if _is_range(plan.rows):
+            r0, r1 = plan.rows[0], plan.rows[0] + len(plan.rows)
+            return store.keys[i][r0:r1, :, :kl], store.values[i][r0:r1, :, :kl]
+        ridx = mx.array(plan.rows)
+        return store.keys[i][ridx, :, :kl], store.values[i][ridx, :, :kl]
 
 
 def _is_range(rows: list[int]) -> bool:
