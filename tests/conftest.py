@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -52,18 +53,17 @@ def make_service():
 
 
 @pytest.fixture
-def live_server(make_service):
+def live_server():
     """Factory: a real uvicorn server on loopback for a model; stopped at teardown."""
-    from llm_server.testing.live import LiveServer
+    from llm_server.testing.live import serving
 
-    servers = []
+    with contextlib.ExitStack() as stack:
 
-    def start(model_path: Path, concurrent: int = 1, max_queued: int = 16, app_options=None, **kw):
-        svc = make_service(model_path, concurrent, max_queued, **kw)
-        srv = LiveServer(svc, **(app_options or {})).start()
-        servers.append(srv)
-        return srv
+        def start(
+            model_path: Path, concurrent: int = 1, max_queued: int = 16, app_options=None, **kw
+        ):
+            return stack.enter_context(
+                serving(model_path, concurrent, max_queued, app_options, **kw)
+            )
 
-    yield start
-    for srv in servers:
-        srv.stop()
+        yield start

@@ -7,9 +7,10 @@ import re
 from collections.abc import Callable
 
 from starlette.requests import Request
+from starlette.responses import Response
 
 from llm_server.api.errors import APIError, invalid
-from llm_server.decoding import LogitsConstraint, SamplingParams
+from llm_server.decoding import FinishReason, LogitsConstraint, SamplingParams
 from llm_server.scheduler import FinishEvent, QueueFull, SchedulerClosed
 from llm_server.service import GenerationHandle, ModelService
 
@@ -198,6 +199,20 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
     if cached_tokens is not None:
         out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return out
+
+
+def settle(request: Request, finishes: list[FinishEvent | None]) -> Response | None:
+    """Record finished generations; 499 when one was cancelled, APIError 500 when one failed.
+
+    Returns None when every generation completed and the caller can build its response.
+    """
+    if any(f is None or f.reason == FinishReason.CANCELLED for f in finishes):
+        return Response(status_code=499)
+    for fin in finishes:
+        record_finish(request, fin)
+    if any(f.reason == FinishReason.ERROR for f in finishes):
+        raise APIError(500, "the model failed while generating this request", code="engine_error")
+    return None
 
 
 def record_finish(request: Request, fin: FinishEvent) -> None:

@@ -1,4 +1,5 @@
-"""The legacy completions `logprobs` object, for generated tokens and for scored prompts (C5).
+"""OpenAI `logprobs` objects: the chat shape, and the legacy completions shape for generated
+tokens and for scored prompts (C5).
 
 Shape: `{"tokens": [str], "token_logprobs": [float|None], "top_logprobs": [{str: float}|None],
 "text_offset": [int]}`; each text offset is where that token's string starts in the choice text.
@@ -30,6 +31,20 @@ def _top_dict(top: Sequence[tuple[int, float]], token_strings: TokenStrings) -> 
     for name, (_, lp) in zip(names, top, strict=True):
         out.setdefault(name, lp)
     return out
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], token_strings: TokenStrings) -> dict:
+    """The chat `logprobs` object: per token its string, logprob, bytes and alternatives."""
+
+    def item(name: str, lp: float) -> dict:
+        return {"token": name, "logprob": lp, "bytes": list(name.encode("utf-8"))}
+
+    content = []
+    for e in entries:
+        names = token_strings([e.token_id, *(tid for tid, _ in e.top)])
+        top = [item(n, lp) for n, (_, lp) in zip(names[1:], e.top, strict=True)]
+        content.append({**item(names[0], e.logprob), "top_logprobs": top})
+    return {"content": content, "refusal": None}
 
 
 def completion_logprobs(

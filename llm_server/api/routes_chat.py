@@ -18,11 +18,13 @@ from llm_server.api.common import (
     read_json,
     record_finish,
     served_id,
+    settle,
     usage,
 )
-from llm_server.api.errors import APIError, error_body, invalid
+from llm_server.api.errors import error_body, invalid
+from llm_server.api.logprobs import chat_logprobs
 from llm_server.api.schemas import ChatRequest, parse_chat
-from llm_server.api.streaming import chat_logprobs, collect, finish_reason, sse
+from llm_server.api.streaming import collect, finish_reason, sse
 from llm_server.constrained import ConstraintError, build_constraint
 from llm_server.decoding import FinishReason, LogitsConstraint
 from llm_server.scheduler import TokenEvent
@@ -67,12 +69,9 @@ async def chat_completions(request: Request) -> Response:
             headers=SSE_HEADERS,
         )
     out = await collect(handle, request)
+    if (early := settle(request, [out.finish])) is not None:
+        return early
     fin = out.finish
-    if fin is None or fin.reason == FinishReason.CANCELLED:
-        return Response(status_code=499)
-    record_finish(request, fin)
-    if fin.reason == FinishReason.ERROR:
-        raise APIError(500, "the model failed while generating this request", code="engine_error")
     choice = {
         "index": 0,
         "message": {"role": "assistant", "content": out.text},
@@ -80,7 +79,7 @@ async def chat_completions(request: Request) -> Response:
         "logprobs": None,
     }
     if chat.params.logprobs:
-        choice["logprobs"] = chat_logprobs(out.logprobs, _token_str(service))
+        choice["logprobs"] = chat_logprobs(out.logprobs, service.tokenizer.token_strings)
     return JSONResponse(
         {
             "id": rid,
@@ -92,10 +91,6 @@ async def chat_completions(request: Request) -> Response:
             "usage": usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens),
         }
     )
-
-
-def _token_str(service: ModelService):
-    return lambda tid: service.tokenizer.token_strings([tid])[0]
 
 
 async def _chat_stream(
@@ -126,7 +121,7 @@ async def _chat_stream(
         if isinstance(ev, TokenEvent):
             lp = None
             if ev.logprob is not None:
-                lp = chat_logprobs([ev.logprob], _token_str(service))
+                lp = chat_logprobs([ev.logprob], service.tokenizer.token_strings)
             if ev.text or lp is not None:
                 yield chunk({"content": ev.text}, logprobs=lp)
             continue

@@ -19,6 +19,7 @@ from llm_server.api.common import (
     record_finish,
     scheduler_errors,
     served_id,
+    settle,
     usage,
 )
 from llm_server.api.errors import APIError, error_body, invalid
@@ -91,12 +92,8 @@ async def completions(request: Request) -> Response:
             headers=SSE_HEADERS,
         )
     outs = await collect_many(handles, request)
-    if any(o.finish is None or o.finish.reason == FinishReason.CANCELLED for o in outs):
-        return Response(status_code=499)
-    for o in outs:
-        record_finish(request, o.finish)
-    if any(o.finish.reason == FinishReason.ERROR for o in outs):
-        raise APIError(500, "the model failed while generating this request", code="engine_error")
+    if (early := settle(request, [o.finish for o in outs])) is not None:
+        return early
     choices = []
     for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
         lp = None

@@ -137,19 +137,3 @@ def finish_reason(ev: FinishEvent) -> str:
 def sse(data: dict | str) -> str:
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
     return f"data: {payload}\n\n"
-
-
-def chat_logprobs(entries: list[TokenLogprob], token_str) -> dict:
-    """The OpenAI chat `logprobs` object for `entries`."""
-
-    def one(tid: int, lp: float) -> dict:
-        s = token_str(tid)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
-
-    return {
-        "content": [
-            {**one(e.token_id, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]}
-            for e in entries
-        ],
-        "refusal": None,
-    }

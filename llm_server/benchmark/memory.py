@@ -54,16 +54,3 @@ def sample(pid: int) -> MemorySample:
         if found is not None:
             return found
     return _psutil(pid) or _ps(pid)
-
-
-class PeakTracker:
-    """Keeps the largest RSS seen, for platforms without a kernel high-water mark."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.peak_bytes = 0
-
-    def sample(self) -> MemorySample:
-        s = sample(self.pid)
-        self.peak_bytes = max(self.peak_bytes, s.peak_bytes, s.rss_bytes)
-        return MemorySample(s.rss_bytes, self.peak_bytes, s.source)

@@ -77,31 +77,29 @@ class MLXEngine:
         self.vocab_size = int(config["vocab_size"])
         self.num_layers = len(self.model.layers)
         self._store = RowStore(self.num_layers, rows, self.context_length)
-        self._cursors = [0] * rows
-        self._row_tokens: list[list[int]] = [[] for _ in range(rows)]  # ids whose KV each row holds
+        # ids whose KV each row holds; a row's cursor is the length of its list
+        self._row_tokens: list[list[int]] = [[] for _ in range(rows)]
         self.row_cached = [0] * rows  # prompt tokens the last prefill took from the prefix cache
         if prefix_cache_bytes is None:
             prefix_cache_bytes = max(self.weight_bytes() // 8, 64 << 20)
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self._score_cache: list | None = None
         self._score_offset = 0
-        self.forward_count = 0  # batched forwards run (decode + prefill + scoring)
 
     # -- decode rows -----------------------------------------------------------------
 
     def cursor(self, row: int) -> int:
-        return self._cursors[row]
+        return len(self._row_tokens[row])
 
     def release(self, row: int) -> None:
         """Free `row`; its history (prompt + generated) goes to the prefix cache first."""
         self._check_row(row)
-        n = self._cursors[row]
-        if n and self.prefix_cache.enabled:
-            keys, values = self._store.read_row(row, n)
-            self.prefix_cache.insert(self._row_tokens[row][:n], keys, values)
-        self._cursors[row] = 0
+        held = self._row_tokens[row]
+        if held and self.prefix_cache.enabled:
+            keys, values = self._store.read_row(row, len(held))
+            self.prefix_cache.insert(held, keys, values)
         self._row_tokens[row] = []
-        if not any(self._cursors):
+        if not any(self._row_tokens):
             self._store.clear()  # idle: give the KV memory back
             mx.clear_cache()
 
@@ -121,20 +119,17 @@ class MLXEngine:
             raise ValueError("prefill needs at least one token")
         if n > self.context_length:
             raise ValueError(f"prompt of {n} tokens exceeds the context of {self.context_length}")
-        self._cursors[row] = 0
-        self._row_tokens[row] = []
         tokens = [int(t) for t in tokens]
         entry, reused = self.prefix_cache.match(tokens)
         if entry is not None:
             self._store.write_prefix(row, entry.keys, entry.values, reused)
-            self._cursors[row] = reused
+        self._row_tokens[row] = tokens[:reused]
         self.row_cached[row] = reused
         logits = None
         for start in range(reused, n, PREFILL_CHUNK):
             chunk = tokens[start : start + PREFILL_CHUNK]
             logits = self._forward_rows([row], [start], [chunk], last_only=True)
-            self._cursors[row] = start + len(chunk)
-        self._row_tokens[row] = tokens
+            self._row_tokens[row].extend(chunk)
         return logits[0]
 
     def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
@@ -143,12 +138,12 @@ class MLXEngine:
             raise ValueError("decode needs one token per row and at least one row")
         for r in rows:
             self._check_row(r)
-            if self._cursors[r] >= self.context_length:
+        starts = [self.cursor(r) for r in rows]
+        for r, s in zip(rows, starts, strict=True):
+            if s >= self.context_length:
                 raise EngineError(f"row {r} is full ({self.context_length} positions)")
-        starts = [self._cursors[r] for r in rows]
         logits = self._forward_rows(rows, starts, [[int(t)] for t in tokens], last_only=True)
         for r, t in zip(rows, tokens, strict=True):
-            self._cursors[r] += 1
             self._row_tokens[r].append(int(t))
         return logits
 
@@ -181,15 +176,11 @@ class MLXEngine:
             hidden = self.model.model(ids, cache=views)
             if last_only:
                 hidden = hidden[:, -1, :]
-            logits = self._lm_head(hidden).astype(mx.float32)
+            logits = cpu_kernels.lm_head(self.model, hidden).astype(mx.float32)
             mx.eval(logits, *self._store.keys, *self._store.values)
         except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
             raise EngineError(f"forward failed: {exc}") from exc
-        self.forward_count += 1
         return np.array(logits, copy=False)
-
-    def _lm_head(self, hidden: mx.array) -> mx.array:
-        return cpu_kernels.lm_head(self.model, hidden)
 
     # -- scoring session -------------------------------------------------------------
 
@@ -217,7 +208,6 @@ class MLXEngine:
         except Exception as exc:  # noqa: BLE001
             raise EngineError(f"scoring forward failed: {exc}") from exc
         self._score_offset += q
-        self.forward_count += 1
         return result
 
     def score_end(self) -> None:

@@ -88,7 +88,9 @@ class BatchScheduler:
         self.last_error: str | None = None
         self.decode_steps = 0
         self.max_rows_busy = 0
-        self.admitted: list[int] = []  # request seq numbers in admission order (tests, replay)
+        # the latest request seq numbers in admission order (tests check FIFO); bounded so a
+        # daemon running for days does not grow it
+        self.admitted: collections.deque[int] = collections.deque(maxlen=4096)
         self.step_trace: list[tuple[int, ...]] | None = None  # set to [] to record each step's seqs
 
     # -- lifecycle -------------------------------------------------------------------

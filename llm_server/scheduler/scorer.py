@@ -15,7 +15,6 @@ import heapq
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -191,7 +190,6 @@ class Scorer:
         self._batch: _Batch | None = None  # owned by the scheduler thread
         self._batch_seqs = itertools.count(1)
         self.trace: collections.deque[ScoreForward] = collections.deque(maxlen=TRACE_LIMIT)
-        self.busy_seconds = 0.0  # time spent in scoring forwards
 
     # -- any thread ------------------------------------------------------------------
 
@@ -295,9 +293,7 @@ class Scorer:
                 requests=tuple(m.request.seq for m in batch.members),
             )
         )
-        t0 = time.perf_counter()
         result = engine.score_chunk(batch.tokens[:, lo:hi], batch.targets[:, lo:hi], batch.top_k)
-        self.busy_seconds += time.perf_counter() - t0
         n = len(batch.members)  # padded rows are dropped here, never read
         batch.done.append(
             ScoreChunkResult(

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
@@ -63,3 +65,20 @@ def tiny_service(model_path: Path, concurrent: int = 1, max_queued: int = 16, **
     svc = make_service(model_path, model_path.name, concurrent, max_queued, **kw)
     svc.wait_ready(120)
     return svc
+
+
+@contextlib.contextmanager
+def serving(
+    model_path: Path, concurrent: int = 1, max_queued: int = 16, app_options=None, **kw
+) -> Iterator[LiveServer]:
+    """A started service behind a live HTTP server; both are stopped on the way out."""
+    svc = tiny_service(model_path, concurrent, max_queued, **kw)
+    try:
+        srv = LiveServer(svc, **(app_options or {})).start()
+        try:
+            yield srv
+        finally:
+            srv.stop()
+    finally:
+        svc.scheduler.abort()
+        svc.close(30)

@@ -12,14 +12,10 @@ import pytest
 @pytest.fixture(scope="module")
 def server(tiny_model_path: Path):
     """A real uvicorn server on loopback serving the tiny model (2 rows, queue 16)."""
-    from llm_server.testing.live import LiveServer, tiny_service
+    from llm_server.testing.live import serving
 
-    svc = tiny_service(tiny_model_path, concurrent=2)
-    srv = LiveServer(svc).start()
-    yield srv
-    srv.stop()
-    svc.scheduler.abort()
-    svc.close(30)
+    with serving(tiny_model_path, concurrent=2) as srv:
+        yield srv
 
 
 @pytest.fixture

@@ -61,7 +61,7 @@ def test_staggered_requests_match_serving_each_alone(tiny_model_path, tok):
             assert got.text == want.text and got.reason == want.reason
         stats = sched.stats()
         assert stats.max_rows_busy == 4  # it really batched, and never beyond N
-        assert sched.admitted == [r.seq for r in reqs]  # the queue drained FIFO
+        assert list(sched.admitted) == [r.seq for r in reqs]  # the queue drained FIFO
         _wait_idle(sched)
         assert sched.engine.kv_bytes() == 0
     finally:
