@@ -11,13 +11,8 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 from safetensors.numpy import load_file
 
-from converters.gguf_import import (
-    dequantize_q4_0,
-    dequantize_q4_1,
-    dequantize_q8_0,
-    import_gguf,
-    unpermute_qk,
-)
+from converters.gguf_dequant import dequantize_q4_0, dequantize_q4_1, dequantize_q8_0
+from converters.gguf_import import import_gguf, unpermute_qk
 from llm_server.testing.tiny import TinySpec, build_tiny_checkpoint
 
 QK = 32
