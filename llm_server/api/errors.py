@@ -13,7 +13,6 @@ _TYPES = {
     415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
-    501: "server_error",
     503: "service_unavailable",
 }
 

@@ -169,10 +169,6 @@ async def _score(
     generate_one = req.params.max_tokens == 1
     try:
         scored = await service.score([p.ids for p in prompts], req.logprobs or 0, generate_one)
-    except NotImplementedError:
-        raise APIError(
-            501, "scoring (echo with logprobs) is not available yet", code="not_implemented"
-        ) from None
     except (QueueFull, SchedulerClosed) as exc:
         raise scheduler_errors(exc) from None
     except ScoringError:

@@ -5,55 +5,48 @@ from __future__ import annotations
 import openai
 import pytest
 
-from llm_server.scheduler.scorer import ScoredPrompt
-
 
 @pytest.fixture
-def fake_score(server, monkeypatch):
-    """Replace service.score with a recorder returning hand-made scores."""
+def score_calls(server, monkeypatch):
+    """Record what the route hands the real scorer, and what it got back."""
     calls = []
-    tok = server.service.tokenizer
-    space = tok.encode(" ", add_special_tokens=False)[0]
+    real = server.service.score
 
     async def score(prompts, top_k, generate_one):
-        calls.append((prompts, top_k, generate_one))
-        out = []
-        for ids in prompts:
-            toks = list(ids) + ([space] if generate_one else [])
-            lps = [None] + [-0.5 * (i + 1) for i in range(len(toks) - 1)]
-            tops = [None] + [[(t, -0.25), (space, -1.0)][:top_k] for t in toks[1:]]
-            out.append(ScoredPrompt(toks, lps, tops, space if generate_one else None))
-        return out
+        result = await real(prompts, top_k, generate_one)
+        calls.append(((prompts, top_k, generate_one), result))
+        return result
 
     monkeypatch.setattr(server.service, "score", score)
     return calls
 
 
-def test_scoring_request_routing_and_shape(http, server, fake_score):
+def test_scoring_request_routing_and_shape(http, server, score_calls):
     tok = server.service.tokenizer
     ids = tok.encode("hello world", add_special_tokens=False)
     body = {"prompt": [ids, "colour"], "echo": True, "logprobs": 2, "max_tokens": 1}
     resp = http.post("/v1/completions", json=body)
     assert resp.status_code == 200, resp.text
     # All prompts in one call; token ids passed as given (no BOS), text with default specials.
-    assert fake_score == [([ids, tok.encode("colour")], 2, True)]
+    [(args, scored)] = score_calls
+    assert args == ([ids, tok.encode("colour")], 2, True)
     data = resp.json()
     assert data["object"] == "text_completion"
     texts = [tok.decode(ids, skip_special_tokens=False), "colour"]
-    for choice, prompt_ids, text in zip(
-        data["choices"], [ids, tok.encode("colour")], texts, strict=True
+    for choice, prompt_ids, text, sp in zip(
+        data["choices"], [ids, tok.encode("colour")], texts, scored, strict=True
     ):
         lp = choice["logprobs"]
-        n = len(prompt_ids) + 1  # prompt + the generated token
+        assert sp.tokens[:-1] == prompt_ids and sp.generated == sp.tokens[-1]
         assert choice["finish_reason"] == "length"
-        assert choice["text"] == text + " "
-        assert lp["tokens"] == tok.token_strings(
-            [*prompt_ids, tok.encode(" ", add_special_tokens=False)[0]]
-        )
-        assert lp["token_logprobs"] == [None] + [-0.5 * (i + 1) for i in range(n - 1)]
+        assert choice["text"] == text + tok.decode([sp.generated])
+        assert lp["tokens"] == tok.token_strings(sp.tokens)
+        assert lp["token_logprobs"] == sp.token_logprobs and lp["token_logprobs"][0] is None
         assert lp["top_logprobs"][0] is None
-        assert all(isinstance(t, dict) and 1 <= len(t) <= 2 for t in lp["top_logprobs"][1:])
-        assert lp["top_logprobs"][1][tok.token_strings([prompt_ids[1]])[0]] == -0.25
+        for got, top in zip(lp["top_logprobs"][1:], sp.top_logprobs[1:], strict=True):
+            names = tok.token_strings([t for t, _ in top])
+            assert 1 <= len(got) <= 2
+            assert got[names[0]] == top[0][1]  # the best alternative, under its token string
         offsets = [0]
         for s in lp["tokens"][:-1]:
             offsets.append(offsets[-1] + len(s))
@@ -66,26 +59,26 @@ def test_scoring_request_routing_and_shape(http, server, fake_score):
     }
 
 
-def test_scoring_max_tokens_zero(http, fake_score):
+def test_scoring_max_tokens_zero(http, score_calls):
     resp = http.post(
         "/v1/completions", json={"prompt": "abc", "echo": True, "logprobs": 0, "max_tokens": 0}
     )
     assert resp.status_code == 200
-    assert fake_score[0][1:] == (0, False)
+    assert score_calls[0][0][1:] == (0, False)
     choice = resp.json()["choices"][0]
     assert choice["text"] == "abc" and choice["logprobs"]["token_logprobs"][0] is None
     assert resp.json()["usage"]["completion_tokens"] == 0
 
 
-def test_echo_without_logprobs_is_generation(http, fake_score):
+def test_echo_without_logprobs_is_generation(http, score_calls):
     resp = http.post("/v1/completions", json={"prompt": "abc", "echo": True, "max_tokens": 0})
     assert resp.json()["choices"][0]["text"] == "abc"
-    assert fake_score == []
+    assert score_calls == []
 
 
 def test_scoring_end_to_end(server, http):
     """Real scorer: arrays cover prompt + generated token; the generated token's logprob
-    matches what generation reports for it (skipped until the scorer lands)."""
+    matches what generation reports for it."""
     tok = server.service.tokenizer
     ids = tok.encode("The capital of France is", add_special_tokens=False)
     body = {
@@ -96,8 +89,6 @@ def test_scoring_end_to_end(server, http):
         "temperature": 0,
     }
     resp = http.post("/v1/completions", json=body)
-    if resp.status_code == 501:
-        pytest.skip("service.score raises NotImplementedError (scorer not landed)")
     assert resp.status_code == 200, resp.text
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     parsed = client.completions.create(model="default", **body)
