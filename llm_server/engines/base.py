@@ -62,6 +62,10 @@ class Engine(Protocol):
         """Positions currently held in `row`'s cache."""
         ...
 
+    def cached_tokens(self, row: int) -> int:
+        """Prompt tokens of `row`'s last prefill that were reused from a prefix cache (0: none)."""
+        ...
+
     def release(self, row: int) -> None:
         """Forget `row`'s cache (cursor 0) so a new request can take it."""
         ...

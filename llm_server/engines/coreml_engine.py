@@ -164,6 +164,9 @@ class CoreMLEngine:
     def cursor(self, row: int) -> int:
         return self._driver.cursors[row]
 
+    def cached_tokens(self, row: int) -> int:
+        return 0  # no prefix cache on Core ML states
+
     def release(self, row: int) -> None:
         # Stale K/V stay in the state: masks never show positions at or past the cursor.
         self._driver.cursors[row] = 0

@@ -282,18 +282,14 @@ class BatchScheduler:
             except Exception as exc:  # noqa: BLE001 - isolated to this request (S8)
                 self._fail(req, exc)
                 continue
-            req.cached_tokens = self._cached_tokens(row)
+            req.cached_tokens = self.engine.cached_tokens(row)
             self._advance(req, logits)
-
-    def _cached_tokens(self, row: int) -> int:
-        cached = getattr(self.engine, "cached_tokens", None)
-        return cached(row) if cached is not None else 0
 
     def _run_exclusive(self, req: GenerationRequest) -> None:
         """Decode `req` alone to completion while the other rows wait (lease mode)."""
         try:
             logits = self.engine.prefill(req.row, req.prompt)
-            req.cached_tokens = self._cached_tokens(req.row)
+            req.cached_tokens = self.engine.cached_tokens(req.row)
             while self._advance(req, logits):
                 if req.cancelled.is_set():
                     self._retire(req, FinishReason.CANCELLED, "")

@@ -257,7 +257,7 @@ class Scorer:
         members = [m for m in taken if m.request.claim()]
         if not members:
             return None
-        pad = getattr(engine, "padded_shapes", True)
+        pad = engine.padded_shapes
         rows = padded_rows(len(members), cap, engine.dynamic_shapes and pad)
         tokens, targets = _pad([m.tokens for m in members], rows)
         chunks = chunk_sizes(tokens.shape[1], engine.context_length, buckets=pad)
