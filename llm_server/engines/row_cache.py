@@ -9,7 +9,7 @@ to plus a per-row mask.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -76,7 +76,7 @@ class RowStore:
 
 @dataclass
 class ForwardPlan:
-    """Which rows a forward touches and where: shared by every layer's RowView."""
+    """Which rows a forward touches and where: worked out once, shared by every layer."""
 
     rows: list[int]  # store rows, one per batch entry
     starts: list[int]  # first position written per batch entry
@@ -84,6 +84,14 @@ class ForwardPlan:
     mask: mx.array | str | None  # [B, 1, q, kv_len] bool, "causal" or None
     kv_len: int  # positions each batch entry reads (max over entries of start + q)
     all_rows: bool  # rows == range(store.rows): read by slicing, not gathering
+    contiguous: bool = field(init=False)  # rows form one range: slice, never gather
+    same_start: bool = field(init=False)  # every entry writes at the same position
+    offset: int | mx.array = field(init=False)  # rope offset: shared int or per-entry [B]
+
+    def __post_init__(self) -> None:
+        self.contiguous = _is_range(self.rows)
+        self.same_start = len(set(self.starts)) == 1
+        self.offset = self.starts[0] if self.same_start else mx.array(self.starts)
 
 
 class RowView:
@@ -93,9 +101,7 @@ class RowView:
         self.store = store
         self.layer = layer
         self.plan = plan
-        starts = plan.starts
-        # rope offset: an int when all entries start together, else per-entry positions [B]
-        self.offset = starts[0] if len(set(starts)) == 1 else mx.array(starts)
+        self.offset = plan.offset
 
     def make_mask(self, n: int, return_array: bool = False, window_size=None):
         return self.plan.mask
@@ -106,7 +112,7 @@ class RowView:
         if store.keys[i] is None:
             store._init_layer(i, keys, values)
         q = plan.length
-        if len(set(plan.starts)) == 1 and _is_range(plan.rows):
+        if plan.same_start and plan.contiguous:
             r0, s = plan.rows[0], plan.starts[0]
             rows = slice(r0, r0 + len(plan.rows))
             store.keys[i][rows, :, s : s + q] = keys
@@ -120,7 +126,7 @@ class RowView:
         kl = plan.kv_len
         if plan.all_rows:
             return store.keys[i][:, :, :kl], store.values[i][:, :, :kl]
-        if _is_range(plan.rows):
+        if plan.contiguous:
             r0, r1 = plan.rows[0], plan.rows[0] + len(plan.rows)
             return store.keys[i][r0:r1, :, :kl], store.values[i][r0:r1, :, :kl]
         ridx = mx.array(plan.rows)
