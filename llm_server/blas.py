@@ -12,16 +12,25 @@ Does nothing on macOS (MLX uses Accelerate there).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import glob
 import logging
 import os
 import sys
+from collections.abc import Iterator
 
 CHOICE_ENV = "LLM_SERVER_BLAS"
 DISABLE_ENV = "LLM_SERVER_NO_BLAS_PRELOAD"
 _REEXEC_ENV = "LLM_SERVER_BLAS_REEXEC"
 _LIBRARIES = {
-    "blis": ("/usr/lib/*/blis-pthread/libblas.so.3", "/usr/lib64/blis-pthread/libblas.so.3"),
+    # libblis.so.4 first: besides the BLAS symbols it exports BLIS's own API, whose runtime
+    # thread setter `threads()` uses (libblas.so.3 from the same package exports BLAS only)
+    "blis": (
+        "/usr/lib/*/blis-pthread/libblis.so.4",
+        "/usr/lib/*/blis-pthread/libblas.so.3",
+        "/usr/lib64/blis-pthread/libblas.so.3",
+    ),
     "openblas": (
         "/usr/lib/*/openblas-pthread/libblas.so.3",
         "/usr/lib/openblas-pthread/libblas.so.3",
@@ -140,6 +149,48 @@ def active_blas() -> str:
         if found:
             return f"{name} ({found[0]})"
     return "reference"
+
+
+_thread_setter: list = []  # [callable or None] once looked up
+
+
+def threads_settable() -> bool:
+    """True when the mapped BLAS is BLIS with its runtime thread setter (the preloaded .so.4)."""
+    if not _thread_setter:
+        fn = None
+        if sys.platform.startswith("linux"):
+            try:
+                fn = ctypes.CDLL(None).bli_thread_set_num_threads
+                fn.argtypes, fn.restype = [ctypes.c_int64], None  # dim_t is a 64-bit int
+            except (OSError, AttributeError):
+                fn = None
+        _thread_setter.append(fn)
+    return _thread_setter[0] is not None
+
+
+def default_threads() -> int:
+    try:
+        return max(1, int(os.environ.get("BLIS_NUM_THREADS", "")))
+    except ValueError:
+        return os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def threads(n: int) -> Iterator[None]:
+    """Run the block with BLIS on `n` threads (a no-op unless `threads_settable()`).
+
+    The decode step splits its products across two MLX streams itself; one BLIS thread per
+    stream then beats BLIS forking both cores for every skinny product.
+    """
+    if not threads_settable():
+        yield
+        return
+    setter = _thread_setter[0]
+    setter(n)
+    try:
+        yield
+    finally:
+        setter(default_threads())
 
 
 def _main(argv: list[str]) -> None:

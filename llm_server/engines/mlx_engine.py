@@ -10,13 +10,16 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
+from llm_server import blas
 from llm_server.engines import cpu_kernels
 from llm_server.engines.base import EngineError, ScoreChunkResult
+from llm_server.engines.fused_decode import FusedDecoder
 from llm_server.engines.prefix_cache import PrefixCache
 from llm_server.engines.row_cache import ForwardPlan, RowStore, RowView
 
@@ -41,11 +44,13 @@ class MLXEngine:
         dtype: str = "float32",
         prefix_cache_bytes: int | None = None,
         padded_shapes: bool = False,
+        fused_decode: bool = True,
     ) -> None:
         """`prefix_cache_bytes`: bound of the prompt prefix cache (None: an eighth of the weights, at least 64 MiB; 0: off).
 
         `padded_shapes`: have the scorer pad scoring shapes to buckets (C4). MLX runs any shape
         without a compile, so by default it gets exact shapes and computes no padding.
+        `fused_decode`: run decode steps through `FusedDecoder` where the architecture allows.
         """
         from mlx_lm.utils import load_model
 
@@ -67,13 +72,15 @@ class MLXEngine:
         self.model.set_dtype(_DTYPES[dtype])
         mx.eval(self.model.parameters())
         cpu_kernels.split_linears(self.model)  # 1-2 row decode products use both cores
+        # decode steps with stacked q/k/v and gate/up products (None: mlx-lm's forward)
+        max_pos = int(config.get("max_position_embeddings") or 2048)
+        self.context_length = min(context_length or max_pos, max_pos)
+        self._fused = FusedDecoder.build(self.model, self.context_length) if fused_decode else None
         self.model_path = path
         self.padded_shapes = padded_shapes
         self.dtype = dtype
         self.rows = rows
         self.supports_batching = rows > 1
-        max_pos = int(config.get("max_position_embeddings") or 2048)
-        self.context_length = min(context_length or max_pos, max_pos)
         self.vocab_size = int(config["vocab_size"])
         self.num_layers = len(self.model.layers)
         self._store = RowStore(self.num_layers, rows, self.context_length)
@@ -151,6 +158,12 @@ class MLXEngine:
         """Bytes held by the decode rows' KV store."""
         return self._store.nbytes()
 
+    def _split(self, rows: int) -> bool:
+        """Whether a decode step over `rows` splits its products across two CPU streams."""
+        if not cpu_kernels.on_cpu() or self.dtype != "float32":
+            return False
+        return rows <= cpu_kernels.SPLIT_MAX_ROWS or blas.threads_settable()
+
     def _check_row(self, row: int) -> None:
         if not 0 <= row < self.rows:
             raise ValueError(f"row {row} out of range 0..{self.rows - 1}")
@@ -172,12 +185,19 @@ class MLXEngine:
         )
         views = [RowView(self._store, i, plan) for i in range(self.num_layers)]
         ids = mx.array(np.asarray(tokens, dtype=np.int32))
+        fused = q == 1 and last_only and self._fused is not None
         try:
-            hidden = self.model.model(ids, cache=views)
-            if last_only:
-                hidden = hidden[:, -1, :]
-            logits = cpu_kernels.lm_head(self.model, hidden).astype(mx.float32)
-            mx.eval(logits, *self._store.keys, *self._store.values)
+            if fused:
+                logits = self._fused.logits(ids, views, split=self._split(len(rows)))
+            else:
+                hidden = self.model.model(ids, cache=views)
+                if last_only:
+                    hidden = hidden[:, -1, :]
+                logits = cpu_kernels.lm_head(self.model, hidden)
+            logits = logits.astype(mx.float32)
+            # a split decode step runs each half on one BLIS thread (both cores in all)
+            with blas.threads(1) if fused and self._split(len(rows)) else nullcontext():
+                mx.eval(logits, *self._store.keys, *self._store.values)
         except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
             raise EngineError(f"forward failed: {exc}") from exc
         return np.array(logits, copy=False)

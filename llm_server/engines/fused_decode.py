@@ -1,0 +1,228 @@
+"""The decode step (one new token per row) with stacked projections and fewer graph ops.
+
+A decode step reads every weight once and, on a small model, also pays per graph op: mlx-lm's
+layer runs seven products and ~40 small ops. Here each layer runs four products (q/k/v stacked
+into one weight, gate/up into another), SiLU·up is one compiled kernel, and rotary embeddings
+come from a cos/sin table built once (MLX's CPU rope recomputes them with scalar transcendentals
+for every call). The model's own q/k/v and gate/up weights are rebound as row slices (views) of
+the stacked ones, so the weights are held once and prefill/scoring keep running the mlx-lm
+modules unchanged. Every output is the same dot product as in the separate products, and the
+table holds exactly the values the rope module computes.
+
+On the CPU `split=True` puts each product's output halves on two streams: with BLIS held to
+one thread per stream (see `blas.threads`) that is faster than BLIS's own threading for the
+skinny products of decoding.
+
+`FusedDecoder.build(model, positions)` returns None for layers it does not know (quantized
+weights, sliding windows, unknown attention extras); the engine then keeps the mlx-lm forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from llm_server.engines import cpu_kernels
+from llm_server.engines.row_cache import RowView
+
+_KNOWN_ATTN = {"q_proj", "k_proj", "v_proj", "o_proj", "rope", "q_norm", "k_norm"}
+_KNOWN_MLP = {"gate_proj", "up_proj", "down_proj"}
+
+
+@partial(mx.compile, shapeless=True)
+def _silu_mul(gate: mx.array, up: mx.array) -> mx.array:
+    return gate * mx.sigmoid(gate) * up
+
+
+@mx.compile
+def _rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """Half-split rotary embedding: x [..., D], cos/sin [..., D/2] broadcastable."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+@dataclass
+class _Linear:
+    weight: mx.array  # [out, in]
+    bias: mx.array | None
+
+    def __call__(self, x: mx.array, split: bool) -> mx.array:
+        out = cpu_kernels.split_matmul(x, self.weight) if split else x @ self.weight.T
+        return out if self.bias is None else out + self.bias
+
+
+@dataclass
+class _Layer:
+    qkv: _Linear  # [(H + 2 KV) * Dh, dim]
+    o: _Linear
+    gate_up: _Linear  # [2 * inter, dim]
+    down: _Linear
+    norm_in: nn.RMSNorm
+    norm_post: nn.RMSNorm
+    rope: nn.Module  # used where there is no cos/sin table
+    q_norm: nn.Module | None
+    k_norm: nn.Module | None
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    inter: int
+
+
+def _bias(m: nn.Linear) -> mx.array | None:
+    return m.bias if "bias" in m else None
+
+
+def _stack(modules: list[nn.Linear]) -> _Linear:
+    """One weight (and bias) for `modules`; each module's weight becomes a view of it."""
+    biases = [_bias(m) for m in modules]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        raise ValueError("some of the stacked projections have a bias and some do not")
+    weight = mx.concatenate([m.weight for m in modules])
+    bias = None if biases[0] is None else mx.concatenate(biases)
+    mx.eval(weight, *([] if bias is None else [bias]))
+    start = 0
+    for m in modules:
+        n = m.weight.shape[0]
+        m.weight = weight[start : start + n]
+        if bias is not None:
+            m.bias = bias[start : start + n]
+        mx.eval(m.parameters())  # views: the separate weights are freed here
+        start += n
+    return _Linear(weight, bias)
+
+
+def _fusable(layer) -> bool:
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None or getattr(layer, "use_sliding", False):
+        return False
+    if set(attn.children()) - _KNOWN_ATTN or set(mlp.children()) - _KNOWN_MLP:
+        return False
+    linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
+    return all(isinstance(m, nn.Linear) for m in linears) and all(
+        isinstance(n, nn.RMSNorm) for n in norms
+    )
+
+
+def _rope_table(rope: nn.Module, head_dim: int, positions: int, dtype) -> mx.array | None:
+    """[positions, head_dim] = [cos | sin] as `rope` computes them, or None if it is not a
+    plain half-split rotation of all head_dim features.
+
+    RoPE is linear in x: with x = [1...1, 0...0] it returns [cos | sin] at each position.
+    """
+    if getattr(rope, "traditional", True) or getattr(rope, "dims", None) != head_dim:
+        return None
+    half = head_dim // 2
+    probe = mx.concatenate([mx.ones((positions, half)), mx.zeros((positions, half))], axis=-1)
+    table = rope(probe.reshape(1, 1, positions, head_dim).astype(dtype))[0, 0]
+    mx.eval(table)
+    return table if _table_matches(table, rope) else None
+
+
+def _table_matches(table: mx.array, rope: nn.Module) -> bool:
+    """Whether rotating by `table` reproduces `rope` (random inputs, a few positions)."""
+    positions, head_dim = table.shape
+    half = head_dim // 2
+    x = mx.random.normal((1, 1, 1, head_dim), key=mx.random.key(0)).astype(table.dtype)
+    for pos in sorted({0, 1, positions // 2, positions - 1}):
+        c, s = table[pos, :half], table[pos, half:]
+        if not mx.allclose(_rotate(x, c, s), rope(x, offset=pos), rtol=1e-5, atol=1e-6).item():
+            return False
+    return True
+
+
+class FusedDecoder:
+    """Runs the model for one new token per row over the engine's row views."""
+
+    def __init__(self, model, layers: list[_Layer], lm_head: _Linear, table: mx.array | None):
+        self.model = model
+        self.layers = layers
+        self.lm_head = lm_head
+        self.table = table  # [positions, Dh] cos | sin, shared by every layer
+        self.half = layers[0].head_dim // 2
+
+    @classmethod
+    def build(cls, model, positions: int) -> FusedDecoder | None:
+        inner = getattr(model, "model", None)
+        blocks = getattr(inner, "layers", None)
+        if not blocks or not all(_fusable(b) for b in blocks):
+            return None
+        if not isinstance(getattr(inner, "norm", None), nn.RMSNorm):
+            return None
+        tied = getattr(model.args, "tie_word_embeddings", False) or not hasattr(model, "lm_head")
+        head = inner.embed_tokens if tied else model.lm_head
+        if type(head) not in (nn.Embedding, nn.Linear):
+            return None  # a quantized head
+        lm_head = _Linear(head.weight, None if tied else _bias(head))
+        attn0 = blocks[0].self_attn
+        head_dim = attn0.q_proj.weight.shape[0] // attn0.n_heads
+        table = None
+        if cpu_kernels.on_cpu():  # Metal's rope kernel is fast; the CPU's recomputes cos/sin
+            table = _rope_table(attn0.rope, head_dim, positions, attn0.q_proj.weight.dtype)
+            if table is not None and not all(
+                _table_matches(table, b.self_attn.rope) for b in blocks
+            ):
+                table = None  # layers with different rotary settings
+        layers = []
+        for block in blocks:
+            attn, mlp = block.self_attn, block.mlp
+            layers.append(
+                _Layer(
+                    qkv=_stack([attn.q_proj, attn.k_proj, attn.v_proj]),
+                    o=_Linear(attn.o_proj.weight, _bias(attn.o_proj)),
+                    gate_up=_stack([mlp.gate_proj, mlp.up_proj]),
+                    down=_Linear(mlp.down_proj.weight, _bias(mlp.down_proj)),
+                    norm_in=block.input_layernorm,
+                    norm_post=block.post_attention_layernorm,
+                    rope=attn.rope,
+                    q_norm=getattr(attn, "q_norm", None),
+                    k_norm=getattr(attn, "k_norm", None),
+                    heads=attn.n_heads,
+                    kv_heads=attn.n_kv_heads,
+                    head_dim=head_dim,
+                    scale=attn.scale,
+                    inter=mlp.gate_proj.weight.shape[0],
+                )
+            )
+        return cls(model, layers, lm_head, table)
+
+    def logits(self, ids: mx.array, views: list[RowView], split: bool) -> mx.array:
+        """ids [B, 1] -> logits [B, vocab] for each row's next token."""
+        inner = self.model.model
+        x = inner.embed_tokens(ids)  # [B, 1, dim]
+        b = ids.shape[0]
+        plan = views[0].plan
+        cos_sin = None
+        if self.table is not None:
+            at = self.table[mx.array(plan.starts)][:, None, None, :]  # [B, 1, 1, Dh]
+            cos_sin = (at[..., : self.half], at[..., self.half :])
+        for layer, view in zip(self.layers, views, strict=True):
+            x = x + self._attention(layer, layer.norm_in(x), view, b, cos_sin, split)
+            gu = layer.gate_up(layer.norm_post(x), split)
+            x = x + layer.down(_silu_mul(gu[..., : layer.inter], gu[..., layer.inter :]), split)
+        return self.lm_head(inner.norm(x)[:, -1, :], split)
+
+    def _attention(self, layer: _Layer, h, view: RowView, b: int, cos_sin, split: bool):
+        hd, nh, nkv = layer.head_dim, layer.heads, layer.kv_heads
+        qkv = layer.qkv(h, split)  # [B, 1, (H + 2 KV) * Dh]
+        q = qkv[..., : nh * hd].reshape(b, 1, nh, hd)
+        k = qkv[..., nh * hd : (nh + nkv) * hd].reshape(b, 1, nkv, hd)
+        v = qkv[..., (nh + nkv) * hd :].reshape(b, 1, nkv, hd)
+        if layer.q_norm is not None:
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
+        if cos_sin is not None:
+            q, k = _rotate(q, *cos_sin), _rotate(k, *cos_sin)
+        else:
+            q, k = layer.rope(q, offset=view.offset), layer.rope(k, offset=view.offset)
+        keys, values = view.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(
+            q, keys, values, scale=layer.scale, mask=view.plan.mask
+        )
+        return layer.o(out.transpose(0, 2, 1, 3).reshape(b, 1, nh * hd), split)

@@ -1,0 +1,101 @@
+"""The fused decode step: the same logits as mlx-lm's forward, weights held once, safe fallbacks."""
+
+from __future__ import annotations
+
+import ctypes
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models.rope_utils import initialize_rope
+
+from llm_server import blas
+from llm_server.engines.fused_decode import FusedDecoder, _rope_table, _table_matches
+from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.testing.tiny import TinySpec, build_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def arch_paths(tmp_path_factory, tiny_model_path, tiny_llama_path):
+    qwen2 = build_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny") / "tiny-qwen2", TinySpec(arch="qwen2")
+    )
+    return {"qwen3": tiny_model_path, "llama": tiny_llama_path, "qwen2": qwen2}
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
+def test_fused_steps_equal_the_mlx_lm_forward(arch, arch_paths):
+    """Rows at different cursors, all rows and gathered subsets: logits match, tokens equal."""
+    fused = MLXEngine(arch_paths[arch], rows=4)
+    plain = MLXEngine(arch_paths[arch], rows=4, fused_decode=False)
+    assert fused._fused is not None and fused._fused.table is not None
+    assert plain._fused is None
+    rng = np.random.default_rng(3)
+    last = {}
+    for row, n in enumerate((3, 17, 1, 40)):
+        prompt = rng.integers(3, 380, n).tolist()
+        a, b = fused.prefill(row, prompt), plain.prefill(row, prompt)
+        np.testing.assert_allclose(a, b, atol=1e-5)
+        last[row] = int(np.argmax(a))
+    for step in range(24):
+        rows = [[0, 1, 2, 3], [0, 2], [3], [1, 2, 3]][step % 4]
+        toks = [last[r] for r in rows]
+        a, b = fused.decode(rows, toks), plain.decode(rows, toks)
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+        assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
+        last.update(zip(rows, a.argmax(-1).tolist(), strict=True))
+    assert [fused.cursor(r) for r in range(4)] == [plain.cursor(r) for r in range(4)]
+
+
+def _address(a: mx.array) -> int:
+    return np.array(a, copy=False).__array_interface__["data"][0]
+
+
+def test_stacked_weights_are_held_once(tiny_model_path):
+    """q/k/v and gate/up of the model are views into the stacked weights, not copies."""
+    engine = MLXEngine(tiny_model_path, rows=1)
+    layer, fused = engine.model.model.layers[0], engine._fused.layers[0]
+    base = _address(fused.qkv.weight)
+    row_bytes = fused.qkv.weight.shape[1] * 4
+    attn = layer.self_attn
+    q_rows, k_rows = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
+    assert _address(attn.q_proj.weight) == base
+    assert _address(attn.k_proj.weight) == base + q_rows * row_bytes
+    assert _address(attn.v_proj.weight) == base + (q_rows + k_rows) * row_bytes
+    inter = layer.mlp.gate_proj.weight.shape[0]
+    assert _address(layer.mlp.gate_proj.weight) == _address(fused.gate_up.weight)
+    assert _address(layer.mlp.up_proj.weight) == _address(fused.gate_up.weight) + inter * row_bytes
+
+
+def test_quantized_layers_keep_the_mlx_lm_forward(tiny_llama_path):
+    engine = MLXEngine(tiny_llama_path, rows=1, fused_decode=False)
+    nn.quantize(engine.model, group_size=32, bits=8)
+    assert FusedDecoder.build(engine.model, 64) is None
+
+
+def test_rope_table_reproduces_scaled_rope_and_refuses_others():
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    }
+    rope = initialize_rope(64, 500000.0, False, scaling, 4096)
+    table = _rope_table(rope, 64, 1024, mx.float32)
+    assert table is not None and table.shape == (1024, 64)
+    assert not _table_matches(table, nn.RoPE(64, base=500000.0))  # no scaling: other angles
+    assert _rope_table(nn.RoPE(64, traditional=True), 64, 16, mx.float32) is None
+    assert _rope_table(nn.RoPE(32), 64, 16, mx.float32) is None  # partial rotary
+
+
+def test_blis_thread_setter_applies_and_restores():
+    if not blas.threads_settable():
+        pytest.skip("BLIS with its runtime thread setter is not the mapped BLAS")
+    get = ctypes.CDLL(None).bli_thread_get_num_threads
+    get.restype = ctypes.c_int64
+    with blas.threads(1):
+        assert get() == 1
+        assert blas.check_blas()  # products stay right on one thread
+    assert get() == blas.default_threads()
