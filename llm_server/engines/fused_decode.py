@@ -37,12 +37,14 @@ def _silu_mul(gate: mx.array, up: mx.array) -> mx.array:
     return gate * mx.sigmoid(gate) * up
 
 
-@mx.compile
-def _rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+def _rotate_eager(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     """Half-split rotary embedding: x [..., D], cos/sin [..., D/2] broadcastable."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+_rotate = mx.compile(_rotate_eager)  # decode shapes are few (one per row count)
 
 
 @dataclass
@@ -193,36 +195,54 @@ class FusedDecoder:
         return cls(model, layers, lm_head, table)
 
     def logits(self, ids: mx.array, views: list[RowView], split: bool) -> mx.array:
-        """ids [B, 1] -> logits [B, vocab] for each row's next token."""
+        """ids [B, q] -> logits [B, vocab] at each row's last position."""
         inner = self.model.model
-        x = inner.embed_tokens(ids)  # [B, 1, dim]
-        b = ids.shape[0]
-        plan = views[0].plan
+        x = inner.embed_tokens(ids)  # [B, q, dim]
+        b, q = ids.shape
         cos_sin = None
         if self.table is not None:
-            at = self.table[mx.array(plan.starts)][:, None, None, :]  # [B, 1, 1, Dh]
+            plan = views[0].plan
+            pos = mx.array(plan.starts)[:, None] + mx.arange(q)[None, :]  # [B, q]
+            at = self.table[pos][:, None]  # [B, 1, q, Dh]
             cos_sin = (at[..., : self.half], at[..., self.half :])
         for layer, view in zip(self.layers, views, strict=True):
-            x = x + self._attention(layer, layer.norm_in(x), view, b, cos_sin, split)
+            x = x + self._attention(layer, layer.norm_in(x), view, cos_sin, split)
             gu = layer.gate_up(layer.norm_post(x), split)
-            x = x + layer.down(_silu_mul(gu[..., : layer.inter], gu[..., layer.inter :]), split)
-        return self.lm_head(inner.norm(x)[:, -1, :], split)
+            gate, up = gu[..., : layer.inter], gu[..., layer.inter :]
+            if q > 1 and cpu_kernels.on_cpu():
+                act = cpu_kernels.swiglu(gate, up)  # numpy's SIMD sigmoid for large inputs
+            else:
+                act = _silu_mul(gate, up)
+            x = x + layer.down(act, split)
+        return self.lm_head(inner.norm(x[:, -1, :]), split)
 
-    def _attention(self, layer: _Layer, h, view: RowView, b: int, cos_sin, split: bool):
+    def _attention(self, layer: _Layer, h, view: RowView, cos_sin, split: bool):
         hd, nh, nkv = layer.head_dim, layer.heads, layer.kv_heads
-        qkv = layer.qkv(h, split)  # [B, 1, (H + 2 KV) * Dh]
-        q = qkv[..., : nh * hd].reshape(b, 1, nh, hd)
-        k = qkv[..., nh * hd : (nh + nkv) * hd].reshape(b, 1, nkv, hd)
-        v = qkv[..., (nh + nkv) * hd :].reshape(b, 1, nkv, hd)
+        b, q, _ = h.shape
+        qkv = layer.qkv(h, split)  # [B, q, (H + 2 KV) * Dh]
+        queries = qkv[..., : nh * hd].reshape(b, q, nh, hd)
+        keys = qkv[..., nh * hd : (nh + nkv) * hd].reshape(b, q, nkv, hd)
+        values = qkv[..., (nh + nkv) * hd :].reshape(b, q, nkv, hd)
         if layer.q_norm is not None:
-            q, k = layer.q_norm(q), layer.k_norm(k)
-        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
-        if cos_sin is not None:
-            q, k = _rotate(q, *cos_sin), _rotate(k, *cos_sin)
+            queries, keys = layer.q_norm(queries), layer.k_norm(keys)
+        queries, keys, values = (t.transpose(0, 2, 1, 3) for t in (queries, keys, values))
+        if cos_sin is None:
+            queries = layer.rope(queries, offset=view.offset)
+            keys = layer.rope(keys, offset=view.offset)
+        elif q == 1:
+            queries, keys = _rotate(queries, *cos_sin), _rotate(keys, *cos_sin)
+        else:  # not compiled: one compile per prompt length would pile up
+            queries, keys = _rotate_eager(queries, *cos_sin), _rotate_eager(keys, *cos_sin)
+        keys, values = view.update_and_fetch(keys, values)
+        mask = view.plan.mask
+        if (
+            q > 1
+            and cpu_kernels.on_cpu()
+            and b * nh * q * keys.shape[2] >= cpu_kernels.NUMPY_MIN_ELEMENTS
+        ):
+            out = cpu_kernels.attention(queries, keys, values, layer.scale, mask)
         else:
-            q, k = layer.rope(q, offset=view.offset), layer.rope(k, offset=view.offset)
-        keys, values = view.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(
-            q, keys, values, scale=layer.scale, mask=view.plan.mask
-        )
-        return layer.o(out.transpose(0, 2, 1, 3).reshape(b, 1, nh * hd), split)
+            out = mx.fast.scaled_dot_product_attention(
+                queries, keys, values, scale=layer.scale, mask=mask
+            )
+        return layer.o(out.transpose(0, 2, 1, 3).reshape(b, q, nh * hd), split)

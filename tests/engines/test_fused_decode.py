@@ -26,14 +26,15 @@ def arch_paths(tmp_path_factory, tiny_model_path, tiny_llama_path):
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
 def test_fused_steps_equal_the_mlx_lm_forward(arch, arch_paths):
-    """Rows at different cursors, all rows and gathered subsets: logits match, tokens equal."""
+    """Prefill (split, unsplit, numpy attention, two chunks) and decode steps over rows at
+    different cursors, all rows and gathered subsets: logits match, tokens are equal."""
     fused = MLXEngine(arch_paths[arch], rows=4)
     plain = MLXEngine(arch_paths[arch], rows=4, fused_decode=False)
     assert fused._fused is not None and fused._fused.table is not None
     assert plain._fused is None
     rng = np.random.default_rng(3)
     last = {}
-    for row, n in enumerate((3, 17, 1, 40)):
+    for row, n in enumerate((3, 130, 1, 600)):
         prompt = rng.integers(3, 380, n).tolist()
         a, b = fused.prefill(row, prompt), plain.prefill(row, prompt)
         np.testing.assert_allclose(a, b, atol=1e-5)
