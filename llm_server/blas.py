@@ -175,6 +175,12 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
+def set_threads(n: int) -> None:
+    """Set BLIS's thread count for the calls that follow (a no-op unless `threads_settable()`)."""
+    if threads_settable():
+        _thread_setter[0](n)
+
+
 @contextlib.contextmanager
 def threads(n: int) -> Iterator[None]:
     """Run the block with BLIS on `n` threads (a no-op unless `threads_settable()`).
@@ -182,15 +188,11 @@ def threads(n: int) -> Iterator[None]:
     The decode step splits its products across two MLX streams itself; one BLIS thread per
     stream then beats BLIS forking both cores for every skinny product.
     """
-    if not threads_settable():
-        yield
-        return
-    setter = _thread_setter[0]
-    setter(n)
+    set_threads(n)
     try:
         yield
     finally:
-        setter(default_threads())
+        set_threads(default_threads())
 
 
 def _main(argv: list[str]) -> None:

@@ -43,6 +43,9 @@ class Engine(Protocol):
     # True when a new input shape costs a compile or an allocation (Core ML, compiled graphs):
     # the scorer then pads the last chunk to SCORE_BUCKETS and rows to a power of two (C4).
     padded_shapes: bool
+    # True when decode_start/decode_finish/decode_cancel exist: a step can be started on the
+    # lazy greedy ids of a step still in flight (the scheduler pipelines greedy decoding)
+    pipelined: bool
 
     def prefill(self, row: int, tokens: Sequence[int]) -> np.ndarray:
         """Reset `row`, run `tokens` through it (chunked); its cursor becomes len(tokens).

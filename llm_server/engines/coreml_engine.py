@@ -130,6 +130,7 @@ class CoreMLEngine:
     """Engine protocol on `MLModel.predict` with `make_state` (macOS 15+ only)."""
 
     name = "coreml"
+    pipelined = False  # each predict() is synchronous
     dynamic_shapes = False
     padded_shapes = True  # q must be one of the enumerated sizes
     dtype = "float16"

@@ -11,6 +11,7 @@ import json
 import logging
 from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -36,6 +37,7 @@ class MLXEngine:
 
     name = "mlx"
     dynamic_shapes = True
+    pipelined = True  # decode_start/finish/cancel: the next step can start before a finish
 
     def __init__(
         self,
@@ -91,6 +93,9 @@ class MLXEngine:
         # ids whose KV each row holds; a row's cursor is the length of its list
         self._row_tokens: list[list[int]] = [[] for _ in range(rows)]
         self.row_cached = [0] * rows  # prompt tokens the last prefill took from the prefix cache
+        self._ahead = [0] * rows  # decode steps started on a row and not yet finished
+        self._epoch = [0] * rows  # bumped by release(): in-flight steps of the old owner are void
+        self._split_steps = 0  # split decode steps in flight (BLIS held to one thread meanwhile)
         if prefix_cache_bytes is None:
             prefix_cache_bytes = max(self.weight_bytes() // 8, 64 << 20)
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
@@ -110,6 +115,8 @@ class MLXEngine:
             keys, values = self._store.read_row(row, len(held))
             self.prefix_cache.insert(held, keys, values)
         self._row_tokens[row] = []
+        self._ahead[row] = 0
+        self._epoch[row] += 1
         if not any(self._row_tokens):
             self._store.clear()  # idle: give the KV memory back
             mx.clear_cache()
@@ -130,6 +137,8 @@ class MLXEngine:
             raise ValueError("prefill needs at least one token")
         if n > self.context_length:
             raise ValueError(f"prompt of {n} tokens exceeds the context of {self.context_length}")
+        if self._ahead[row]:
+            raise RuntimeError(f"row {row} has a decode step in flight; release it first")
         tokens = [int(t) for t in tokens]
         entry, reused = self.prefix_cache.match(tokens)
         if entry is not None:
@@ -139,24 +148,80 @@ class MLXEngine:
         logits = None
         for start in range(reused, n, PREFILL_CHUNK):
             chunk = tokens[start : start + PREFILL_CHUNK]
-            logits = self._forward_rows([row], [start], [chunk], last_only=True)
+            logits = self._forward_rows([row], [start], [chunk])
             self._row_tokens[row].extend(chunk)
         return logits[0]
 
     def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+        return self.decode_finish(self.decode_start(rows, tokens))
+
+    def decode_start(self, rows: Sequence[int], tokens: Sequence[int] | mx.array) -> DecodeStep:
+        """Build one batched decode step and start evaluating it; returns at once.
+
+        `tokens` may be the lazy `greedy` ids of a step still in flight: the scheduler then
+        builds step n+1 while step n computes. Rows advance when the step is finished.
+        """
         rows = list(rows)
         if len(rows) != len(tokens) or not rows:
             raise ValueError("decode needs one token per row and at least one row")
         for r in rows:
             self._check_row(r)
-        starts = [self.cursor(r) for r in rows]
+        starts = [self.cursor(r) + self._ahead[r] for r in rows]
         for r, s in zip(rows, starts, strict=True):
             if s >= self.context_length:
                 raise EngineError(f"row {r} is full ({self.context_length} positions)")
-        logits = self._forward_rows(rows, starts, [[int(t)] for t in tokens], last_only=True)
-        for r, t in zip(rows, tokens, strict=True):
-            self._row_tokens[r].append(int(t))
+        if isinstance(tokens, mx.array):
+            ids = tokens.astype(mx.int32).reshape(-1, 1)
+        else:
+            ids = mx.array(np.asarray(tokens, dtype=np.int32).reshape(-1, 1))
+        split = self._split(len(rows))
+        if split:
+            self._split_steps += 1
+            blas.set_threads(1)  # one BLIS thread per split half until the step is finished
+        try:
+            logits = self._graph(rows, starts, ids, split)
+            greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
+            mx.async_eval(logits, greedy, *self._store.keys, *self._store.values)
+        except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
+            self._end_split(split)
+            raise EngineError(f"forward failed: {exc}") from exc
+        for r in rows:
+            self._ahead[r] += 1
+        return DecodeStep(rows, [self._epoch[r] for r in rows], tokens, logits, greedy, split)
+
+    def decode_finish(self, step: DecodeStep) -> np.ndarray:
+        """Wait for `step`; advance its rows (those not released since); logits [B, vocab]."""
+        try:
+            logits = np.array(step.logits, copy=False)
+            if isinstance(step.tokens, mx.array):
+                tokens = np.array(step.tokens).reshape(-1).tolist()
+            else:
+                tokens = [int(t) for t in step.tokens]
+        except Exception as exc:  # noqa: BLE001
+            self.decode_cancel(step)
+            raise EngineError(f"forward failed: {exc}") from exc
+        self._settle(step, tokens)
         return logits
+
+    def decode_cancel(self, step: DecodeStep) -> None:
+        """Drop `step` without advancing its rows (it may still be computing; the positions it
+        wrote are rewritten by the next step of each row)."""
+        self._settle(step, None)
+
+    def _settle(self, step: DecodeStep, tokens: list[int] | None) -> None:
+        for i, (r, epoch) in enumerate(zip(step.rows, step.epochs, strict=True)):
+            if self._epoch[r] != epoch:
+                continue  # released (and maybe reused) while the step was in flight
+            self._ahead[r] -= 1
+            if tokens is not None:
+                self._row_tokens[r].append(tokens[i])
+        self._end_split(step.split)
+
+    def _end_split(self, split: bool) -> None:
+        if split:
+            self._split_steps -= 1
+            if self._split_steps == 0:
+                blas.set_threads(blas.default_threads())
 
     def kv_bytes(self) -> int:
         """Bytes held by the decode rows' KV store."""
@@ -170,7 +235,7 @@ class MLXEngine:
         116 -> 94 ms (BLIS forks both cores for every product, tiny attention products too);
         from a few hundred positions BLIS's own threading wins again.
         """
-        if not cpu_kernels.on_cpu() or self.dtype != "float32":
+        if self._fused is None or not cpu_kernels.on_cpu() or self.dtype != "float32":
             return False
         if positions <= cpu_kernels.SPLIT_MAX_ROWS:
             return True  # BLIS runs a 1-2 row product on one core whatever its thread count
@@ -181,10 +246,24 @@ class MLXEngine:
             raise ValueError(f"row {row} out of range 0..{self.rows - 1}")
 
     def _forward_rows(
-        self, rows: list[int], starts: list[int], tokens: list[list[int]], last_only: bool
+        self, rows: list[int], starts: list[int], tokens: list[list[int]]
     ) -> np.ndarray:
-        """One forward over `rows` (equal token counts); returns logits [B, vocab] or [B, q, vocab]."""
-        q = len(tokens[0])
+        """One forward over `rows` (equal token counts), evaluated now; logits [B, vocab] of
+        each row's last position."""
+        ids = mx.array(np.asarray(tokens, dtype=np.int32))
+        split = self._split(len(rows) * ids.shape[1])
+        # one BLIS thread per split half; numpy round trips inside the graph evaluate too
+        with blas.threads(1) if split else nullcontext():
+            try:
+                logits = self._graph(rows, starts, ids, split)
+                mx.eval(logits, *self._store.keys, *self._store.values)
+            except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
+                raise EngineError(f"forward failed: {exc}") from exc
+        return np.array(logits, copy=False)
+
+    def _graph(self, rows: list[int], starts: list[int], ids: mx.array, split: bool) -> mx.array:
+        """The (lazy) logits [B, vocab] float32 of each row's last position for ids [B, q]."""
+        q = ids.shape[1]
         kv_len = max(starts) + q
         self._store.ensure(kv_len)
         plan = ForwardPlan(
@@ -196,24 +275,12 @@ class MLXEngine:
             all_rows=rows == list(range(self.rows)),
         )
         views = [RowView(self._store, i, plan) for i in range(self.num_layers)]
-        ids = mx.array(np.asarray(tokens, dtype=np.int32))
-        fused = last_only and self._fused is not None
-        split = fused and self._split(len(rows) * q)
-        # one BLIS thread per split half; numpy round trips inside the graph evaluate too
-        with blas.threads(1) if split else nullcontext():
-            try:
-                if fused:
-                    logits = self._fused.logits(ids, views, split=split)
-                else:
-                    hidden = self.model.model(ids, cache=views)
-                    if last_only:
-                        hidden = hidden[:, -1, :]
-                    logits = cpu_kernels.lm_head(self.model, hidden)
-                logits = logits.astype(mx.float32)
-                mx.eval(logits, *self._store.keys, *self._store.values)
-            except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
-                raise EngineError(f"forward failed: {exc}") from exc
-        return np.array(logits, copy=False)
+        if self._fused is not None:
+            logits = self._fused.logits(ids, views, split=split)
+        else:
+            hidden = self.model.model(ids, cache=views)[:, -1, :]
+            logits = cpu_kernels.lm_head(self.model, hidden)
+        return logits.astype(mx.float32)
 
     # -- scoring session -------------------------------------------------------------
 
@@ -303,6 +370,18 @@ def _reduce_mlx(logits: mx.array, targets: np.ndarray, top_k: int) -> ScoreChunk
         top_logprobs=np.array(top_lp),
         greedy_ids=np.array(greedy),
     )
+
+
+@dataclass
+class DecodeStep:
+    """A decode step started by `MLXEngine.decode_start`."""
+
+    rows: list[int]
+    epochs: list[int]  # each row's release count at the start
+    tokens: Sequence[int] | mx.array  # input ids (ints, or lazy ids of the step before)
+    logits: mx.array  # [B, vocab] float32, evaluating
+    greedy: mx.array  # [B] int32 argmax of logits, evaluating
+    split: bool
 
 
 def _row_mask(starts: list[int], q: int, kv_len: int) -> mx.array | str | None:

@@ -232,10 +232,10 @@ class PoisonEngine(MLXEngine):
             self.poisoned.add(row)
         return super().prefill(row, tokens)
 
-    def decode(self, rows, tokens):
+    def decode_start(self, rows, tokens):
         if self.poisoned & set(rows):
             raise EngineError("simulated out-of-memory in the forward")
-        return super().decode(rows, tokens)
+        return super().decode_start(rows, tokens)
 
     def release(self, row):
         self.poisoned.discard(row)

@@ -88,6 +88,10 @@ class RecordingEngine:
         self.events.append(("decode", len(rows)))
         return self._inner.decode(rows, tokens)
 
+    def decode_start(self, rows, tokens):
+        self.events.append(("decode", len(rows)))
+        return self._inner.decode_start(rows, tokens)
+
     def score_begin(self, batch: int) -> None:
         if self.fail_begin:
             raise EngineError("no memory for a scoring session")

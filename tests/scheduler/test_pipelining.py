@@ -1,0 +1,120 @@
+"""Pipelined greedy decoding: step n+1 starts on the lazy argmax of step n; output is unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.tokenizer import Tokenizer
+from tests.scheduler.helpers import make_request, start_scheduler
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_path) -> Tokenizer:
+    return Tokenizer(tiny_model_path)
+
+
+class SerialEngine(MLXEngine):
+    """The reference: every step is started and finished before the next one is built."""
+
+    pipelined = False
+
+
+class WrongGuessEngine(MLXEngine):
+    """Every step's greedy ids are off by one, so every speculation assumes the wrong token."""
+
+    def decode_start(self, rows, tokens):
+        step = super().decode_start(rows, tokens)
+        step.greedy = (step.greedy + 1) % self.vocab_size
+        return step
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 380, int(rng.integers(2, 40))).tolist() for _ in range(n)]
+
+
+def _serve(model, tok, engine_cls, prompts, params, concurrent=4):
+    """Submit all requests at once (queued beyond `concurrent`); the outcomes and the scheduler."""
+    sched = start_scheduler(model, concurrent, engine_cls=engine_cls)
+    try:
+        outs = []
+        for prompt, (max_tokens, kw) in zip(prompts, params, strict=True):
+            req, out = make_request(tok, prompt, max_tokens, ignore_eos=True, **kw)
+            sched.submit(req)
+            outs.append(out)
+        for out in outs:
+            assert out.done.wait(120)
+        assert sched.idle() and sched.engine.kv_bytes() == 0
+        return outs, sched
+    finally:
+        sched.close(10)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_path, tok):
+    prompts = _prompts(7, seed=21)
+    params = [(n, {}) for n in (24, 9, 30, 17, 24, 5, 12)]
+    outs, _ = _serve(tiny_model_path, tok, SerialEngine, prompts, params)
+    return prompts, params, [o.tokens for o in outs]
+
+
+def test_greedy_steps_are_pipelined_with_identical_output(tiny_model_path, tok, reference):
+    prompts, params, want = reference
+    outs, sched = _serve(tiny_model_path, tok, MLXEngine, prompts, params, concurrent=4)
+    assert [o.tokens for o in outs] == want  # with a queue: speculation pauses for admissions
+    outs, sched = _serve(tiny_model_path, tok, MLXEngine, prompts, params, concurrent=8)
+    assert [o.tokens for o in outs] == want
+    # all rows admitted at once: every step but the first and the one after each retirement
+    # was started before the step before it had finished
+    assert sched.speculated_steps >= sched.decode_steps - 1 - len(set(n for n, _ in params))
+
+
+def test_a_wrong_speculation_is_dropped_and_output_is_unchanged(tiny_model_path, tok, reference):
+    prompts, params, want = reference
+    outs, sched = _serve(tiny_model_path, tok, WrongGuessEngine, prompts, params)
+    assert [o.tokens for o in outs] == want
+    assert sched.speculated_steps == 0 and sched.dropped_speculations > 0
+
+
+def test_sampled_rows_are_not_speculated(tiny_model_path, tok):
+    prompts = _prompts(3, seed=5)
+    params = [(16, {}), (16, {"temperature": 0.8, "seed": 11}), (16, {})]
+    want, _ = _serve(tiny_model_path, tok, SerialEngine, prompts, params)
+    outs, sched = _serve(tiny_model_path, tok, MLXEngine, prompts, params)
+    assert [o.tokens for o in outs] == [o.tokens for o in want]
+    assert sched.speculated_steps == 0
+
+
+def test_engine_steps_on_lazy_ids_and_cancel(tiny_model_path):
+    """A step started on the lazy greedy ids of one in flight equals the synchronous steps; a
+    cancelled step leaves its rows where they were; a released row ignores its old steps."""
+    sync, piped = MLXEngine(tiny_model_path, rows=3), MLXEngine(tiny_model_path, rows=3)
+    rng = np.random.default_rng(2)
+    for row, n in enumerate((5, 12, 3)):
+        prompt = rng.integers(3, 380, n).tolist()
+        sync.prefill(row, prompt)
+        piped.prefill(row, prompt)
+    first = piped.decode_start([0, 1, 2], [7, 8, 9])
+    second = piped.decode_start([0, 1, 2], first.greedy)
+    a1, a2 = piped.decode_finish(first), piped.decode_finish(second)
+    b1 = sync.decode([0, 1, 2], [7, 8, 9])
+    b2 = sync.decode([0, 1, 2], b1.argmax(-1).tolist())
+    np.testing.assert_array_equal(a1, b1)
+    np.testing.assert_array_equal(a2, b2)
+    assert [piped.cursor(r) for r in range(3)] == [sync.cursor(r) for r in range(3)]
+
+    cursors = [piped.cursor(r) for r in range(3)]
+    piped.decode_cancel(piped.decode_start([0, 1, 2], [100, 101, 102]))
+    assert [piped.cursor(r) for r in range(3)] == cursors
+    np.testing.assert_array_equal(
+        piped.decode([0, 1, 2], [4, 5, 6]), sync.decode([0, 1, 2], [4, 5, 6])
+    )
+
+    step = piped.decode_start([1, 2], [1, 2])
+    with pytest.raises(RuntimeError, match="in flight"):
+        piped.prefill(1, [3, 4])
+    piped.release(1)
+    piped.decode_finish(step)
+    assert piped.cursor(1) == 0 and piped.cursor(2) == cursors[2] + 2
