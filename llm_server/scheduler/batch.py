@@ -274,7 +274,9 @@ class BatchScheduler:
 
     def _admit(self) -> None:
         if self._spec is not None:
-            return  # the step in flight is for the current rows; newcomers join after it
+            if any(self._running.get(r.row) is r for r in self._spec.reqs):
+                return  # the step in flight is for the current rows; newcomers join after it
+            self._drop_speculation()  # its rows were all retired (cancelled) meanwhile
         while True:
             with self._cond:
                 if not self._free or not self._queue:

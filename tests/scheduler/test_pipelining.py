@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -18,10 +20,18 @@ def tok(tiny_model_path) -> Tokenizer:
 class SerialEngine(MLXEngine):
     """The reference: every step is started and finished before the next one is built."""
 
-    pipelined = False
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw, pipeline=False)
 
 
-class WrongGuessEngine(MLXEngine):
+class PipelinedEngine(MLXEngine):
+    """Pipelining on whatever the device (it is on by default on Metal only)."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw, pipeline=True)
+
+
+class WrongGuessEngine(PipelinedEngine):
     """Every step's greedy ids are off by one, so every speculation assumes the wrong token."""
 
     def decode_start(self, rows, tokens):
@@ -62,9 +72,9 @@ def reference(tiny_model_path, tok):
 
 def test_greedy_steps_are_pipelined_with_identical_output(tiny_model_path, tok, reference):
     prompts, params, want = reference
-    outs, sched = _serve(tiny_model_path, tok, MLXEngine, prompts, params, concurrent=4)
+    outs, sched = _serve(tiny_model_path, tok, PipelinedEngine, prompts, params, concurrent=4)
     assert [o.tokens for o in outs] == want  # with a queue: speculation pauses for admissions
-    outs, sched = _serve(tiny_model_path, tok, MLXEngine, prompts, params, concurrent=8)
+    outs, sched = _serve(tiny_model_path, tok, PipelinedEngine, prompts, params, concurrent=8)
     assert [o.tokens for o in outs] == want
     # all rows admitted at once: every step but the first and the one after each retirement
     # was started before the step before it had finished
@@ -82,7 +92,7 @@ def test_sampled_rows_are_not_speculated(tiny_model_path, tok):
     prompts = _prompts(3, seed=5)
     params = [(16, {}), (16, {"temperature": 0.8, "seed": 11}), (16, {})]
     want, _ = _serve(tiny_model_path, tok, SerialEngine, prompts, params)
-    outs, sched = _serve(tiny_model_path, tok, MLXEngine, prompts, params)
+    outs, sched = _serve(tiny_model_path, tok, PipelinedEngine, prompts, params)
     assert [o.tokens for o in outs] == [o.tokens for o in want]
     assert sched.speculated_steps == 0
 
@@ -118,3 +128,23 @@ def test_engine_steps_on_lazy_ids_and_cancel(tiny_model_path):
     piped.release(1)
     piped.decode_finish(step)
     assert piped.cursor(1) == 0 and piped.cursor(2) == cursors[2] + 2
+
+
+def test_cancel_while_a_step_is_speculated_admits_the_next_request(tiny_model_path, tok):
+    """The lone greedy row is cancelled while its next step is in flight and a request waits:
+    the speculation is dropped and the waiting request is served (no stall)."""
+    sched = start_scheduler(tiny_model_path, 1, engine_cls=PipelinedEngine)
+    try:
+        for attempt in range(5):
+            first, first_out = make_request(tok, [20, 21, 22], 400, ignore_eos=True)
+            sched.submit(first)
+            while len(first_out.tokens) < 3 + attempt:
+                time.sleep(0.001)
+            second, second_out = make_request(tok, [30, 31], 4, ignore_eos=True)
+            first.cancel()
+            sched.submit(second)
+            assert first_out.done.wait(10) and second_out.done.wait(10)
+            assert len(second_out.tokens) == 4
+        assert sched.speculated_steps > 0
+    finally:
+        sched.close(10)
