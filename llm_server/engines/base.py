@@ -61,6 +61,13 @@ class Engine(Protocol):
         """
         ...
 
+    # Only when `pipelined` (the scheduler calls `decode` otherwise):
+    #   decode_start(rows, tokens) -> step: build one decode step and start it; `tokens` may be
+    #     the lazy `step.greedy` ids of a step still in flight;
+    #   decode_finish(step) -> logits [len(rows), vocab]: wait, advance the step's rows (those
+    #     not released since it started);
+    #   decode_cancel(step): drop it without advancing any row.
+
     def cursor(self, row: int) -> int:
         """Positions currently held in `row`'s cache."""
         ...

@@ -195,18 +195,29 @@ class FusedDecoder:
         return cls(model, layers, lm_head, table)
 
     def logits(self, ids: mx.array, views: list[RowView], split: bool) -> mx.array:
-        """ids [B, q] -> logits [B, vocab] at each row's last position."""
+        """ids [B, q] on the engine's rows -> logits [B, vocab] at each row's last position."""
+        plan = views[0].plan
+        return self.forward(ids, views, plan.starts, plan.mask, split, last_only=True)
+
+    def forward(
+        self, ids: mx.array, caches: list, starts: list[int], mask, split: bool, last_only: bool
+    ) -> mx.array:
+        """ids [B, q] -> logits [B, vocab] (last position) or [B, q, vocab] (every position).
+
+        `caches`: one per layer with `update_and_fetch(keys, values)` and `offset` (the engine's
+        row views, or mlx-lm KV caches for a scoring session); `starts`: each row's first new
+        position; `mask`: None, "causal" (lower-right aligned) or a bool array [B, 1, q, kv].
+        """
         inner = self.model.model
         x = inner.embed_tokens(ids)  # [B, q, dim]
         b, q = ids.shape
         cos_sin = None
         if self.table is not None:
-            plan = views[0].plan
-            pos = mx.array(plan.starts)[:, None] + mx.arange(q)[None, :]  # [B, q]
+            pos = mx.array(starts)[:, None] + mx.arange(q)[None, :]  # [B, q]
             at = self.table[pos][:, None]  # [B, 1, q, Dh]
             cos_sin = (at[..., : self.half], at[..., self.half :])
-        for layer, view in zip(self.layers, views, strict=True):
-            x = x + self._attention(layer, layer.norm_in(x), view, cos_sin, split)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            x = x + self._attention(layer, layer.norm_in(x), cache, mask, cos_sin, split)
             gu = layer.gate_up(layer.norm_post(x), split)
             gate, up = gu[..., : layer.inter], gu[..., layer.inter :]
             if q > 1 and cpu_kernels.on_cpu():
@@ -214,9 +225,9 @@ class FusedDecoder:
             else:
                 act = _silu_mul(gate, up)
             x = x + layer.down(act, split)
-        return self.lm_head(inner.norm(x[:, -1, :]), split)
+        return self.lm_head(inner.norm(x[:, -1, :] if last_only else x), split)
 
-    def _attention(self, layer: _Layer, h, view: RowView, cos_sin, split: bool):
+    def _attention(self, layer: _Layer, h, cache, mask, cos_sin, split: bool):
         hd, nh, nkv = layer.head_dim, layer.heads, layer.kv_heads
         b, q, _ = h.shape
         qkv = layer.qkv(h, split)  # [B, q, (H + 2 KV) * Dh]
@@ -227,14 +238,13 @@ class FusedDecoder:
             queries, keys = layer.q_norm(queries), layer.k_norm(keys)
         queries, keys, values = (t.transpose(0, 2, 1, 3) for t in (queries, keys, values))
         if cos_sin is None:
-            queries = layer.rope(queries, offset=view.offset)
-            keys = layer.rope(keys, offset=view.offset)
+            queries = layer.rope(queries, offset=cache.offset)
+            keys = layer.rope(keys, offset=cache.offset)
         elif q == 1:
             queries, keys = _rotate(queries, *cos_sin), _rotate(keys, *cos_sin)
         else:  # not compiled: one compile per prompt length would pile up
             queries, keys = _rotate_eager(queries, *cos_sin), _rotate_eager(keys, *cos_sin)
-        keys, values = view.update_and_fetch(keys, values)
-        mask = view.plan.mask
+        keys, values = cache.update_and_fetch(keys, values)
         if (
             q > 1
             and cpu_kernels.on_cpu()

@@ -303,14 +303,23 @@ class MLXEngine:
         if self._score_offset + q > self.context_length:
             raise ValueError(f"scoring past the context of {self.context_length} positions")
         ids = mx.array(np.asarray(tokens, dtype=np.int32))
-        try:
-            logits = self.model(ids, cache=self._score_cache)
-            if cpu_kernels.on_cpu():
-                result = _reduce_numpy(cpu_kernels.log_softmax(logits), targets, top_k)
-            else:
-                result = _reduce_mlx(logits, targets, top_k)
-        except Exception as exc:  # noqa: BLE001
-            raise EngineError(f"scoring forward failed: {exc}") from exc
+        split = self._split(n * q)
+        with blas.threads(1) if split else nullcontext():  # as in _forward_rows
+            try:
+                if self._fused is not None:
+                    mask = "causal" if q > 1 else None  # every row at the same offset
+                    starts = [self._score_offset] * n
+                    logits = self._fused.forward(
+                        ids, self._score_cache, starts, mask, split, last_only=False
+                    )
+                else:
+                    logits = self.model(ids, cache=self._score_cache)
+                if cpu_kernels.on_cpu():
+                    result = _reduce_numpy(cpu_kernels.log_softmax(logits), targets, top_k)
+                else:
+                    result = _reduce_mlx(logits, targets, top_k)
+            except Exception as exc:  # noqa: BLE001
+                raise EngineError(f"scoring forward failed: {exc}") from exc
         self._score_offset += q
         return result
 
