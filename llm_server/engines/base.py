@@ -80,6 +80,10 @@ class Engine(Protocol):
         """Forget `row`'s cache (cursor 0) so a new request can take it."""
         ...
 
+    def thread_exit(self) -> None:
+        """The thread driving the engine is about to end: free what it holds per thread."""
+        ...
+
     def score_begin(self, batch: int) -> None:
         """Open a fresh scoring session of `batch` rows, separate from the decode rows."""
         ...

@@ -135,6 +135,9 @@ class CoreMLEngine:
     padded_shapes = True  # q must be one of the enumerated sizes
     dtype = "float16"
 
+    def thread_exit(self) -> None:
+        """Nothing is held per thread."""
+
     def __init__(self, model_path: str | Path) -> None:
         if sys.platform != "darwin":
             raise RuntimeError("the Core ML engine runs only on macOS 15+; use --backend mlx here")

@@ -92,6 +92,21 @@ def _two_streams() -> tuple:
     return streams
 
 
+def release_streams() -> None:
+    """Finish and destroy this thread's split streams; call before the thread ends.
+
+    MLX streams belong to the thread that made them, and when that thread ends with its streams
+    alive the process can abort at exit ("terminate called without an active exception").
+    """
+    streams = getattr(_local, "streams", None)
+    if streams is None:
+        return
+    for stream in streams:
+        mx.synchronize(stream)
+    mx.clear_streams()
+    del _local.streams
+
+
 def split_matmul(x: mx.array, weight: mx.array) -> mx.array:
     """x [..., in] @ weight[out, in].T with the output columns in two halves on two CPU streams.
 

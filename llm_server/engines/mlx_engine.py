@@ -125,6 +125,10 @@ class MLXEngine:
             self._store.clear()  # idle: give the KV memory back
             mx.clear_cache()
 
+    def thread_exit(self) -> None:
+        """The thread driving the engine ends: free its CPU streams (see cpu_kernels)."""
+        cpu_kernels.release_streams()
+
     def cached_tokens(self, row: int) -> int:
         """Prompt tokens of the row's last prefill that came from the prefix cache."""
         return self.row_cached[row]
@@ -196,21 +200,29 @@ class MLXEngine:
     def decode_finish(self, step: DecodeStep) -> np.ndarray:
         """Wait for `step`; advance its rows (those not released since); logits [B, vocab]."""
         try:
+            # wait for everything the step started, not only the logits: work left pending on
+            # a stream of a thread that then exits aborts the process ("terminate called")
+            mx.eval(step.logits, step.greedy)
             logits = np.array(step.logits, copy=False)
             if isinstance(step.tokens, mx.array):
                 tokens = np.array(step.tokens).reshape(-1).tolist()
             else:
                 tokens = [int(t) for t in step.tokens]
         except Exception as exc:  # noqa: BLE001
-            self.decode_cancel(step)
+            self._settle(step, None)
             raise EngineError(f"forward failed: {exc}") from exc
         self._settle(step, tokens)
         return logits
 
     def decode_cancel(self, step: DecodeStep) -> None:
-        """Drop `step` without advancing its rows (it may still be computing; the positions it
-        wrote are rewritten by the next step of each row)."""
-        self._settle(step, None)
+        """Drop `step` without advancing its rows (the positions it wrote are rewritten by the
+        next step of each row). Waits for it: nothing may be left computing (see finish)."""
+        try:
+            mx.eval(step.logits, step.greedy)
+        except Exception:  # noqa: BLE001 - its results are dropped anyway
+            log.debug("a cancelled decode step failed", exc_info=True)
+        finally:
+            self._settle(step, None)
 
     def _settle(self, step: DecodeStep, tokens: list[int] | None) -> None:
         for i, (r, epoch) in enumerate(zip(step.rows, step.epochs, strict=True)):

@@ -208,15 +208,19 @@ class BatchScheduler:
             self.ready.set()
             return
         self.ready.set()
-        while self._wait_for_work():
-            self._serve_leases()
-            self._retire_cancelled()
-            self._admit()
-            if self._running:
-                self._decode_step()
-            if self.pump is not None and self.pump.pending() and not self._leases:
-                self._drop_speculation()
-                self.pump.run_batch(self.engine)
+        try:
+            while self._wait_for_work():
+                self._serve_leases()
+                self._retire_cancelled()
+                self._admit()
+                if self._running:
+                    self._decode_step()
+                if self.pump is not None and self.pump.pending() and not self._leases:
+                    self._drop_speculation()
+                    self.pump.run_batch(self.engine)
+        finally:
+            self._drop_speculation()  # leave nothing computing when the thread ends
+            self.engine.thread_exit()
 
     def _has_work(self) -> bool:
         return bool(
