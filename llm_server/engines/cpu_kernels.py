@@ -115,9 +115,14 @@ def split_matmul(x: mx.array, weight: mx.array) -> mx.array:
     output is the same dot product as in the unsplit product.
     """
     half = weight.shape[0] // 2
+    return split_matmul_halves(x, (weight[:half].T, weight[half:].T))
+
+
+def split_matmul_halves(x: mx.array, halves: tuple[mx.array, mx.array]) -> mx.array:
+    """x @ concat(halves, axis=1) with each half [in, out/2] on its own CPU stream."""
     s1, s2 = _two_streams()
-    a = mx.matmul(x, weight[:half].T, stream=s1)
-    b = mx.matmul(x, weight[half:].T, stream=s2)
+    a = mx.matmul(x, halves[0], stream=s1)
+    b = mx.matmul(x, halves[1], stream=s2)
     return mx.concatenate([a, b], axis=-1)
 
 

@@ -64,6 +64,9 @@ def test_stacked_weights_are_held_once(tiny_model_path):
     assert _address(attn.q_proj.weight) == base
     assert _address(attn.k_proj.weight) == base + q_rows * row_bytes
     assert _address(attn.v_proj.weight) == base + (q_rows + k_rows) * row_bytes
+    half = fused.qkv.weight.shape[0] // 2  # the split halves and the transpose are views too
+    assert _address(fused.qkv.wt) == _address(fused.qkv.halves[0]) == base
+    assert _address(fused.qkv.halves[1]) == base + half * row_bytes
     inter = layer.mlp.gate_proj.weight.shape[0]
     assert _address(layer.mlp.gate_proj.weight) == _address(fused.gate_up.weight)
     assert _address(layer.mlp.up_proj.weight) == _address(fused.gate_up.weight) + inter * row_bytes
