@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import glob
 import logging
 import os
@@ -151,21 +152,22 @@ def active_blas() -> str:
     return "reference"
 
 
-_thread_setter: list = []  # [callable or None] once looked up
+@functools.cache
+def _thread_setter():
+    """BLIS's `bli_thread_set_num_threads` when BLIS is mapped (the preloaded .so.4), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None).bli_thread_set_num_threads
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int64], None  # dim_t is a 64-bit int
+    return fn
 
 
 def threads_settable() -> bool:
-    """True when the mapped BLAS is BLIS with its runtime thread setter (the preloaded .so.4)."""
-    if not _thread_setter:
-        fn = None
-        if sys.platform.startswith("linux"):
-            try:
-                fn = ctypes.CDLL(None).bli_thread_set_num_threads
-                fn.argtypes, fn.restype = [ctypes.c_int64], None  # dim_t is a 64-bit int
-            except (OSError, AttributeError):
-                fn = None
-        _thread_setter.append(fn)
-    return _thread_setter[0] is not None
+    """True when the mapped BLAS is BLIS with its runtime thread setter."""
+    return _thread_setter() is not None
 
 
 def default_threads() -> int:
@@ -177,8 +179,9 @@ def default_threads() -> int:
 
 def set_threads(n: int) -> None:
     """Set BLIS's thread count for the calls that follow (a no-op unless `threads_settable()`)."""
-    if threads_settable():
-        _thread_setter[0](n)
+    setter = _thread_setter()
+    if setter is not None:
+        setter(n)
 
 
 @contextlib.contextmanager

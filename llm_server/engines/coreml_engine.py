@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from llm_server.engines.base import EngineError, ScoreChunkResult
+from llm_server.engines.score_reduce import log_softmax, reduce_logprobs
 
 MASK_HIDDEN = -30000.0  # additive mask value for hidden columns (fp16-representable)
 
@@ -101,20 +102,7 @@ class RowDriver:
         slots = {r: (list(tokens[r]), self.score_cursor) for r in range(n)}
         logits = self._run("score", slots, next(s for s in self.q_sizes if s >= q))[:n, :q]
         self.score_cursor += q
-        return reduce_logprobs(np.asarray(logits, dtype=np.float32), targets, top_k)
-
-
-def reduce_logprobs(logits: np.ndarray, targets: np.ndarray, top_k: int) -> ScoreChunkResult:
-    """Log-softmax [N, q, vocab] reduced to target/top-k log-probs and greedy ids."""
-    shifted = logits - logits.max(axis=-1, keepdims=True)
-    logprobs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
-    top_ids = np.argsort(-logprobs, axis=-1)[..., :top_k].astype(np.int32)
-    return ScoreChunkResult(
-        token_logprobs=np.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0],
-        top_ids=top_ids,
-        top_logprobs=np.take_along_axis(logprobs, top_ids, axis=-1),
-        greedy_ids=logprobs.argmax(axis=-1).astype(np.int32),
-    )
+        return reduce_logprobs(log_softmax(np.array(logits, dtype=np.float32)), targets, top_k)
 
 
 def _package_of(model_path: Path) -> Path:

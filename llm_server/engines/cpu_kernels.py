@@ -16,6 +16,8 @@ import threading
 import mlx.core as mx
 import numpy as np
 
+from llm_server.engines import score_reduce
+
 NUMPY_MIN_ELEMENTS = 32_768  # below this an MLX op beats a round trip through numpy
 _INSTALLED: set[str] = set()
 
@@ -73,12 +75,7 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
 
 def log_softmax(logits: mx.array) -> np.ndarray:
     """log-softmax over the last axis as a float32 numpy array (scoring reductions)."""
-    z = np.array(logits.astype(mx.float32))
-    m = z.max(axis=-1, keepdims=True)
-    z -= m
-    lse = np.log(np.exp(z).sum(axis=-1, keepdims=True))
-    z -= lse
-    return z
+    return score_reduce.log_softmax(np.array(logits.astype(mx.float32)))
 
 
 SPLIT_MAX_ROWS = 2  # BLIS runs a 1-2 row product on one core; from 4 rows it uses both

@@ -226,14 +226,12 @@ class FusedDecoder:
             pos = mx.array(starts)[:, None] + mx.arange(q)[None, :]  # [B, q]
             at = self.table[pos][:, None]  # [B, 1, q, Dh]
             cos_sin = (at[..., : self.half], at[..., self.half :])
+        # prompts on the CPU: numpy's SIMD sigmoid for large inputs (cpu_kernels.swiglu)
+        silu_mul = cpu_kernels.swiglu if q > 1 and cpu_kernels.on_cpu() else _silu_mul
         for layer, cache in zip(self.layers, caches, strict=True):
             x = x + self._attention(layer, layer.norm_in(x), cache, mask, cos_sin, split)
             gu = layer.gate_up(layer.norm_post(x), split)
-            gate, up = gu[..., : layer.inter], gu[..., layer.inter :]
-            if q > 1 and cpu_kernels.on_cpu():
-                act = cpu_kernels.swiglu(gate, up)  # numpy's SIMD sigmoid for large inputs
-            else:
-                act = _silu_mul(gate, up)
+            act = silu_mul(gu[..., : layer.inter], gu[..., layer.inter :])
             x = x + layer.down(act, split)
         return self.lm_head(inner.norm(x[:, -1, :] if last_only else x), split)
 

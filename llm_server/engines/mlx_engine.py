@@ -23,6 +23,7 @@ from llm_server.engines.base import EngineError, ScoreChunkResult
 from llm_server.engines.fused_decode import FusedDecoder
 from llm_server.engines.prefix_cache import PrefixCache
 from llm_server.engines.row_cache import ForwardPlan, RowStore, RowView
+from llm_server.engines.score_reduce import reduce_logits_mlx, reduce_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,8 @@ class MLXEngine:
         self._fused = FusedDecoder.build(self.model, self.context_length) if fused_decode else None
         mx.eval(self.model.parameters())
         mx.clear_cache()  # the buffers freed while stacking
-        cpu_kernels.split_linears(self.model)  # 1-2 row decode products use both cores
+        if self._fused is None:  # the fused forward splits its own products
+            cpu_kernels.split_linears(self.model)  # 1-2 row decode products use both cores
         self.model_path = path
         self.pipelined = (not cpu_kernels.on_cpu()) if pipeline is None else pipeline
         self.padded_shapes = padded_shapes
@@ -327,9 +329,9 @@ class MLXEngine:
                 else:
                     logits = self.model(ids, cache=self._score_cache)
                 if cpu_kernels.on_cpu():
-                    result = _reduce_numpy(cpu_kernels.log_softmax(logits), targets, top_k)
+                    result = reduce_logprobs(cpu_kernels.log_softmax(logits), targets, top_k)
                 else:
-                    result = _reduce_mlx(logits, targets, top_k)
+                    result = reduce_logits_mlx(logits, targets, top_k)
             except Exception as exc:  # noqa: BLE001
                 raise EngineError(f"scoring forward failed: {exc}") from exc
         self._score_offset += q
@@ -348,53 +350,6 @@ class MLXEngine:
         logits = self.model(ids, cache=cache).astype(mx.float32)
         mx.eval(logits)
         return np.array(logits)
-
-
-def _reduce_numpy(logprobs: np.ndarray, targets: np.ndarray, top_k: int) -> ScoreChunkResult:
-    """Token log-probs, greedy ids and top-k from log-probs [N, q, vocab] (CPU path)."""
-    tgt = np.asarray(targets, dtype=np.int64)[..., None]
-    token_lp = np.take_along_axis(logprobs, tgt, axis=-1)[..., 0]
-    greedy = logprobs.argmax(axis=-1)
-    if top_k == 1:
-        top_ids = greedy[..., None]
-    elif top_k > 1:
-        part = np.argpartition(-logprobs, top_k - 1, axis=-1)[..., :top_k]
-        order = np.argsort(-np.take_along_axis(logprobs, part, axis=-1), axis=-1, kind="stable")
-        top_ids = np.take_along_axis(part, order, axis=-1)
-    else:
-        top_ids = np.zeros((*greedy.shape, 0), dtype=np.int64)
-    return ScoreChunkResult(
-        token_logprobs=token_lp.astype(np.float32),
-        top_ids=top_ids.astype(np.int32),
-        top_logprobs=np.take_along_axis(logprobs, top_ids, axis=-1).astype(np.float32),
-        greedy_ids=greedy.astype(np.int32),
-    )
-
-
-def _reduce_mlx(logits: mx.array, targets: np.ndarray, top_k: int) -> ScoreChunkResult:
-    """The same reduction on the MLX device (Metal), before anything leaves it."""
-    logits = logits.astype(mx.float32)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [N, q, vocab]
-    tgt = mx.array(np.asarray(targets, dtype=np.int32))[..., None]
-    token_lp = mx.take_along_axis(logprobs, tgt, axis=-1)[..., 0]
-    greedy = mx.argmax(logprobs, axis=-1).astype(mx.int32)
-    n, q = greedy.shape
-    if top_k > 0:
-        top_ids = mx.argpartition(-logprobs, kth=top_k - 1, axis=-1)[..., :top_k]
-        top_lp = mx.take_along_axis(logprobs, top_ids, axis=-1)
-        order = mx.argsort(-top_lp, axis=-1)
-        top_ids = mx.take_along_axis(top_ids, order, axis=-1).astype(mx.int32)
-        top_lp = mx.take_along_axis(top_lp, order, axis=-1)
-    else:
-        top_ids = mx.zeros((n, q, 0), mx.int32)
-        top_lp = mx.zeros((n, q, 0), mx.float32)
-    mx.eval(token_lp, greedy, top_ids, top_lp)
-    return ScoreChunkResult(
-        token_logprobs=np.array(token_lp),
-        top_ids=np.array(top_ids),
-        top_logprobs=np.array(top_lp),
-        greedy_ids=np.array(greedy),
-    )
 
 
 @dataclass

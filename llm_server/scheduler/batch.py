@@ -21,11 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
-
 from llm_server.decoding import FinishReason
 from llm_server.engines.base import Engine
 from llm_server.scheduler.lease import Lease
+from llm_server.scheduler.pipelining import Pipeline
 from llm_server.scheduler.request import (
     FinishEvent,
     GenerationRequest,
@@ -44,13 +43,6 @@ class Pump(Protocol):
     def pending(self) -> bool: ...
 
     def run_batch(self, engine: Engine) -> None: ...
-
-
-@dataclass(frozen=True)
-class _Speculation:
-    reqs: list[GenerationRequest]  # the requests of `step`, in row order
-    step: Any  # the engine's started step (on the lazy ids of `base`)
-    base: Any  # the step whose greedy ids it assumed
 
 
 @dataclass(frozen=True)
@@ -101,9 +93,7 @@ class BatchScheduler:
         # daemon running for days does not grow it
         self.admitted: collections.deque[int] = collections.deque(maxlen=4096)
         self.step_trace: list[tuple[int, ...]] | None = None  # set to [] to record each step's seqs
-        self._spec: _Speculation | None = None  # the next decode step, started early
-        self.speculated_steps = 0  # decode steps that were started before the one before ended
-        self.dropped_speculations = 0  # started early, then not the step that had to run
+        self._pipeline = Pipeline()  # the next decode step, started early (pipelined engines)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -216,10 +206,10 @@ class BatchScheduler:
                 if self._running:
                     self._decode_step()
                 if self.pump is not None and self.pump.pending() and not self._leases:
-                    self._drop_speculation()
+                    self._pipeline.drop(self.engine)
                     self.pump.run_batch(self.engine)
         finally:
-            self._drop_speculation()  # leave nothing computing when the thread ends
+            self._pipeline.drop(self.engine)  # leave nothing computing when the thread ends
             self.engine.thread_exit()
 
     def _has_work(self) -> bool:
@@ -240,7 +230,7 @@ class BatchScheduler:
 
     def _serve_leases(self) -> None:
         if self._leases:
-            self._drop_speculation()  # the holder drives the engine itself
+            self._pipeline.drop(self.engine)  # the holder drives the engine itself
         while True:
             with self._cond:
                 if not self._leases:
@@ -277,10 +267,8 @@ class BatchScheduler:
             self._finish(req, FinishReason.CANCELLED, "")
 
     def _admit(self) -> None:
-        if self._spec is not None:
-            if any(self._running.get(r.row) is r for r in self._spec.reqs):
-                return  # the step in flight is for the current rows; newcomers join after it
-            self._drop_speculation()  # its rows were all retired (cancelled) meanwhile
+        if self._pipeline.pending_for(self._running, self.engine):
+            return  # the step in flight is for the current rows; newcomers join after it
         while True:
             with self._cond:
                 if not self._free or not self._queue:
@@ -329,11 +317,13 @@ class BatchScheduler:
         t0 = time.perf_counter()
         try:
             if self.engine.pipelined:
-                step_reqs, logits = self._pipelined_step(reqs)
+                step_reqs, logits = self._pipeline.step(
+                    self.engine, reqs, self._running, self._may_speculate()
+                )
             else:
                 step_reqs, logits = reqs, self.engine.decode(rows, [r.last_token for r in reqs])
         except Exception as exc:  # noqa: BLE001 - retry per request so the error stays put (S8)
-            self._drop_speculation()
+            self._pipeline.drop(self.engine)
             log.warning(
                 "batched decode of %d rows failed (%s); retrying per request", len(rows), exc
             )
@@ -349,69 +339,22 @@ class BatchScheduler:
             for req, row_logits in zip(step_reqs, logits, strict=True):
                 if self._running.get(req.row) is req:  # not retired since the step started
                     self._advance(req, row_logits)
-            self._check_speculation()
+            self._pipeline.check(self._running, self.engine)
         self.decode_steps += 1
         if self.on_step is not None:
             self.on_step(time.perf_counter() - t0, len(rows))
 
-    # -- pipelining: step n+1 is built and started while step n computes -----------------
-    #
-    # When every running row decodes greedily with nothing else waiting, the next step is
-    # started on the lazy argmax ids of the current one before the current one is finished,
-    # so building the graph and the per-row work (sampling, detokenizing, streaming) overlap
-    # the forward. The speculation is used only when it is exactly the step that would have
-    # run: the same requests (minus retired ones) and the token each sampler picked.
+    def _may_speculate(self) -> bool:
+        """Nothing to admit, lease or score at the next step boundary."""
+        return not (self._queue or self._leases or (self.pump is not None and self.pump.pending()))
 
-    def _pipelined_step(self, reqs: list[GenerationRequest]) -> tuple[list, Any]:
-        spec, self._spec = self._spec, None
-        if spec is not None and [r for r in spec.reqs if self._running.get(r.row) is r] == reqs:
-            step, step_reqs = spec.step, spec.reqs
-            self.speculated_steps += 1
-        else:
-            if spec is not None:
-                self.engine.decode_cancel(spec.step)
-                self.dropped_speculations += 1
-            step_reqs = reqs
-            step = self.engine.decode_start([r.row for r in reqs], [r.last_token for r in reqs])
-        if step_reqs == reqs and self._may_speculate(reqs):
-            try:
-                nxt = self.engine.decode_start(step.rows, step.greedy)
-            except Exception:
-                self.engine.decode_cancel(step)
-                raise
-            self._spec = _Speculation(reqs, nxt, step)
-        return step_reqs, self.engine.decode_finish(step)
+    @property
+    def speculated_steps(self) -> int:
+        return self._pipeline.used
 
-    def _may_speculate(self, reqs: list[GenerationRequest]) -> bool:
-        if self._queue or self._leases or (self.pump is not None and self.pump.pending()):
-            return False  # admit, lease or score at the next step boundary instead
-        return all(
-            not r.exclusive
-            and r.decoder.constraint is None
-            and r.decoder.params.temperature <= 0.0
-            and not r.cancelled.is_set()
-            for r in reqs
-        )
-
-    def _check_speculation(self) -> None:
-        """Drop the speculative step unless every live row picked the token it assumed."""
-        spec = self._spec
-        if spec is None:
-            return
-        ids = np.array(spec.base.greedy).reshape(-1)
-        live = [
-            (req, int(t))
-            for req, t in zip(spec.reqs, ids, strict=True)
-            if self._running.get(req.row) is req
-        ]
-        if not live or any(req.last_token != t for req, t in live):
-            self._drop_speculation()
-
-    def _drop_speculation(self) -> None:
-        if self._spec is not None:
-            spec, self._spec = self._spec, None
-            self.engine.decode_cancel(spec.step)
-            self.dropped_speculations += 1
+    @property
+    def dropped_speculations(self) -> int:
+        return self._pipeline.dropped
 
     def _advance(self, req: GenerationRequest, logits: Any) -> bool:
         """Sample from one row's logits and emit; returns True while the request continues."""

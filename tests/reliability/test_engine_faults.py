@@ -8,35 +8,22 @@ import time
 
 import httpx
 
-from llm_server.engines.base import EngineError
-from llm_server.engines.mlx_engine import MLXEngine
 from tests.api.helpers import assert_openai_error
 from tests.reliability.conftest import assert_healthy
+from tests.scheduler.helpers import PoisonEngine
 
 DECODE_POISON = 13  # a prompt starting with this id fails every decode forward it is part of
 PREFILL_POISON = 17  # a prompt starting with this id runs out of memory in its prefill
 
 
-class FaultyEngine(MLXEngine):
-    def __init__(self, *a, **kw) -> None:
-        super().__init__(*a, **kw)
-        self.poisoned: set[int] = set()
+class FaultyEngine(PoisonEngine):
+    POISON = DECODE_POISON
+    MESSAGE = "simulated failure in /secret/path/forward.py"
 
     def prefill(self, row, tokens):
         if tokens[0] == PREFILL_POISON:
             raise MemoryError("simulated out-of-memory in /secret/path/prefill.py")
-        if tokens[0] == DECODE_POISON:
-            self.poisoned.add(row)
         return super().prefill(row, tokens)
-
-    def decode_start(self, rows, tokens):
-        if self.poisoned & set(rows):
-            raise EngineError("simulated failure in /secret/path/forward.py")
-        return super().decode_start(rows, tokens)
-
-    def release(self, row):
-        self.poisoned.discard(row)
-        super().release(row)
 
 
 def _body(first: int, stream: bool = False) -> dict:

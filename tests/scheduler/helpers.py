@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llm_server.decoding import Decoder, FinishReason, SamplingParams
+from llm_server.engines.base import EngineError
 from llm_server.engines.mlx_engine import MLXEngine
 from llm_server.scheduler import BatchScheduler, FinishEvent, GenerationRequest, TokenEvent
 from llm_server.tokenizer import Tokenizer
@@ -65,3 +66,29 @@ def serve_alone(
         return out
     finally:
         sched.close(10)
+
+
+class PoisonEngine(MLXEngine):
+    """A real engine whose decode steps fail while they include a row whose prompt began with
+    POISON (the row stays poisoned until it is released)."""
+
+    POISON = 13
+    MESSAGE = "simulated out-of-memory in the forward"
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.poisoned: set[int] = set()
+
+    def prefill(self, row, tokens):
+        if tokens[0] == self.POISON:
+            self.poisoned.add(row)
+        return super().prefill(row, tokens)
+
+    def decode_start(self, rows, tokens):
+        if self.poisoned & set(rows):
+            raise EngineError(self.MESSAGE)
+        return super().decode_start(rows, tokens)
+
+    def release(self, row):
+        self.poisoned.discard(row)
+        super().release(row)

@@ -10,11 +10,9 @@ import numpy as np
 import pytest
 
 from llm_server.decoding import FinishReason
-from llm_server.engines.base import EngineError
-from llm_server.engines.mlx_engine import MLXEngine
 from llm_server.scheduler import QueueFull, SchedulerClosed
 from llm_server.tokenizer import Tokenizer
-from tests.scheduler.helpers import make_request, serve_alone, start_scheduler
+from tests.scheduler.helpers import PoisonEngine, make_request, serve_alone, start_scheduler
 
 
 @pytest.fixture(scope="module")
@@ -216,30 +214,6 @@ def test_lease_holders_are_served_in_order(tiny_model_path):
         assert order == [0, 1, 2]
     finally:
         sched.close(10)
-
-
-class PoisonEngine(MLXEngine):
-    """Fails every forward that involves a row whose prompt began with POISON."""
-
-    POISON = 13
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.poisoned: set[int] = set()
-
-    def prefill(self, row, tokens):
-        if tokens[0] == self.POISON:
-            self.poisoned.add(row)
-        return super().prefill(row, tokens)
-
-    def decode_start(self, rows, tokens):
-        if self.poisoned & set(rows):
-            raise EngineError("simulated out-of-memory in the forward")
-        return super().decode_start(rows, tokens)
-
-    def release(self, row):
-        self.poisoned.discard(row)
-        super().release(row)
 
 
 def test_failed_batch_forward_fails_only_its_request(tiny_model_path, tok):
