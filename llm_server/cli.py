@@ -11,6 +11,8 @@ import socket
 import sys
 from pathlib import Path
 
+from llm_server.model_source import ModelSource, ModelSourceError, resolve_model_source
+
 log = logging.getLogger("llm_server")
 
 
@@ -18,9 +20,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llm-server", description=__doc__)
     p.add_argument(
         "--model",
-        help="model folder (HF/MLX/converted) or .gguf file; default: the embedded SmolLM2-135M-Instruct",
+        help="model folder (HF/MLX/converted), .gguf file, .mlpackage, or Hugging Face id "
+        "ORG/NAME[@REVISION] (downloaded into the HF cache once); "
+        "default: the embedded SmolLM2-135M-Instruct",
     )
-    p.add_argument("--model-id", help="id reported by /v1/models (default: the folder name)")
+    p.add_argument(
+        "--model-id", help="id reported by /v1/models (default: the hub id or the folder name)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port; 0 picks a free one (default 8080)")
     p.add_argument("--uds", help="serve on this Unix socket instead of TCP")
@@ -161,35 +167,16 @@ def validate_args(args: argparse.Namespace) -> None:
 
 
 def resolve_model(model: str | None) -> Path:
-    """The model folder to serve: the given one (GGUF converted once) or the embedded default."""
-    if model is None:
-        from llm_server.default_model import default_model_path
-
-        return default_model_path()
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise SystemExit(f"llm-server: model path {path} does not exist")
-    if path.is_file() and path.suffix == ".gguf":
-        from llm_server.default_model import converted_gguf_path
-
-        return converted_gguf_path(path)
-    if path.suffix == ".mlpackage" or (path.is_dir() and any(path.glob("*.mlpackage"))):
-        return path
-    if not path.is_dir() or not (path / "config.json").is_file():
-        raise SystemExit(f"llm-server: {path} is not a model folder (it needs config.json)")
-    if not os.access(path / "config.json", os.R_OK):
-        raise SystemExit(f"llm-server: {path / 'config.json'} is not readable")
-    return path
+    """The model folder to serve (see model_source); exits with one line when it is unusable."""
+    return _source(model).path
 
 
-def model_id_for(model: str | None, model_path: Path) -> str:
-    """The id /v1/models reports: the source's name, not the cache folder's hashed name."""
-    if model is None:
-        from llm_server.default_model import MODEL_NAME
-
-        return MODEL_NAME
-    source = Path(model)
-    return source.stem if source.suffix in (".gguf", ".mlpackage") else model_path.name
+def _source(model: str | None) -> ModelSource:
+    try:
+        return resolve_model_source(model)
+    except ModelSourceError as exc:
+        print(f"llm-server: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def engine_rows(model_path: Path, concurrent: int) -> int:
@@ -242,11 +229,12 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from llm_server.blas import active_blas, check_blas
 
+    source = _source(args.model)  # before any log line: a bad --model is one line on stderr
     check_blas()  # re-execs with the fallback library if this one computes wrong products
     log.info("BLAS: %s", active_blas())
-    model_path = resolve_model(args.model)
+    model_path = source.path
     if args.model_id is None:
-        args.model_id = model_id_for(args.model, model_path)
+        args.model_id = source.model_id
     if args.replay:
         from llm_server.server import run_replay
 
