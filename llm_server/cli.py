@@ -15,6 +15,10 @@ from llm_server.model_source import ModelSource, ModelSourceError, resolve_model
 
 log = logging.getLogger("llm_server")
 
+# Batching costs nothing while one request runs (a step over one row is the same forward), so
+# the server batches by default.
+DEFAULT_CONCURRENT = 4
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llm-server", description=__doc__)
@@ -33,9 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--concurrent-requests",
         type=int,
-        default=1,
+        default=DEFAULT_CONCURRENT,
         metavar="N",
-        help="requests decoded together in one batch (default 1: no batching)",
+        help=f"requests decoded together in one batch (default {DEFAULT_CONCURRENT}; "
+        "1 serves one request at a time)",
     )
     p.add_argument(
         "--max-queued",

@@ -72,6 +72,8 @@ def test_hub_id_served_offline_from_the_hf_cache(tmp_path, tiny_llama_path):
         with httpx.Client(base_url=url, timeout=60) as c:
             models = c.get("/v1/models").json()
             assert [m["id"] for m in models["data"]] == ["acme/tiny-llama"]
+            health = c.get("/health").json()  # started without --concurrent-requests
+            assert health["batching"] is True and health["concurrent_requests"] == 4
             r = c.post(
                 "/v1/completions",
                 json={"model": "acme/tiny-llama", "prompt": "Hello", "max_tokens": 3},
