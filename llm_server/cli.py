@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="bound of the prompt prefix cache, e.g. 512M or 2G (default: an eighth of the "
         "model's weight bytes; 0 turns it off)",
     )
+    p.add_argument(
+        "--keep-quantized",
+        action="store_true",
+        help="serve a quantized MLX checkpoint quantized on the CPU too (default: dequantized "
+        "to float32 at load when it fits in memory, much faster on the CPU; Metal keeps it "
+        "quantized either way)",
+    )
     p.add_argument("--context-length", type=int, help="cap the context (default: the model's)")
     p.add_argument(
         "--default-max-tokens",
