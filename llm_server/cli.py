@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
         "to float32 at load when it fits in memory, much faster on the CPU; Metal keeps it "
         "quantized either way)",
     )
+    p.add_argument(
+        "--chat-template",
+        type=_template,
+        metavar="FILE",
+        help="Jinja chat template replacing the model's (default: its tokenizer_config.json "
+        "or chat_template.jinja)",
+    )
     p.add_argument("--context-length", type=int, help="cap the context (default: the model's)")
     p.add_argument(
         "--default-max-tokens",
@@ -160,6 +167,15 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"not a size: {text!r} (use e.g. 512M, 2G or bytes)"
         ) from None
+
+
+def _template(path: str) -> str:
+    """--chat-template FILE -> the template text."""
+    try:
+        return Path(path).expanduser().read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {reason}") from None
 
 
 def validate_args(args: argparse.Namespace) -> None:

@@ -44,6 +44,7 @@ def make_service(
     constrained_mode: str = "batched",
     prefix_cache_bytes: int | None = None,
     keep_quantized: bool = False,
+    chat_template: str | None = None,
 ) -> ModelService:
     """A started (loading) service for `model_path`; the engine loads on the scheduler thread."""
     from llm_server.cli import engine_rows
@@ -76,6 +77,7 @@ def make_service(
         dtype=dtype,
         default_max_tokens=default_max_tokens,
         constrained_mode=constrained_mode,
+        chat_template=chat_template,
     )
     return ModelService(config, engine_factory or factory).start()
 
@@ -96,6 +98,7 @@ def service_from_args(
         backend=args.backend,
         prefix_cache_bytes=args.prefix_cache_bytes,
         keep_quantized=args.keep_quantized,
+        chat_template=args.chat_template,
     )
 
 
