@@ -254,6 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    for client in ("httpx", "httpx2"):  # one line per hub request is noise, not news
+        logging.getLogger(client).setLevel(max(logging.WARNING, logging.root.level))
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from llm_server.blas import active_blas, check_blas
 

@@ -98,7 +98,10 @@ def download_hub_model(hub: HubId) -> Path:
     except GatedRepoError:
         reason = "is gated: accept its terms on huggingface.co and run `hf auth login`"
     except RepositoryNotFoundError:
-        reason = "was not found on the Hugging Face hub (check the id; private repos need `hf auth login`)"
+        reason = (
+            "is neither a local folder nor a model on the Hugging Face hub "
+            "(check the id; private repos need `hf auth login`)"
+        )
     except RevisionNotFoundError:
         reason = f"has no revision {hub.revision!r} on the Hugging Face hub"
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:

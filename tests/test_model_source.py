@@ -3,6 +3,7 @@ cache (HF_HUB_OFFLINE=1), and the one-line error when the id is not cached."""
 
 from __future__ import annotations
 
+import http.server
 import os
 import shutil
 import subprocess
@@ -121,3 +122,37 @@ def test_existing_relative_folder_is_not_a_hub_id(tmp_path, monkeypatch):
     (tmp_path / "acme" / "tiny").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     assert parse_hub_id("acme/tiny") is None
+
+
+class _NoSuchRepo(http.server.BaseHTTPRequestHandler):
+    """A hub endpoint that knows no repository (what huggingface.co answers for an unknown id)."""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self.send_response(404)
+        self.send_header("X-Error-Code", "RepoNotFound")
+        self.send_header("X-Error-Message", "Repository not found")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_unknown_hub_id_online_is_one_line_and_exit_2(tmp_path):
+    hub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NoSuchRepo)
+    threading.Thread(target=hub.serve_forever, daemon=True).start()
+    try:
+        env = {**_env(tmp_path / "hub"), "HF_ENDPOINT": f"http://127.0.0.1:{hub.server_port}"}
+        del env["HF_HUB_OFFLINE"]
+        cmd = [sys.executable, "-c", CODE, "--model", "acme/no-such-model", "--port", "0"]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    finally:
+        hub.shutdown()
+    assert done.returncode == 2
+    lines = done.stderr.splitlines()
+    assert lines == [
+        "llm-server: acme/no-such-model is neither a local folder nor a model on the Hugging "
+        "Face hub (check the id; private repos need `hf auth login`)"
+    ], done.stderr
