@@ -42,14 +42,19 @@ def float32_bytes(modules: list[tuple[str, nn.Module]]) -> int:
 
 
 def available_memory() -> int | None:
-    """Bytes of memory available now (Linux), else physical memory (macOS); None if unknown."""
+    """Bytes of memory available now (Linux: MemAvailable, page cache included), else the
+    physical memory (macOS: unified memory); None if unknown."""
     try:
-        page = os.sysconf("SC_PAGE_SIZE")
-        names = os.sysconf_names
-        pages = os.sysconf("SC_AVPHYS_PAGES" if "SC_AVPHYS_PAGES" in names else "SC_PHYS_PAGES")
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (OSError, ValueError):
         return None
-    return page * pages
 
 
 def describe(modules: list[tuple[str, nn.Module]]) -> str:

@@ -118,3 +118,16 @@ def _named_quantized(engine) -> list[tuple[str, nn.Module]]:
 
 def _quantized(engine) -> list[nn.Module]:
     return [m for _, m in _named_quantized(engine)]
+
+
+def test_kept_quantized_with_a_warning_when_float32_does_not_fit(checkpoints, monkeypatch, caplog):
+    from llm_server.engines import quantized
+
+    monkeypatch.setattr(quantized, "available_memory", lambda: 1 << 10)  # 1 KiB free
+    with caplog.at_level(logging.WARNING, logger="llm_server.engines.quantized"):
+        engine = MLXEngine(checkpoints["qwen3-4bit-g64"], rows=2)
+    assert engine.quantized is True and engine._fused is None and any(_quantized(engine))
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert warning.startswith("kept 16 quantized layers (4-bit affine, group 64) quantized")
+    logits = engine.prefill(0, [5, 6, 7])
+    assert logits.shape == (engine.vocab_size,) and np.isfinite(logits).all()
