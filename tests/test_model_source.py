@@ -41,10 +41,10 @@ def _env(cache: Path) -> dict[str, str]:
     return {**env, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def _start(cache: Path, model: str) -> tuple[subprocess.Popen, str, list[str]]:
+def _start(env: dict[str, str], model: str) -> tuple[subprocess.Popen, str, list[str]]:
     cmd = [sys.executable, "-c", CODE, "--model", model, "--port", "0", "--log-level", "warning"]
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(cache)
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
     output: list[str] = []
     found: dict[str, str] = {}
@@ -65,10 +65,15 @@ def _start(cache: Path, model: str) -> tuple[subprocess.Popen, str, list[str]]:
     return proc, found["url"], output
 
 
-def test_hub_id_served_offline_from_the_hf_cache(tmp_path, tiny_llama_path):
+@pytest.mark.parametrize("network", ["HF_HUB_OFFLINE=1", "hub unreachable"])
+def test_hub_id_served_from_the_hf_cache_without_network(tmp_path, tiny_llama_path, network):
     cache = tmp_path / "hub"
     _hf_cache(cache, "acme/tiny-llama", tiny_llama_path)
-    proc, url, output = _start(cache, "acme/tiny-llama")
+    env = _env(cache)
+    if network == "hub unreachable":  # online mode, but the cache is read first
+        del env["HF_HUB_OFFLINE"]
+        env["HF_ENDPOINT"] = "http://127.0.0.1:9"  # the discard port: nothing listens
+    proc, url, output = _start(env, "acme/tiny-llama")
     try:
         with httpx.Client(base_url=url, timeout=60) as c:
             models = c.get("/v1/models").json()
