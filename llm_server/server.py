@@ -43,6 +43,8 @@ def make_service(
     backend: str = "auto",
     constrained_mode: str = "batched",
     prefix_cache_bytes: int | None = None,
+    keep_quantized: bool = False,
+    chat_template: str | None = None,
 ) -> ModelService:
     """A started (loading) service for `model_path`; the engine loads on the scheduler thread."""
     from llm_server.cli import engine_rows
@@ -63,6 +65,7 @@ def make_service(
             context_length=context_length,
             dtype=dtype,
             prefix_cache_bytes=prefix_cache_bytes,
+            keep_quantized=keep_quantized,
         )
 
     tokenizer_path = model_path.parent if model_path.suffix == ".mlpackage" else model_path
@@ -74,6 +77,7 @@ def make_service(
         dtype=dtype,
         default_max_tokens=default_max_tokens,
         constrained_mode=constrained_mode,
+        chat_template=chat_template,
     )
     return ModelService(config, engine_factory or factory).start()
 
@@ -93,6 +97,8 @@ def service_from_args(
         constrained_mode=args.constrained_mode,
         backend=args.backend,
         prefix_cache_bytes=args.prefix_cache_bytes,
+        keep_quantized=args.keep_quantized,
+        chat_template=args.chat_template,
     )
 
 

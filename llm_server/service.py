@@ -16,6 +16,7 @@ from pathlib import Path
 from llm_server.decoding import Decoder, LogitsConstraint, SamplingParams
 from llm_server.engines.base import Engine
 from llm_server.fingerprint import system_fingerprint
+from llm_server.generation_config import load_sampling_defaults
 from llm_server.scheduler import BatchScheduler, FinishEvent, GenerationRequest, TokenEvent
 from llm_server.scheduler.request import Event
 from llm_server.scheduler.scorer import ScoredPrompt, Scorer, check_prompts
@@ -33,6 +34,7 @@ class ServiceConfig:
     dtype: str = "float32"
     default_max_tokens: int = 512
     constrained_mode: str = "batched"  # "batched" | "lease"
+    chat_template: str | None = None  # overrides the checkpoint's (--chat-template FILE)
 
 
 class GenerationHandle:
@@ -71,7 +73,9 @@ class ModelService:
         on_step: Callable[[float, int], None] | None = None,
     ) -> None:
         self.config = config
-        self.tokenizer = Tokenizer(config.model_path)
+        self.tokenizer = Tokenizer(config.model_path, chat_template=config.chat_template)
+        # what a request that omits temperature/top_p gets (the checkpoint's generation_config)
+        self.sampling_defaults = load_sampling_defaults(config.model_path)
         self.scheduler = BatchScheduler(
             engine_factory,
             max_concurrent=config.concurrent_requests,

@@ -15,13 +15,17 @@ class ChatTemplateError(ValueError):
 class Tokenizer:
     """A Hugging Face fast tokenizer plus the model's EOS ids and chat template."""
 
-    def __init__(self, model_path: str | Path) -> None:
+    def __init__(self, model_path: str | Path, chat_template: str | None = None) -> None:
+        """`chat_template`: a Jinja template replacing the checkpoint's (tokenizer_config.json
+        or chat_template.jinja)."""
         # transformers warns at import that PyTorch is missing; we only use its tokenizers
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         from transformers import AutoTokenizer
 
         path = Path(model_path)
         self._tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        if chat_template is not None:
+            self._tok.chat_template = chat_template
         self.eos_token_ids = frozenset(_eos_ids(path, self._tok))
         self.eos_token = self._tok.eos_token
         self.bos_token = self._tok.bos_token

@@ -49,7 +49,8 @@ async def _constraint(service: ModelService, chat: ChatRequest) -> LogitsConstra
 
 async def chat_completions(request: Request) -> Response:
     service = get_service(request)
-    chat = parse_chat(await read_json(request), service.config.default_max_tokens)
+    body = await read_json(request)
+    chat = parse_chat(body, service.config.default_max_tokens, service.sampling_defaults)
     check_model(service, chat.model, served_id(request))
     if not any(m["content"] for m in chat.messages):
         raise invalid("messages", "every message is empty; send some content")

@@ -63,7 +63,10 @@ def _is_scoring(req: CompletionRequest) -> bool:
 async def completions(request: Request) -> Response:
     service = get_service(request)
     req = parse_completion(
-        await read_json(request), service.config.default_max_tokens, service.tokenizer.vocab_size
+        await read_json(request),
+        service.config.default_max_tokens,
+        service.tokenizer.vocab_size,
+        service.sampling_defaults,
     )
     check_model(service, req.model, served_id(request))
     prompts = _prompts(service, req)

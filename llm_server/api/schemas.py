@@ -8,6 +8,9 @@ from typing import Any
 
 from llm_server.api.errors import invalid
 from llm_server.decoding import MAX_TOP_LOGPROBS, SamplingParams
+from llm_server.generation_config import SamplingDefaults
+
+OPENAI_DEFAULTS = SamplingDefaults()
 
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_LENGTH = 256
@@ -97,7 +100,10 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _sampling(body: dict, max_tokens: int, logprobs: bool, top: int) -> SamplingParams:
+def _sampling(
+    body: dict, max_tokens: int, logprobs: bool, top: int, defaults: SamplingDefaults
+) -> SamplingParams:
+    """The request's sampling; a field it omits (or sends as null) takes `defaults`'s value."""
     n = _get(body, "n", int, 1)
     if n != 1:
         raise invalid("n", f"only n=1 is supported, got {n}; send separate requests instead")
@@ -106,8 +112,8 @@ def _sampling(body: dict, max_tokens: int, logprobs: bool, top: int) -> Sampling
         raise invalid("seed", f"'seed' must be 0 or more, got {seed}")
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
+        temperature=_number(body, "temperature", defaults.temperature, 0.0, 2.0),
+        top_p=_number(body, "top_p", defaults.top_p, 0.0, 1.0) or 1.0,
         seed=seed,
         stop=_stop(body),
         logprobs=logprobs,
@@ -168,7 +174,9 @@ def parse_messages(body: dict) -> tuple[dict[str, str], ...]:
     return tuple(out)
 
 
-def parse_chat(body: dict, default_max_tokens: int) -> ChatRequest:
+def parse_chat(
+    body: dict, default_max_tokens: int, defaults: SamplingDefaults = OPENAI_DEFAULTS
+) -> ChatRequest:
     messages = parse_messages(body)
     stream = bool(_get(body, "stream", bool, False))
     logprobs = bool(_get(body, "logprobs", bool, False))
@@ -188,7 +196,7 @@ def parse_chat(body: dict, default_max_tokens: int) -> ChatRequest:
         fmt = None
     return ChatRequest(
         messages=messages,
-        params=_sampling(body, max_tokens, logprobs, top),
+        params=_sampling(body, max_tokens, logprobs, top, defaults),
         stream=stream,
         include_usage=_stream_options(body, stream),
         response_format=fmt,
@@ -232,7 +240,12 @@ def _prompts(body: dict, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
     return tuple(out)
 
 
-def parse_completion(body: dict, default_max_tokens: int, vocab_size: int) -> CompletionRequest:
+def parse_completion(
+    body: dict,
+    default_max_tokens: int,
+    vocab_size: int,
+    defaults: SamplingDefaults = OPENAI_DEFAULTS,
+) -> CompletionRequest:
     prompts = _prompts(body, vocab_size)
     stream = bool(_get(body, "stream", bool, False))
     lp = body.get("logprobs")
@@ -248,7 +261,7 @@ def parse_completion(body: dict, default_max_tokens: int, vocab_size: int) -> Co
         raise invalid("max_tokens", "'max_tokens' must be at least 1 unless 'echo' is true")
     return CompletionRequest(
         prompts=prompts,
-        params=_sampling(body, max_tokens, lp is not None, lp or 0),
+        params=_sampling(body, max_tokens, lp is not None, lp or 0, defaults),
         stream=stream,
         include_usage=_stream_options(body, stream),
         echo=echo,
