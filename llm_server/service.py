@@ -119,7 +119,7 @@ class ModelService:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
         eos = self.tokenizer.eos_token_ids
-        decoder = Decoder(params, eos, self.tokenizer.decode, constraint)
+        decoder = Decoder(params, eos, self.tokenizer.decode, constraint, prompt)
 
         def emit(ev: Event) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, ev)
