@@ -34,7 +34,12 @@ _SAMPLING = {
     "n": {"type": "integer", "minimum": 1, "maximum": MAX_N},
     "top_k": {"type": "integer", "minimum": -1},
     "min_p": {"type": "number", "minimum": 0, "maximum": 1},
-    "repetition_penalty": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 2},
+    "repetition_penalty": {
+        "type": "number",
+        "minimum": 0,
+        "maximum": 2,
+        "description": "above 0 (0 itself is a 400); 1 is off",
+    },
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "logit_bias": _nullable(
