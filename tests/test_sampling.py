@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from llm_server.decoding import Decoder, LogitsConstraint, Sampler, SamplingParams
+from llm_server.decoding import Decoder, LogitsConstraint, Sampler, SamplingParams, _draw, _top_k
 
 
 def params(**kw) -> SamplingParams:
@@ -201,3 +201,25 @@ def test_top_p_matches_a_full_sort(scale):
     logits = np.random.default_rng(2).normal(size=5000) * scale
     s = Sampler(params(temperature=1.0, top_p=0.9))
     np.testing.assert_allclose(s.probabilities(logits), _nucleus_by_full_sort(logits, 0.9))
+
+
+def test_top_k_near_the_top_equals_a_full_partition():
+    rng = np.random.default_rng(4)
+    for scale, k in ((4.0, 40), (0.5, 40), (40.0, 300), (4.0, 4999)):
+        z = rng.normal(size=5000) * scale
+        z[7] = z[8] = np.sort(z)[-k]  # a tie at the k-th
+        kth = np.partition(z, z.size - k)[z.size - k]
+        expected = np.flatnonzero(z >= kth)
+        assert np.array_equal(np.sort(_top_k(z, k)), expected), (scale, k)
+
+
+def test_block_draw_matches_a_full_inverse_cdf():
+    rng = np.random.default_rng(6)
+    probs = rng.random(5000) ** 8
+    probs[rng.random(5000) < 0.3] = 0.0  # masked tokens are never drawn
+    probs /= probs.sum()
+    cdf = np.cumsum(probs)
+    for u in rng.random(500):
+        j = _draw(probs, float(u))
+        assert j == int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+        assert probs[j] > 0
