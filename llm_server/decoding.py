@@ -14,7 +14,7 @@ import numpy as np
 
 MAX_TOP_LOGPROBS = 20
 NUCLEUS_RATIOS = (1e-3, 1e-7)  # top_p first sorts the tokens this likely relative to the top
-TOP_K_WINDOWS = (8.0, 32.0)  # top_k first looks this far below the largest (scaled) logit
+TOP_K_WINDOWS = (8.0, 16.0, 32.0)  # top_k first looks this far below the largest (scaled) logit
 DRAW_BLOCK = 1024  # tokens per block of the two-level inverse CDF
 
 
