@@ -213,3 +213,27 @@ def test_seeded_choices_use_consecutive_seeds():
     p = SamplingParams(max_tokens=4, seed=40)
     assert [choice_params(p, i).seed for i in range(3)] == [40, 41, 42]
     assert choice_params(SamplingParams(max_tokens=4), 2).seed is None
+
+
+def test_n_choices_each_follow_their_own_grammar_over_the_bias(client, server):
+    """Each of n constrained choices has its own grammar state; a +100 bias on a token the
+    grammar forbids does not get past the mask."""
+    word = server.service.tokenizer.encode("the", add_special_tokens=False)[0]
+    schema = {"type": "integer", "minimum": 0, "maximum": 999}
+    resp = client.chat.completions.create(
+        model="default",
+        messages=_user("a number please"),
+        n=3,
+        max_tokens=8,
+        temperature=1.0,
+        seed=21,
+        logit_bias={str(word): 100},
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "n", "schema": schema, "strict": True},
+        },
+    )
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    for c in resp.choices:
+        assert c.finish_reason == "stop"
+        assert 0 <= int(c.message.content) <= 999, c.message.content
