@@ -20,12 +20,16 @@ class SamplingDefaults:
 
     temperature: float = 1.0  # 0..2
     top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
 
 
-# field -> accepted range; a new field (e.g. top_k) is one field above and one entry here
+# field -> accepted range; a new field is one field above and one entry here
 _RANGES: dict[str, tuple[float, float]] = {
     "temperature": (0.0, 2.0),
     "top_p": (1e-9, 1.0),
+    "top_k": (0, 1 << 30),
+    "min_p": (0.0, 1.0),
 }
 
 

@@ -120,18 +120,42 @@ class ModelService:
         constraint: LogitsConstraint | None = None,
     ) -> GenerationHandle:
         """Admit a request now (raises QueueFull/SchedulerClosed) and return its handle."""
+        return self.start_generations([prompt], [params], [constraint])[0]
+
+    def start_generations(
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        constraints: list[LogitsConstraint | None] | None = None,
+    ) -> list[GenerationHandle]:
+        """Admit one generation per prompt, all or none (QueueFull/SchedulerClosed); one
+        handle per prompt, in order. `params[i]` and `constraints[i]` go with `prompts[i]`."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Event] = asyncio.Queue()
         eos = self.tokenizer.eos_token_ids
-        decoder = Decoder(params, eos, self.tokenizer.decode, constraint)
+        constraints = constraints or [None] * len(prompts)
+        reqs, handles = [], []
+        for prompt, sp, constraint in zip(prompts, params, constraints, strict=True):
+            queue: asyncio.Queue[Event] = asyncio.Queue()
+            decoder = Decoder(sp, eos, self.tokenizer.decode, constraint, prompt)
+            exclusive = constraint is not None and self.config.constrained_mode == "lease"
+            req = GenerationRequest(
+                prompt=prompt, decoder=decoder, emit=_emitter(loop, queue), exclusive=exclusive
+            )
+            reqs.append(req)
+            handles.append(GenerationHandle(req, queue))
+        self.scheduler.submit_all(reqs)
+        return handles
 
-        def emit(ev: Event) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, ev)
+    @property
+    def capacity(self) -> int:
+        """Generations the scheduler holds at once, running plus queued."""
+        return self.scheduler.max_concurrent + self.scheduler.max_queued
 
-        exclusive = constraint is not None and self.config.constrained_mode == "lease"
-        req = GenerationRequest(prompt=prompt, decoder=decoder, emit=emit, exclusive=exclusive)
-        self.scheduler.submit(req)
-        return GenerationHandle(req, queue)
+    @property
+    def token_id_limit(self) -> int:
+        """Token ids below this are valid in a request (the tokenizer's and the logits')."""
+        vocab = self.tokenizer.vocab_size
+        return min(vocab, self.engine.vocab_size) if self.engine is not None else vocab
 
     async def score(
         self, prompts: list[list[int]], top_k: int, generate_one: bool
@@ -154,6 +178,15 @@ class ModelService:
         closed = self.scheduler.close(timeout)
         self.scorer.close()  # fails scoring requests that can no longer run
         return closed
+
+
+def _emitter(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Event]) -> Callable:
+    """A scheduler-thread callback that hands events to `queue` on the event loop."""
+
+    def emit(ev: Event) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, ev)
+
+    return emit
 
 
 __all__ = ["GenerationHandle", "ModelService", "ServiceConfig", "TokenEvent", "FinishEvent"]

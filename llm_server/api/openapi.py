@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from llm_server.api.schemas import MAX_LOGIT_BIAS, MAX_N
 from llm_server.decoding import MAX_TOP_LOGPROBS
 
 OPENAPI_VERSION = "3.0.3"
@@ -30,7 +31,25 @@ _SAMPLING = {
     "top_p": {"type": "number", "minimum": 0, "maximum": 1},
     "seed": _nullable({"type": "integer", "minimum": 0}),
     "stop": _STOP,
-    "n": {"type": "integer", "minimum": 1, "maximum": 1},
+    "n": {"type": "integer", "minimum": 1, "maximum": MAX_N},
+    "top_k": {"type": "integer", "minimum": -1},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "repetition_penalty": {
+        "type": "number",
+        "minimum": 0,
+        "maximum": 2,
+        "description": "above 0 (0 itself is a 400); 1 is off",
+    },
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "logit_bias": _nullable(
+        {
+            "type": "object",
+            "description": "token id (a string of digits) -> bias added to its logit",
+            "maxProperties": MAX_LOGIT_BIAS,
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        }
+    ),
     "stream": _BOOL,
     "stream_options": _nullable({"type": "object", "properties": {"include_usage": _BOOL}}),
 }

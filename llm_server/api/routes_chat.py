@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from llm_server.api.common import (
-    admit,
+    admit_all,
     check_model,
     check_prompt,
     get_service,
@@ -24,10 +24,10 @@ from llm_server.api.common import (
 from llm_server.api.errors import error_body, invalid
 from llm_server.api.logprobs import chat_logprobs
 from llm_server.api.schemas import ChatRequest, parse_chat
-from llm_server.api.streaming import collect, finish_reason, sse
+from llm_server.api.streaming import collect_many, finish_reason, merge_events, sse
 from llm_server.constrained import ConstraintError, build_constraint
 from llm_server.decoding import FinishReason, LogitsConstraint
-from llm_server.scheduler import TokenEvent
+from llm_server.scheduler import FinishEvent, TokenEvent
 from llm_server.service import GenerationHandle, ModelService
 from llm_server.tokenizer import ChatTemplateError
 
@@ -50,37 +50,44 @@ async def _constraint(service: ModelService, chat: ChatRequest) -> LogitsConstra
 async def chat_completions(request: Request) -> Response:
     service = get_service(request)
     body = await read_json(request)
-    chat = parse_chat(body, service.config.default_max_tokens, service.sampling_defaults)
+    chat = parse_chat(
+        body, service.config.default_max_tokens, service.token_id_limit, service.sampling_defaults
+    )
     check_model(service, chat.model, served_id(request))
     if not any(m["content"] for m in chat.messages):
         raise invalid("messages", "every message is empty; send some content")
-    constraint = await _constraint(service, chat)
+    constraints = [await _constraint(service, chat) for _ in range(chat.n)]  # one per row
     try:
         prompt = service.tokenizer.apply_chat_template(list(chat.messages))
     except ChatTemplateError as exc:
         raise invalid("messages", str(exc)) from None
     check_prompt(service, len(prompt), "messages")
-    handle = admit(service, prompt, chat.params, constraint)  # before any SSE byte (S3)
+    # every choice admitted before any SSE byte (S3), all or none
+    handles = admit_all(service, [prompt], chat.params, chat.n, constraints)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if chat.stream:
         return StreamingResponse(
-            _chat_stream(request, service, handle, chat, rid, created),
+            _chat_stream(request, service, handles, chat, rid, created),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
-    out = await collect(handle, request)
-    if (early := settle(request, [out.finish])) is not None:
+    outs = await collect_many(handles, request)
+    if (early := settle(request, [o.finish for o in outs])) is not None:
         return early
-    fin = out.finish
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": out.text},
-        "finish_reason": finish_reason(fin),
-        "logprobs": None,
-    }
-    if chat.params.logprobs:
-        choice["logprobs"] = chat_logprobs(out.logprobs, service.tokenizer.token_strings)
+    choices = []
+    for i, out in enumerate(outs):
+        choice = {
+            "index": i,
+            "message": {"role": "assistant", "content": out.text},
+            "finish_reason": finish_reason(out.finish),
+            "logprobs": None,
+        }
+        if chat.params.logprobs:
+            choice["logprobs"] = chat_logprobs(out.logprobs, service.tokenizer.token_strings)
+        choices.append(choice)
+    first = outs[0].finish  # the prompt counts once, whatever n is
+    n_completion = sum(o.finish.completion_tokens for o in outs)
     return JSONResponse(
         {
             "id": rid,
@@ -88,8 +95,8 @@ async def chat_completions(request: Request) -> Response:
             "created": created,
             "model": served_id(request),
             "system_fingerprint": service.fingerprint,
-            "choices": [choice],
-            "usage": usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens),
+            "choices": choices,
+            "usage": usage(first.prompt_tokens, n_completion, first.cached_tokens),
         }
     )
 
@@ -97,11 +104,13 @@ async def chat_completions(request: Request) -> Response:
 async def _chat_stream(
     request: Request,
     service: ModelService,
-    handle: GenerationHandle,
+    handles: list[GenerationHandle],
     chat: ChatRequest,
     rid: str,
     created: int,
 ) -> AsyncIterator[str]:
+    """Chunks of every choice as their tokens come, each tagged with its `index` (n > 1
+    interleaves them as OpenAI does); usage, when asked, after the last choice finished."""
     base = {
         "id": rid,
         "object": "chat.completion.chunk",
@@ -110,21 +119,25 @@ async def _chat_stream(
         "system_fingerprint": service.fingerprint,
     }
 
-    def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None) -> str:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+    def chunk(
+        index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None
+    ) -> str:
+        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         body = {**base, "choices": [choice]}
         if chat.include_usage:
             body["usage"] = None
         return sse(body)
 
-    yield chunk({"role": "assistant", "content": ""})
-    async for ev in handle.events():
+    for i in range(len(handles)):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    finishes: list[FinishEvent | None] = [None] * len(handles)
+    async for i, ev in merge_events(handles):
         if isinstance(ev, TokenEvent):
             lp = None
             if ev.logprob is not None:
                 lp = chat_logprobs([ev.logprob], service.tokenizer.token_strings)
             if ev.text or lp is not None:
-                yield chunk({"content": ev.text}, logprobs=lp)
+                yield chunk(i, {"content": ev.text}, logprobs=lp)
             continue
         if ev.reason == FinishReason.CANCELLED:
             return
@@ -132,15 +145,18 @@ async def _chat_stream(
         if ev.reason == FinishReason.ERROR:
             yield sse(error_body(500, "the model failed while generating this request"))
             break
+        finishes[i] = ev
         if ev.text:
-            yield chunk({"content": ev.text})
-        yield chunk({}, finish=finish_reason(ev))
-        if chat.include_usage:
-            yield sse(
-                {
-                    **base,
-                    "choices": [],
-                    "usage": usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens),
-                }
-            )
+            yield chunk(i, {"content": ev.text})
+        yield chunk(i, {}, finish=finish_reason(ev))
+    if chat.include_usage and all(f is not None for f in finishes):
+        first = finishes[0]
+        n_completion = sum(f.completion_tokens for f in finishes if f is not None)
+        yield sse(
+            {
+                **base,
+                "choices": [],
+                "usage": usage(first.prompt_tokens, n_completion, first.cached_tokens),
+            }
+        )
     yield sse("[DONE]")

@@ -154,7 +154,13 @@ class MLXEngine:
             raise RuntimeError(f"row {row} has a decode step in flight; release it first")
         tokens = [int(t) for t in tokens]
         entry, reused = self.prefix_cache.match(tokens)
-        if entry is not None:
+        source, shared = self._live_prefix(row, tokens)
+        if shared > reused:  # a running row holds more of this prompt than the cache
+            keys, values = self._store.read_row(source, shared)
+            self._store.write_prefix(row, keys, values, shared)
+            self.prefix_cache.note_hit(shared)
+            reused = shared
+        elif entry is not None:
             self._store.write_prefix(row, entry.keys, entry.values, reused)
         self._row_tokens[row] = tokens[:reused]
         self.row_cached[row] = reused
@@ -164,6 +170,24 @@ class MLXEngine:
             logits = self._forward_rows([row], [start], [chunk])
             self._row_tokens[row].extend(chunk)
         return logits[0]
+
+    def _live_prefix(self, row: int, tokens: list[int]) -> tuple[int, int]:
+        """The other row holding the longest prefix of `tokens` (all but the last) and its
+        length: the choices of an `n` > 1 request, or prompts sharing a system prompt, sent
+        together. (0, 0) when none shares at least the prefix cache's minimum."""
+        best_row, best = 0, 0
+        if not self.prefix_cache.enabled:
+            return best_row, best
+        query = np.asarray(tokens[:-1], dtype=np.int64)
+        for r, held in enumerate(self._row_tokens):
+            n = min(len(held), query.size)
+            if r == row or n <= max(best, self.prefix_cache.min_tokens - 1):
+                continue
+            differ = np.flatnonzero(np.asarray(held[:n], dtype=np.int64) != query[:n])
+            length = int(differ[0]) if differ.size else n
+            if length > best and length >= self.prefix_cache.min_tokens:
+                best_row, best = r, length
+        return best_row, best
 
     def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         return self.decode_finish(self.decode_start(rows, tokens))
