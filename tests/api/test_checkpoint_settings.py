@@ -77,18 +77,22 @@ def test_load_sampling_defaults(tmp_path):
     (tmp_path / "generation_config.json").write_text(
         json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": [1, 2]})
     )
-    assert load_sampling_defaults(tmp_path) == SamplingDefaults(temperature=0.6, top_p=0.95)
+    assert load_sampling_defaults(tmp_path) == SamplingDefaults(
+        temperature=0.6, top_p=0.95, top_k=20
+    )
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 7, "top_p": "x"}))
     assert load_sampling_defaults(tmp_path) == SamplingDefaults()  # out of range: ignored
 
 
 def test_request_fields_override_the_defaults():
     defaults = SamplingDefaults(temperature=0.6, top_p=0.95)
-    omitted = parse_chat({"messages": MESSAGES}, 16, defaults).params
+    omitted = parse_chat({"messages": MESSAGES}, 16, defaults=defaults).params
     assert (omitted.temperature, omitted.top_p) == (0.6, 0.95)
-    null = parse_completion({"prompt": "x", "temperature": None}, 16, 100, defaults).params
+    null = parse_completion({"prompt": "x", "temperature": None}, 16, 100, defaults=defaults).params
     assert (null.temperature, null.top_p) == (0.6, 0.95)
-    given = parse_chat({"messages": MESSAGES, "temperature": 0, "top_p": 0.5}, 16, defaults)
+    given = parse_chat(
+        {"messages": MESSAGES, "temperature": 0, "top_p": 0.5}, 16, defaults=defaults
+    )
     assert (given.params.temperature, given.params.top_p) == (0.0, 0.5)
     plain = parse_chat({"messages": MESSAGES}, 16).params  # no generation_config: OpenAI's
     assert (plain.temperature, plain.top_p) == (1.0, 1.0)
