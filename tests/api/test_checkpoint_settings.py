@@ -85,9 +85,15 @@ def test_load_sampling_defaults(tmp_path):
 
 
 def test_request_fields_override_the_defaults():
-    defaults = SamplingDefaults(temperature=0.6, top_p=0.95)
+    defaults = SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, min_p=0.05)
     omitted = parse_chat({"messages": MESSAGES}, 16, defaults=defaults).params
-    assert (omitted.temperature, omitted.top_p) == (0.6, 0.95)
+    assert (omitted.temperature, omitted.top_p, omitted.top_k, omitted.min_p) == (
+        0.6,
+        0.95,
+        20,
+        0.05,
+    )
+    assert parse_chat({"messages": MESSAGES, "top_k": 0}, 16, defaults=defaults).params.top_k == 0
     null = parse_completion({"prompt": "x", "temperature": None}, 16, 100, defaults=defaults).params
     assert (null.temperature, null.top_p) == (0.6, 0.95)
     given = parse_chat(
