@@ -2,7 +2,9 @@
 
 Rows share one preallocated store; each row has its own cursor. Prefill touches one row,
 decode runs every requested row in one batched forward with a per-row mask, and scoring uses
-its own cache so the decode rows are never disturbed.
+its own cache so the decode rows are never disturbed. Sliding-window layers get a per-row window
+mask, recurrent layers a per-row state slot (see layout.py); a model whose caches cannot be held
+per row is served on one row through mlx-lm's own caches (`serial_reason` says why).
 """
 
 from __future__ import annotations
@@ -21,15 +23,24 @@ from llm_server import blas
 from llm_server.engines import cpu_kernels
 from llm_server.engines.base import EngineError, ScoreChunkResult
 from llm_server.engines.fused_decode import FusedDecoder
+from llm_server.engines.layout import (
+    KV,
+    PLAIN_HEAD_MODULES,
+    cache_layout,
+    inner_name,
+    last_logits,
+    make_cache,
+    model_family,
+)
 from llm_server.engines.prefix_cache import PrefixCache
-from llm_server.engines.row_cache import ForwardPlan, RowStore, RowView
+from llm_server.engines.row_cache import ForwardPlan, RowStore, RowView, row_mask
+from llm_server.engines.row_state import RowStateView, StateStore
 from llm_server.engines.score_reduce import reduce_logits_mlx, reduce_logprobs
 
 log = logging.getLogger(__name__)
 
 SPLIT_MAX_POSITIONS = 256  # forwards up to this many positions split their products (see _split)
 PREFILL_CHUNK = 512  # prompt positions per prefill forward (bounds activation memory)
-SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
@@ -69,33 +80,45 @@ class MLXEngine:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         config = json.loads((path / "config.json").read_text())
-        if config.get("model_type") not in SUPPORTED_TYPES:
-            raise ValueError(
-                f"model_type {config.get('model_type')!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_TYPES)}"
-            )
+        _check_model_type(config)
         self.model, self.config = load_model(path, lazy=True)
         cpu_kernels.install(self.model)  # numpy softmax/SiLU for big tensors on the CPU
         self.model.set_dtype(_DTYPES[dtype])
         max_pos = int(config.get("max_position_embeddings") or 2048)
         self.context_length = min(context_length or max_pos, max_pos)
+        self._layout = cache_layout(self.model)
+        # why this model serves one request at a time (None: its rows batch)
+        self.serial_reason = self._layout.serial_reason
+        if self.serial_reason is not None:
+            rows = 1
+        self._inner = inner_name(self.model)
+        self._plain_head = model_family(self.model) in PLAIN_HEAD_MODULES
         # decode steps with stacked q/k/v and gate/up products (None: mlx-lm's forward). Built
         # while the weights are still lazy, so the separate ones only ever exist one layer at a
         # time: stacking loaded weights instead left ~280 MB of freed (but resident) heap.
-        self._fused = FusedDecoder.build(self.model, self.context_length) if fused_decode else None
+        fusable = fused_decode and self._plain_head and self._layout.plain
+        fusable = fusable and self.serial_reason is None
+        self._fused = FusedDecoder.build(self.model, self.context_length) if fusable else None
         mx.eval(self.model.parameters())
         mx.clear_cache()  # the buffers freed while stacking
-        if self._fused is None:  # the fused forward splits its own products
+        if self._fused is None and self._plain_head:  # the fused forward splits its own products
             cpu_kernels.split_linears(self.model)  # 1-2 row decode products use both cores
         self.model_path = path
         self.pipelined = (not cpu_kernels.on_cpu()) if pipeline is None else pipeline
+        if self._layout.stateful or self.serial_reason is not None:
+            # a recurrent state cannot be rewound: a step is never started before the last
+            # one finished (a cancelled early step would have advanced it)
+            self.pipelined = False
         self.padded_shapes = padded_shapes
         self.dtype = dtype
         self.rows = rows
         self.supports_batching = rows > 1
         self.vocab_size = int(config["vocab_size"])
-        self.num_layers = len(self.model.layers)
+        self.num_layers = len(self._layout.layers)  # entries of the model's cache list
         self._store = RowStore(self.num_layers, rows, self.context_length)
+        states = [(i, c.size) for i, c in enumerate(self._layout.layers) if c.kind != KV]
+        self._states = StateStore([i for i, _ in states], rows, [n for _, n in states])
+        self._serial_cache: list | None = None  # mlx-lm's caches of the one row (serial mode)
         # ids whose KV each row holds; a row's cursor is the length of its list
         self._row_tokens: list[list[int]] = [[] for _ in range(rows)]
         self.row_cached = [0] * rows  # prompt tokens the last prefill took from the prefix cache
@@ -104,6 +127,8 @@ class MLXEngine:
         self._split_steps = 0  # split decode steps in flight (BLIS held to one thread meanwhile)
         if prefix_cache_bytes is None:
             prefix_cache_bytes = max(self.weight_bytes() // 8, 64 << 20)
+        if self._layout.stateful or self.serial_reason is not None:
+            prefix_cache_bytes = 0  # a recurrent state at a prefix is not kept: no reuse
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self._score_cache: list | None = None
         self._score_offset = 0
@@ -123,6 +148,8 @@ class MLXEngine:
         self._row_tokens[row] = []
         self._ahead[row] = 0
         self._epoch[row] += 1
+        self._states.clear_row(row)
+        self._serial_cache = None
         if not any(self._row_tokens):
             self._store.clear()  # idle: give the KV memory back
             mx.clear_cache()
@@ -150,6 +177,9 @@ class MLXEngine:
         if self._ahead[row]:
             raise RuntimeError(f"row {row} has a decode step in flight; release it first")
         tokens = [int(t) for t in tokens]
+        self._states.clear_row(row)
+        if self.serial_reason is not None:
+            self._serial_cache = make_cache(self.model)
         entry, reused = self.prefix_cache.match(tokens)
         if entry is not None:
             self._store.write_prefix(row, entry.keys, entry.values, reused)
@@ -188,11 +218,13 @@ class MLXEngine:
         if split:
             self._split_steps += 1
             blas.set_threads(1)  # one BLIS thread per split half until the step is finished
+        before = self._states.snapshot(rows)
         try:
             logits = self._graph(rows, starts, ids, split)
             greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
-            mx.async_eval(logits, greedy, *self._store.keys, *self._store.values)
+            mx.async_eval(logits, greedy, *self._held())
         except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
+            self._states.restore(before)  # the rows' states as before the failed step
             self._end_split(split)
             raise EngineError(f"forward failed: {exc}") from exc
         for r in rows:
@@ -242,8 +274,17 @@ class MLXEngine:
                 blas.set_threads(blas.default_threads())
 
     def kv_bytes(self) -> int:
-        """Bytes held by the decode rows' KV store."""
-        return self._store.nbytes()
+        """Bytes held by the decode rows' KV store (and recurrent states)."""
+        return self._store.nbytes() + sum(a.nbytes for a in self._states.arrays())
+
+    def _held(self) -> list[mx.array]:
+        """Every array the rows keep between forwards (evaluated with each step)."""
+        if self._serial_cache is not None:
+            from mlx.utils import tree_flatten
+
+            leaves = tree_flatten([c.state for c in self._serial_cache])
+            return [a for _, a in leaves if isinstance(a, mx.array)]
+        return self._store.arrays() + self._states.arrays()
 
     def _split(self, positions: int) -> bool:
         """Whether a forward over `positions` (rows x new tokens) splits its products in halves
@@ -274,13 +315,15 @@ class MLXEngine:
         with blas.threads(1) if split else nullcontext():
             try:
                 logits = self._graph(rows, starts, ids, split)
-                mx.eval(logits, *self._store.keys, *self._store.values)
+                mx.eval(logits, *self._held())
             except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
                 raise EngineError(f"forward failed: {exc}") from exc
         return np.array(logits, copy=False)
 
     def _graph(self, rows: list[int], starts: list[int], ids: mx.array, split: bool) -> mx.array:
         """The (lazy) logits [B, vocab] float32 of each row's last position for ids [B, q]."""
+        if self._serial_cache is not None:  # one row on mlx-lm's own caches
+            return last_logits(self.model, self._inner, ids, self._serial_cache).astype(mx.float32)
         q = ids.shape[1]
         kv_len = max(starts) + q
         self._store.ensure(kv_len)
@@ -288,26 +331,31 @@ class MLXEngine:
             rows=rows,
             starts=starts,
             length=q,
-            mask=_row_mask(starts, q, kv_len),
+            mask=row_mask(starts, q, kv_len),
             kv_len=kv_len,
             all_rows=rows == list(range(self.rows)),
         )
-        views = [RowView(self._store, i, plan) for i in range(self.num_layers)]
+        views = [
+            RowView(self._store, i, plan, c.window)
+            if c.kind == KV
+            else RowStateView(self._states, i, plan)
+            for i, c in enumerate(self._layout.layers)
+        ]
         if self._fused is not None:
             logits = self._fused.logits(ids, views, split=split)
-        else:
+        elif self._plain_head:
             hidden = self.model.model(ids, cache=views)[:, -1, :]
             logits = cpu_kernels.lm_head(self.model, hidden)
+        else:  # the model's own head: soft-capping, scaled or tied embeddings...
+            logits = last_logits(self.model, self._inner, ids, views)
         return logits.astype(mx.float32)
 
     # -- scoring session -------------------------------------------------------------
 
     def score_begin(self, batch: int) -> None:
-        from mlx_lm.models.cache import make_prompt_cache
-
         if batch < 1:
             raise ValueError("a scoring batch needs at least one row")
-        self._score_cache = make_prompt_cache(self.model)
+        self._score_cache = make_cache(self.model)
         self._score_offset = 0
 
     def score_chunk(self, tokens: np.ndarray, targets: np.ndarray, top_k: int) -> ScoreChunkResult:
@@ -343,9 +391,7 @@ class MLXEngine:
 
     def all_position_logits(self, tokens: np.ndarray) -> np.ndarray:
         """Logits [N, q, vocab] of a padded batch on a fresh scoring cache (tests, tools)."""
-        from mlx_lm.models.cache import make_prompt_cache
-
-        cache = make_prompt_cache(self.model)
+        cache = make_cache(self.model)
         ids = mx.array(np.asarray(tokens, dtype=np.int32))
         logits = self.model(ids, cache=cache).astype(mx.float32)
         mx.eval(logits)
@@ -364,10 +410,15 @@ class DecodeStep:
     split: bool
 
 
-def _row_mask(starts: list[int], q: int, kv_len: int) -> mx.array | str | None:
-    """Mask [B, 1, q, kv_len]: entry b, query i sees key j iff j <= starts[b] + i."""
-    if len(set(starts)) == 1 and starts[0] + q == kv_len:
-        return "causal" if q > 1 else None  # every entry reads exactly its own history
-    pos = mx.array(starts)[:, None] + mx.arange(q)[None, :]  # [B, q]
-    keys = mx.arange(kv_len)[None, None, :]
-    return (keys <= pos[:, :, None])[:, None, :, :]
+
+def _check_model_type(config: dict) -> None:
+    """Any architecture mlx-lm has a model class for; else a ValueError naming the type."""
+    from mlx_lm.utils import _get_classes
+
+    try:
+        _get_classes(config)
+    except (KeyError, ValueError):
+        raise ValueError(
+            f"model_type {config.get('model_type')!r} is not supported "
+            "(mlx-lm has no model class for it)"
+        ) from None

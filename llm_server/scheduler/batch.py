@@ -186,9 +186,11 @@ class BatchScheduler:
             self.engine = self._factory()
             rows = min(self.max_concurrent, self.engine.rows)
             if rows < self.max_concurrent:
+                reason = getattr(self.engine, "serial_reason", None)  # S1: one warning, why
                 log.warning(
-                    "the model has %d rows; serving %d requests at a time",
+                    "the model has %d rows%s; serving %d requests at a time",
                     self.engine.rows,
+                    f" ({reason})" if reason else "",
                     rows,
                 )
                 self.max_concurrent = rows

@@ -1,0 +1,121 @@
+"""What an mlx-lm model keeps per layer between forwards, and how the engine runs its head.
+
+`cache_layout(model)` reads the caches mlx-lm itself would give the model (`make_cache()`, else
+one KVCache per layer) and maps each onto what the engine keeps per row:
+  - KVCache            -> keys/values in the row store (full attention);
+  - RotatingKVCache    -> keys/values in the row store + a per-row window mask of the same size
+                          (sliding-window layers: gemma3, gpt-oss, mistral-style layer_types);
+  - ArraysCache        -> a per-row state slot (convolution / linear-attention layers).
+Anything else (a rotating cache that keeps sink tokens, chunked or compound caches) cannot be
+held per row yet: the engine then serves one request at a time through mlx-lm's own caches and
+says why (`Layout.serial_reason`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+KV, STATE = "kv", "state"
+# mlx-lm model modules whose Model.__call__ is exactly `lm_head(inner(...))` (or the tied
+# embedding): the engine may apply its own (CPU-split) head to the last position
+PLAIN_HEAD_MODULES = frozenset({"llama", "qwen2", "qwen3", "smollm3"})
+_INNER_NAMES = ("model", "backbone", "transformer")
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    kind: str  # KV | STATE
+    window: int | None = None  # KV: sliding window (None: full attention)
+    size: int = 0  # STATE: arrays per slot
+
+
+@dataclass(frozen=True)
+class Layout:
+    layers: tuple[LayerCache, ...]  # one per entry of the model's cache list
+    serial_reason: str | None  # why rows cannot be kept per row (None: they can)
+
+    @property
+    def stateful(self) -> bool:
+        return any(c.kind == STATE for c in self.layers)
+
+    @property
+    def plain(self) -> bool:
+        """Only full-attention KV layers (what the fused decoder handles)."""
+        return all(c.kind == KV and c.window is None for c in self.layers)
+
+
+def make_cache(model) -> list:
+    """The cache list mlx-lm gives `model` (models/cache.py make_prompt_cache)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return make_prompt_cache(model)
+
+
+def cache_layout(model) -> Layout:
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+    layers, reasons = [], set()
+    for cache in make_cache(model):
+        kind = type(cache)
+        if kind is KVCache:
+            layers.append(LayerCache(KV))
+        elif kind is RotatingKVCache and cache.keep == 0:
+            layers.append(LayerCache(KV, window=int(cache.max_size)))
+        elif isinstance(cache, ArraysCache):
+            layers.append(LayerCache(STATE, size=len(cache.cache)))
+        else:
+            detail = f" keeping {cache.keep} sink tokens" if kind is RotatingKVCache else ""
+            reasons.add(f"{kind.__name__}{detail}")
+            layers.append(LayerCache(KV))
+    reason = None
+    if reasons:
+        reason = (
+            f"its layers keep {', '.join(sorted(reasons))} state, which the row cache "
+            "cannot hold per request"
+        )
+    return Layout(tuple(layers), reason)
+
+
+def model_family(model) -> str:
+    return type(model).__module__.rsplit(".", 1)[-1]
+
+
+def inner_name(model) -> str:
+    """The attribute holding the decoder stack (embeddings -> final norm)."""
+    for name in _INNER_NAMES:
+        if name in model:
+            return name
+    raise ValueError(f"{type(model).__name__} has none of {', '.join(_INNER_NAMES)}")
+
+
+class _LastPosition:
+    """The decoder stack, returning only the last position (attributes pass through)."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+
+    def __call__(self, *args, **kwargs) -> mx.array:
+        return self._inner(*args, **kwargs)[:, -1:, :]
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+class _HeadProxy:
+    """Stands in for the model inside its own `__call__`, so that mlx-lm's head (tied or scaled
+    embeddings, logit soft-capping, logit scaling...) runs on the last position only."""
+
+    def __init__(self, model, inner: str) -> None:
+        self._model = model
+        self._name = inner
+        self._sliced = _LastPosition(model[inner])
+
+    def __getattr__(self, name: str):
+        return self._sliced if name == self._name else getattr(self._model, name)
+
+
+def last_logits(model, inner: str, ids: mx.array, cache: list) -> mx.array:
+    """mlx-lm's forward of `model` over ids [B, q]; logits [B, vocab] of the last position."""
+    return type(model).__call__(_HeadProxy(model, inner), ids, cache=cache)[:, -1, :]
