@@ -22,6 +22,9 @@ KV, STATE = "kv", "state"
 # embedding): the engine may apply its own (CPU-split) head to the last position
 PLAIN_HEAD_MODULES = frozenset({"llama", "qwen2", "qwen3", "smollm3"})
 _INNER_NAMES = ("model", "backbone", "transformer")
+# families whose attention scores carry a query-group axis, [B, kv_heads, groups, q, kv]: a
+# per-row mask [B, 1, q, kv] must become [B, 1, 1, q, kv] to broadcast against them
+GROUPED_SCORE_MODULES = frozenset({"gemma2"})
 
 
 @dataclass(frozen=True)

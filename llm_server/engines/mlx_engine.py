@@ -24,6 +24,7 @@ from llm_server.engines import cpu_kernels
 from llm_server.engines.base import EngineError, ScoreChunkResult
 from llm_server.engines.fused_decode import FusedDecoder
 from llm_server.engines.layout import (
+    GROUPED_SCORE_MODULES,
     KV,
     PLAIN_HEAD_MODULES,
     cache_layout,
@@ -93,6 +94,7 @@ class MLXEngine:
             rows = 1
         self._inner = inner_name(self.model)
         self._plain_head = model_family(self.model) in PLAIN_HEAD_MODULES
+        self._grouped_scores = model_family(self.model) in GROUPED_SCORE_MODULES
         # decode steps with stacked q/k/v and gate/up products (None: mlx-lm's forward). Built
         # while the weights are still lazy, so the separate ones only ever exist one layer at a
         # time: stacking loaded weights instead left ~280 MB of freed (but resident) heap.
@@ -334,6 +336,7 @@ class MLXEngine:
             mask=row_mask(starts, q, kv_len),
             kv_len=kv_len,
             all_rows=rows == list(range(self.rows)),
+            group_axis=self._grouped_scores,
         )
         views = [
             RowView(self._store, i, plan, c.window)

@@ -89,6 +89,9 @@ class ForwardPlan:
     mask: mx.array | str | None  # [B, 1, q, kv_len] bool, "causal" or None (no window)
     kv_len: int  # positions each batch entry reads (max over entries of start + q)
     all_rows: bool  # rows == range(store.rows): read by slicing, not gathering
+    # array masks get a query-group axis, [B, 1, 1, q, kv_len], for models whose attention
+    # scores are [B, kv_heads, groups, q, kv_len] (mlx-lm's gemma2)
+    group_axis: bool = False
     contiguous: bool = field(init=False)  # rows form one range: slice, never gather
     same_start: bool = field(init=False)  # every entry writes at the same position
     offset: int | mx.array = field(init=False)  # rope offset: shared int or per-entry [B]
@@ -108,7 +111,10 @@ class ForwardPlan:
             return self.mask
         key = (window, as_array)
         if key not in self._masks:
-            self._masks[key] = row_mask(self.starts, self.length, self.kv_len, window, as_array)
+            mask = row_mask(self.starts, self.length, self.kv_len, window, as_array)
+            if self.group_axis and isinstance(mask, mx.array):
+                mask = mask[:, :, None]
+            self._masks[key] = mask
         return self._masks[key]
 
 

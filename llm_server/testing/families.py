@@ -14,6 +14,8 @@ from pathlib import Path
 from llm_server.testing.tiny import build_tokenizer, write_tokenizer_files
 
 WINDOW = 8  # sliding window of the families that have one
+_POST_NORMS = ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")
+_OUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight", "out_proj.weight", "w2.weight")
 _BASE = {
     "hidden_size": 64,
     "num_hidden_layers": 2,
@@ -103,6 +105,17 @@ FAMILIES: dict[str, dict] = {
         "use_conv_bias": True,
         "time_step_limit": [0.0, 1e9],
     },
+    # a hybrid whose layers hold attention and mamba state in one CacheList: served serially
+    "falcon_h1": {
+        "mamba_d_conv": 4,
+        "mamba_d_head": 16,
+        "mamba_d_ssm": 64,
+        "mamba_d_state": 16,
+        "mamba_n_groups": 1,
+        "mamba_n_heads": 4,
+        "mamba_chunk_size": 16,
+        "tie_word_embeddings": True,
+    },
 }
 
 
@@ -120,7 +133,7 @@ def family_config(model_type: str, vocab_size: int, eos_id: int, bos_id: int) ->
 def build_family_checkpoint(out_dir: str | Path, model_type: str, seed: int = 0) -> Path:
     """Write a tiny random `model_type` checkpoint (mlx-lm layout) to `out_dir`; its path."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_map
+    from mlx.utils import tree_flatten, tree_map, tree_unflatten
     from mlx_lm.utils import _get_classes, save_config, save_model
 
     out = Path(out_dir)
@@ -137,6 +150,18 @@ def build_family_checkpoint(out_dir: str | Path, model_type: str, seed: int = 0)
     model.update(tree_map(lambda a: a.astype(mx.float32), model.parameters()))
     if head is not None:
         model.lm_head.weight = model.lm_head.weight * 8.0
+    else:  # tied: let the layers outweigh the input embedding (else greedy repeats it)
+        scaled = {
+            k: v * 6.0
+            for k, v in params.items()
+            if k.endswith(_OUT_PROJECTIONS) and v.ndim >= 2
+        }
+        # gemma's post-attention/-feedforward norms (1 + weight, weight 0 at init) cap each
+        # layer's output: raise them the same way
+        scaled.update(
+            {k: v + 5.0 for k, v in params.items() if k.endswith(_POST_NORMS) and v.ndim == 1}
+        )
+        model.update(tree_unflatten(list(scaled.items())))
     mx.eval(model.parameters())
     save_model(out, model)
     save_config(config, out / "config.json")
