@@ -75,8 +75,8 @@ def cache_layout(model) -> Layout:
     reason = None
     if reasons:
         reason = (
-            f"its layers keep {', '.join(sorted(reasons))} state, which the row cache "
-            "cannot hold per request"
+            f"{model_family(model)} layers keep {', '.join(sorted(reasons))} caches, which "
+            "the row cache cannot hold per request"
         )
     return Layout(tuple(layers), reason)
 

@@ -276,8 +276,8 @@ class MLXEngine:
                 blas.set_threads(blas.default_threads())
 
     def kv_bytes(self) -> int:
-        """Bytes held by the decode rows' KV store (and recurrent states)."""
-        return self._store.nbytes() + sum(a.nbytes for a in self._states.arrays())
+        """Bytes held by the decode rows: KV store and recurrent states (or mlx-lm's caches)."""
+        return sum(a.nbytes for a in self._held())
 
     def _held(self) -> list[mx.array]:
         """Every array the rows keep between forwards (evaluated with each step)."""
@@ -411,7 +411,6 @@ class DecodeStep:
     logits: mx.array  # [B, vocab] float32, evaluating
     greedy: mx.array  # [B] int32 argmax of logits, evaluating
     split: bool
-
 
 
 def _check_model_type(config: dict) -> None:

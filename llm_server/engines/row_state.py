@@ -43,7 +43,9 @@ class StateStore:
             self.slots[layer][r] = arrays
 
     def arrays(self) -> list[mx.array]:
-        return [a for per_row in self.slots.values() for row in per_row for a in row if a is not None]
+        return [
+            a for per_row in self.slots.values() for row in per_row for a in row if a is not None
+        ]
 
 
 class RowStateView:

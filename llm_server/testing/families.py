@@ -152,9 +152,7 @@ def build_family_checkpoint(out_dir: str | Path, model_type: str, seed: int = 0)
         model.lm_head.weight = model.lm_head.weight * 8.0
     else:  # tied: let the layers outweigh the input embedding (else greedy repeats it)
         scaled = {
-            k: v * 6.0
-            for k, v in params.items()
-            if k.endswith(_OUT_PROJECTIONS) and v.ndim >= 2
+            k: v * 6.0 for k, v in params.items() if k.endswith(_OUT_PROJECTIONS) and v.ndim >= 2
         }
         # gemma's post-attention/-feedforward norms (1 + weight, weight 0 at init) cap each
         # layer's output: raise them the same way

@@ -180,3 +180,20 @@ def test_serial_family_warns_once_and_answers_as_mlx_lm(checkpoint, prompts):
         ends = [j for j, t in enumerate(expected) if t in tok.eos_token_ids]
         assert choice.text == tok.decode(expected[: ends[0] if ends else NEW])
         assert choice.finish_reason == ("stop" if ends else "length")
+
+
+@pytest.mark.parametrize("family", [*BATCHED, SERIAL])
+def test_scoring_session_in_chunks_equals_one_forward(family, checkpoint, prompts):
+    """Two rows scored in chunks of 7 positions (past the windows, across recurrent state)
+    give the log-probabilities of mlx-lm's single forward over the whole sequence."""
+    engine = MLXEngine(checkpoint(family), rows=2)
+    tokens = np.array([prompts[2], prompts[3][:20]], dtype=np.int32)  # [2, 20]
+    targets = np.roll(tokens, -1, axis=1)
+    logits = engine.all_position_logits(tokens).astype(np.float64)
+    logits -= logits.max(-1, keepdims=True)
+    logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    expected = np.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
+    engine.score_begin(2)
+    got = [engine.score_chunk(tokens[:, i : i + 7], targets[:, i : i + 7], 0) for i in (0, 7, 14)]
+    engine.score_end()
+    assert np.abs(np.concatenate([g.token_logprobs for g in got], axis=1) - expected).max() < 1e-3
