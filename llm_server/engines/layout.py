@@ -21,7 +21,7 @@ KV, STATE = "kv", "state"
 # mlx-lm model modules whose Model.__call__ is exactly `lm_head(inner(...))` (or the tied
 # embedding): the engine may apply its own (CPU-split) head to the last position
 PLAIN_HEAD_MODULES = frozenset({"llama", "qwen2", "qwen3", "smollm3"})
-_INNER_NAMES = ("model", "backbone", "transformer")
+_INNER_NAMES = ("model", "backbone", "transformer", "language_model")
 # families whose attention scores carry a query-group axis, [B, kv_heads, groups, q, kv]: a
 # per-row mask [B, 1, q, kv] must become [B, 1, 1, q, kv] to broadcast against them
 GROUPED_SCORE_MODULES = frozenset({"gemma2"})
@@ -85,12 +85,10 @@ def model_family(model) -> str:
     return type(model).__module__.rsplit(".", 1)[-1]
 
 
-def inner_name(model) -> str:
-    """The attribute holding the decoder stack (embeddings -> final norm)."""
-    for name in _INNER_NAMES:
-        if name in model:
-            return name
-    raise ValueError(f"{type(model).__name__} has none of {', '.join(_INNER_NAMES)}")
+def inner_name(model) -> str | None:
+    """The attribute holding the decoder stack (None: not known; the head then sees every
+    position)."""
+    return next((name for name in _INNER_NAMES if name in model), None)
 
 
 class _LastPosition:
@@ -119,6 +117,8 @@ class _HeadProxy:
         return self._sliced if name == self._name else getattr(self._model, name)
 
 
-def last_logits(model, inner: str, ids: mx.array, cache: list) -> mx.array:
+def last_logits(model, inner: str | None, ids: mx.array, cache: list) -> mx.array:
     """mlx-lm's forward of `model` over ids [B, q]; logits [B, vocab] of the last position."""
+    if inner is None:
+        return model(ids, cache=cache)[:, -1, :]
     return type(model).__call__(_HeadProxy(model, inner), ids, cache=cache)[:, -1, :]
