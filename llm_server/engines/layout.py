@@ -5,8 +5,10 @@ one KVCache per layer) and maps each onto what the engine keeps per row:
   - KVCache            -> keys/values in the row store (full attention);
   - RotatingKVCache    -> keys/values in the row store + a per-row window mask of the same size
                           (sliding-window layers: gemma3, gpt-oss, mistral-style layer_types);
-  - ArraysCache        -> a per-row state slot (convolution / linear-attention layers).
-Anything else (a rotating cache that keeps sink tokens, chunked or compound caches) cannot be
+  - ArraysCache        -> a per-row state slot (convolution / linear-attention layers);
+  - CacheList          -> each of its caches as above (falcon_h1: mamba and attention in one
+                          layer).
+Anything else (a rotating cache that keeps sink tokens, llama4's chunked attention) cannot be
 held per row yet: the engine then serves one request at a time through mlx-lm's own caches and
 says why (`Layout.serial_reason`).
 """
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-KV, STATE = "kv", "state"
+KV, STATE, LIST = "kv", "state", "list"
 # mlx-lm model modules whose Model.__call__ is exactly `lm_head(inner(...))` (or the tied
 # embedding): the engine may apply its own (CPU-split) head to the last position
 PLAIN_HEAD_MODULES = frozenset({"llama", "qwen2", "qwen3", "smollm3"})
@@ -29,9 +31,10 @@ GROUPED_SCORE_MODULES = frozenset({"gemma2"})
 
 @dataclass(frozen=True)
 class LayerCache:
-    kind: str  # KV | STATE
+    kind: str  # KV | STATE | LIST
     window: int | None = None  # KV: sliding window (None: full attention)
     size: int = 0  # STATE: arrays per slot
+    parts: tuple[LayerCache, ...] = ()  # LIST: its caches
 
 
 @dataclass(frozen=True)
@@ -40,8 +43,13 @@ class Layout:
     serial_reason: str | None  # why rows cannot be kept per row (None: they can)
 
     @property
+    def leaves(self) -> tuple[LayerCache, ...]:
+        """KV and STATE entries in order, lists flattened: one store slot each."""
+        return tuple(leaf for c in self.layers for leaf in (c.parts if c.kind == LIST else (c,)))
+
+    @property
     def stateful(self) -> bool:
-        return any(c.kind == STATE for c in self.layers)
+        return any(c.kind == STATE for c in self.leaves)
 
     @property
     def plain(self) -> bool:
@@ -56,22 +64,26 @@ def make_cache(model) -> list:
     return make_prompt_cache(model)
 
 
-def cache_layout(model) -> Layout:
-    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+def _classify(cache, reasons: set[str]) -> LayerCache:
+    from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
-    layers, reasons = [], set()
-    for cache in make_cache(model):
-        kind = type(cache)
-        if kind is KVCache:
-            layers.append(LayerCache(KV))
-        elif kind is RotatingKVCache and cache.keep == 0:
-            layers.append(LayerCache(KV, window=int(cache.max_size)))
-        elif isinstance(cache, ArraysCache):
-            layers.append(LayerCache(STATE, size=len(cache.cache)))
-        else:
-            detail = f" keeping {cache.keep} sink tokens" if kind is RotatingKVCache else ""
-            reasons.add(f"{kind.__name__}{detail}")
-            layers.append(LayerCache(KV))
+    kind = type(cache)
+    if kind is KVCache:
+        return LayerCache(KV)
+    if kind is RotatingKVCache and cache.keep == 0:
+        return LayerCache(KV, window=int(cache.max_size))
+    if isinstance(cache, ArraysCache):
+        return LayerCache(STATE, size=len(cache.cache))
+    if kind is CacheList:
+        return LayerCache(LIST, parts=tuple(_classify(c, reasons) for c in cache.caches))
+    detail = f" keeping {cache.keep} sink tokens" if kind is RotatingKVCache else ""
+    reasons.add(f"{kind.__name__}{detail}")
+    return LayerCache(KV)
+
+
+def cache_layout(model) -> Layout:
+    reasons: set[str] = set()
+    layers = [_classify(cache, reasons) for cache in make_cache(model)]
     reason = None
     if reasons:
         reason = (

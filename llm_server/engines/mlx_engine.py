@@ -26,6 +26,7 @@ from llm_server.engines.fused_decode import FusedDecoder
 from llm_server.engines.layout import (
     GROUPED_SCORE_MODULES,
     KV,
+    LIST,
     PLAIN_HEAD_MODULES,
     cache_layout,
     inner_name,
@@ -34,7 +35,7 @@ from llm_server.engines.layout import (
     model_family,
 )
 from llm_server.engines.prefix_cache import PrefixCache
-from llm_server.engines.row_cache import ForwardPlan, RowStore, RowView, row_mask
+from llm_server.engines.row_cache import ForwardPlan, RowCacheList, RowStore, RowView, row_mask
 from llm_server.engines.row_state import RowStateView, StateStore
 from llm_server.engines.score_reduce import reduce_logits_mlx, reduce_logprobs
 
@@ -85,7 +86,8 @@ class MLXEngine:
         self.model, self.config = load_model(path, lazy=True)
         cpu_kernels.install(self.model)  # numpy softmax/SiLU for big tensors on the CPU
         self.model.set_dtype(_DTYPES[dtype])
-        max_pos = int(config.get("max_position_embeddings") or 2048)
+        text = {**config, **config.get("text_config", {})}  # multimodal configs nest the LM's
+        max_pos = int(text.get("max_position_embeddings") or 2048)
         self.context_length = min(context_length or max_pos, max_pos)
         self._layout = cache_layout(self.model)
         # why this model serves one request at a time (None: its rows batch)
@@ -115,10 +117,10 @@ class MLXEngine:
         self.dtype = dtype
         self.rows = rows
         self.supports_batching = rows > 1
-        self.vocab_size = int(config["vocab_size"])
-        self.num_layers = len(self._layout.layers)  # entries of the model's cache list
+        self.vocab_size = int(text["vocab_size"])
+        self.num_layers = len(self._layout.leaves)  # caches of the model's cache list
         self._store = RowStore(self.num_layers, rows, self.context_length)
-        states = [(i, c.size) for i, c in enumerate(self._layout.layers) if c.kind != KV]
+        states = [(i, c.size) for i, c in enumerate(self._layout.leaves) if c.kind != KV]
         self._states = StateStore([i for i, _ in states], rows, [n for _, n in states])
         self._serial_cache: list | None = None  # mlx-lm's caches of the one row (serial mode)
         # ids whose KV each row holds; a row's cursor is the length of its list
@@ -338,12 +340,7 @@ class MLXEngine:
             all_rows=rows == list(range(self.rows)),
             group_axis=self._grouped_scores,
         )
-        views = [
-            RowView(self._store, i, plan, c.window)
-            if c.kind == KV
-            else RowStateView(self._states, i, plan)
-            for i, c in enumerate(self._layout.layers)
-        ]
+        views = self._views(plan)
         if self._fused is not None:
             logits = self._fused.logits(ids, views, split=split)
         elif self._plain_head:
@@ -352,6 +349,20 @@ class MLXEngine:
         else:  # the model's own head: soft-capping, scaled or tied embeddings...
             logits = last_logits(self.model, self._inner, ids, views)
         return logits.astype(mx.float32)
+
+    def _views(self, plan: ForwardPlan) -> list:
+        """One view per entry of the model's cache list (a list of views for a CacheList)."""
+        slot = iter(range(self.num_layers))
+
+        def view(c):
+            if c.kind == LIST:
+                return RowCacheList([view(p) for p in c.parts])
+            i = next(slot)
+            if c.kind == KV:
+                return RowView(self._store, i, plan, c.window)
+            return RowStateView(self._states, i, plan)
+
+        return [view(c) for c in self._layout.layers]
 
     # -- scoring session -------------------------------------------------------------
 

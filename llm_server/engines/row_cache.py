@@ -183,5 +183,18 @@ class RowView:
         return store.keys[i][ridx, :, :kl], store.values[i][ridx, :, :kl]
 
 
+class RowCacheList:
+    """Several caches of one layer (mlx-lm's CacheList), each a row view of its own slot."""
+
+    def __init__(self, parts: list) -> None:
+        self.caches = tuple(parts)
+
+    def __getitem__(self, idx: int):
+        return self.caches[idx]
+
+    def is_trimmable(self) -> bool:
+        return False
+
+
 def _is_range(rows: list[int]) -> bool:
     return rows == list(range(rows[0], rows[0] + len(rows)))

@@ -105,8 +105,18 @@ FAMILIES: dict[str, dict] = {
         "use_conv_bias": True,
         "time_step_limit": [0.0, 1e9],
     },
-    # a hybrid whose layers hold attention and mamba state in one CacheList: served serially
+    # mamba and attention side by side in every layer (a CacheList per layer)
     "falcon_h1": {
+        # mlx-lm folds these into the weights at load (as for an HF checkpoint): 1 keeps the
+        # random init's scale
+        **dict.fromkeys(
+            ["lm_head_multiplier", "embedding_multiplier", "attention_in_multiplier"]
+            + ["attention_out_multiplier", "key_multiplier", "ssm_in_multiplier"]
+            + ["ssm_out_multiplier"],
+            1.0,
+        ),
+        "mlp_multipliers": [1.0, 1.0],
+        "ssm_multipliers": [1.0] * 5,
         "mamba_d_conv": 4,
         "mamba_d_head": 16,
         "mamba_d_ssm": 64,
@@ -114,20 +124,35 @@ FAMILIES: dict[str, dict] = {
         "mamba_n_groups": 1,
         "mamba_n_heads": 4,
         "mamba_chunk_size": 16,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": False,
+    },
+    # chunked attention (ChunkedKVCache, chunks of 8) on 3 of 4 layers, MoE every 2nd layer;
+    # the text model nests under text_config
+    "llama4": {
+        "attention_chunk_size": WINDOW,
+        "interleave_moe_layer_step": 2,
+        "intermediate_size": 64,
+        "intermediate_size_mlp": 128,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 1,
+        "num_hidden_layers": 4,
+        "use_qk_norm": True,
+        "rope_scaling": None,
     },
 }
+_NESTED = {"llama4": "llama4_text"}  # model_type -> its text_config's model_type
 
 
 def family_config(model_type: str, vocab_size: int, eos_id: int, bos_id: int) -> dict:
-    return {
-        "model_type": model_type,
-        **_BASE,
-        **FAMILIES[model_type],
-        "vocab_size": vocab_size,
-        "eos_token_id": eos_id,
-        "bos_token_id": bos_id,
-    }
+    body = {**_BASE, **FAMILIES[model_type], "vocab_size": vocab_size}
+    ids = {"eos_token_id": eos_id, "bos_token_id": bos_id}
+    if model_type in _NESTED:
+        return {
+            "model_type": model_type,
+            "text_config": {**body, **ids, "model_type": _NESTED[model_type]},
+            **ids,
+        }
+    return {"model_type": model_type, **body, **ids}
 
 
 def build_family_checkpoint(out_dir: str | Path, model_type: str, seed: int = 0) -> Path:

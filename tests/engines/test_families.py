@@ -2,9 +2,9 @@
 
 Per batching family: 4 greedy rows started at different decode steps (prompts of 3..29 tokens,
 past the 8-position sliding windows) equal each row served alone, and alone equals mlx-lm's
-own greedy generation on the same folder. The serial family (falcon_h1: attention and mamba
-state in one CacheList) serves through a live server with exactly one warning naming why, and
-answers what mlx-lm answers.
+own greedy generation on the same folder. The serial family (llama4: chunked attention, which
+mlx-lm masks from the cache's own offset) serves through a live server with exactly one warning
+naming why, and answers what mlx-lm answers.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from llm_server.testing.live import serving
 from llm_server.tokenizer import Tokenizer
 from tests.scheduler.helpers import make_request, serve_alone, start_scheduler
 
-SERIAL = "falcon_h1"
+SERIAL = "llama4"
 BATCHED = [f for f in FAMILIES if f != SERIAL]
 LENGTHS = (3, 11, 20, 29)
 NEW = 8
@@ -175,7 +175,7 @@ def test_serial_family_warns_once_and_answers_as_mlx_lm(checkpoint, prompts):
     warnings = [line for line in counter.lines if "at a time" in line]
     assert len(warnings) == 1, counter.lines
     assert warnings[0] == (
-        "serving 1 request(s) at a time instead of 4: falcon_h1 layers keep CacheList caches, "
+        "serving 1 request(s) at a time instead of 4: llama4 layers keep ChunkedKVCache caches, "
         "which the row cache cannot hold per request"
     )
     for i, p in enumerate(prompts):
