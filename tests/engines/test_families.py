@@ -117,11 +117,13 @@ def test_sliding_window_takes_effect(family, checkpoint, prompts, tmp_path):
 
 @pytest.mark.parametrize("family", ["gemma3_text", "qwen3_next", "gpt_oss"])
 def test_scheduler_batches_staggered_requests(family, checkpoint, prompts):
-    """Through the real BatchScheduler: a request joins when the one before has a token."""
+    """Through the real BatchScheduler, pipelined as on Metal (a model with recurrent state
+    turns pipelining off): a request joins when the one before has a token."""
     path = checkpoint(family)
     tok = Tokenizer(path)
     solo = [serve_alone(path, tok, p, NEW, ignore_eos=True).tokens for p in prompts]
-    sched = start_scheduler(path, 4)
+    sched = start_scheduler(path, 4, pipeline=True)
+    assert sched.engine.pipelined == (family != "qwen3_next")
     try:
         outs = []
         for p in prompts:
@@ -201,3 +203,23 @@ def test_scoring_session_in_chunks_equals_one_forward(family, checkpoint, prompt
     got = [engine.score_chunk(tokens[:, i : i + 7], targets[:, i : i + 7], 0) for i in (0, 7, 14)]
     engine.score_end()
     assert np.abs(np.concatenate([g.token_logprobs for g in got], axis=1) - expected).max() < 1e-3
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "lfm2"])
+def test_prefix_cache_reuse_only_where_the_state_allows(family, checkpoint, prompts):
+    """A windowed model reuses a released row's prefix (full KV kept); a recurrent one cannot
+    rewind its state, so it recomputes. Either way the answer is the fresh one."""
+    path = checkpoint(family)
+    first, longer = prompts[3], prompts[3] + prompts[1]
+    expected = alone(path, longer, NEW)
+    engine = MLXEngine(path, rows=2)
+    logits = engine.prefill(0, first)
+    for _ in range(3):
+        logits = engine.decode([0], [int(np.argmax(logits))])[0]
+    engine.release(0)  # its history goes to the prefix cache where there is one
+    logits, got = engine.prefill(1, longer), []
+    for _ in range(NEW):
+        got.append(int(np.argmax(logits)))
+        logits = engine.decode([1], [got[-1]])[0]
+    assert got == expected
+    assert engine.cached_tokens(1) == (len(first) if family == "gemma3_text" else 0)
