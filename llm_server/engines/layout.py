@@ -87,8 +87,8 @@ def cache_layout(model) -> Layout:
     reason = None
     if reasons:
         reason = (
-            f"{model_family(model)} layers keep {', '.join(sorted(reasons))} caches, which "
-            "the row cache cannot hold per request"
+            f"its layers keep {', '.join(sorted(reasons))} caches, which the row cache "
+            "cannot hold per request"
         )
     return Layout(tuple(layers), reason)
 

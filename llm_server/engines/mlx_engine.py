@@ -38,6 +38,7 @@ from llm_server.engines.prefix_cache import PrefixCache
 from llm_server.engines.row_cache import ForwardPlan, RowCacheList, RowStore, RowView, row_mask
 from llm_server.engines.row_state import RowStateView, StateStore
 from llm_server.engines.score_reduce import reduce_logits_mlx, reduce_logprobs
+from llm_server.engines.selfcheck import VERIFIED_FAMILIES, row_forward_problem
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +91,11 @@ class MLXEngine:
         max_pos = int(text.get("max_position_embeddings") or 2048)
         self.context_length = min(context_length or max_pos, max_pos)
         self._layout = cache_layout(self.model)
+        self.model_type = str(config["model_type"])
         # why this model serves one request at a time (None: its rows batch)
-        self.serial_reason = self._layout.serial_reason
-        if self.serial_reason is not None:
-            rows = 1
+        self.serial_reason: str | None = None
+        if self._layout.serial_reason is not None:
+            self.serial_reason = f"{self.model_type}: {self._layout.serial_reason}"
         self._inner = inner_name(self.model)
         self._plain_head = model_family(self.model) in PLAIN_HEAD_MODULES
         self._grouped_scores = model_family(self.model) in GROUPED_SCORE_MODULES
@@ -108,34 +110,45 @@ class MLXEngine:
         if self._fused is None and self._plain_head:  # the fused forward splits its own products
             cpu_kernels.split_linears(self.model)  # 1-2 row decode products use both cores
         self.model_path = path
-        self.pipelined = (not cpu_kernels.on_cpu()) if pipeline is None else pipeline
-        if self._layout.stateful or self.serial_reason is not None:
-            # a recurrent state cannot be rewound: a step is never started before the last
-            # one finished (a cancelled early step would have advanced it)
-            self.pipelined = False
+        self._pipeline = (not cpu_kernels.on_cpu()) if pipeline is None else pipeline
         self.padded_shapes = padded_shapes
         self.dtype = dtype
-        self.rows = rows
-        self.supports_batching = rows > 1
         self.vocab_size = int(text["vocab_size"])
         self.num_layers = len(self._layout.leaves)  # caches of the model's cache list
-        self._store = RowStore(self.num_layers, rows, self.context_length)
-        states = [(i, c.size) for i, c in enumerate(self._layout.leaves) if c.kind != KV]
-        self._states = StateStore([i for i, _ in states], rows, [n for _, n in states])
-        self._serial_cache: list | None = None  # mlx-lm's caches of the one row (serial mode)
-        # ids whose KV each row holds; a row's cursor is the length of its list
-        self._row_tokens: list[list[int]] = [[] for _ in range(rows)]
-        self.row_cached = [0] * rows  # prompt tokens the last prefill took from the prefix cache
-        self._ahead = [0] * rows  # decode steps started on a row and not yet finished
-        self._epoch = [0] * rows  # bumped by release(): in-flight steps of the old owner are void
         self._split_steps = 0  # split decode steps in flight (BLIS held to one thread meanwhile)
         if prefix_cache_bytes is None:
             prefix_cache_bytes = max(self.weight_bytes() // 8, 64 << 20)
-        if self._layout.stateful or self.serial_reason is not None:
-            prefix_cache_bytes = 0  # a recurrent state at a prefix is not kept: no reuse
-        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self._prefix_cache_bytes = prefix_cache_bytes
         self._score_cache: list | None = None
         self._score_offset = 0
+        self._init_rows(rows)
+        if self.serial_reason is None and model_family(self.model) not in VERIFIED_FAMILIES:
+            problem = row_forward_problem(self)  # an architecture the tests do not cover
+            if problem is not None:
+                self.serial_reason = f"{self.model_type}: {problem}"
+                self._init_rows(1)
+            else:
+                self._init_rows(rows)  # forget the check's rows (prefix cache included)
+
+    def _init_rows(self, rows: int) -> None:
+        """Empty rows (`rows` of them, 1 when serving serially) and the prefix cache."""
+        serial = self.serial_reason is not None
+        self.rows = 1 if serial else rows
+        self.supports_batching = self.rows > 1
+        # a recurrent state cannot be rewound: a step is never started before the last one
+        # finished (a cancelled early step would have advanced it), and no prefix is reused
+        rewindable = not (self._layout.stateful or serial)
+        self.pipelined = self._pipeline and rewindable
+        self._store = RowStore(self.num_layers, self.rows, self.context_length)
+        states = [(i, c.size) for i, c in enumerate(self._layout.leaves) if c.kind != KV]
+        self._states = StateStore([i for i, _ in states], self.rows, [n for _, n in states])
+        self._serial_cache: list | None = None  # mlx-lm's caches of the one row (serial mode)
+        # ids whose KV each row holds; a row's cursor is the length of its list
+        self._row_tokens: list[list[int]] = [[] for _ in range(self.rows)]
+        self.row_cached = [0] * self.rows  # prompt tokens the last prefill took from the cache
+        self._ahead = [0] * self.rows  # decode steps started on a row and not yet finished
+        self._epoch = [0] * self.rows  # bumped by release(): in-flight steps are then void
+        self.prefix_cache = PrefixCache(self._prefix_cache_bytes if rewindable else 0)
 
     # -- decode rows -----------------------------------------------------------------
 

@@ -177,8 +177,8 @@ def test_serial_family_warns_once_and_answers_as_mlx_lm(checkpoint, prompts):
     warnings = [line for line in counter.lines if "at a time" in line]
     assert len(warnings) == 1, counter.lines
     assert warnings[0] == (
-        "serving 1 request(s) at a time instead of 4: llama4 layers keep ChunkedKVCache caches, "
-        "which the row cache cannot hold per request"
+        "serving 1 request(s) at a time instead of 4: llama4: its layers keep ChunkedKVCache "
+        "caches, which the row cache cannot hold per request"
     )
     for i, p in enumerate(prompts):
         choice = answers[i].choices[0]
@@ -223,3 +223,64 @@ def test_prefix_cache_reuse_only_where_the_state_allows(family, checkpoint, prom
         logits = engine.decode([1], [got[-1]])[0]
     assert got == expected
     assert engine.cached_tokens(1) == (len(first) if family == "gemma3_text" else 0)
+
+
+def _offset_after_update_module():
+    """An mlx-lm-style model module (llama's classes) whose attention reads `cache.offset`
+    after `update_and_fetch`, relying on mlx-lm's KVCache having advanced it: a cache
+    protocol the row views do not follow."""
+    import types
+
+    from mlx_lm.models import llama
+
+    class Attention(llama.Attention):
+        def __call__(self, x, mask=None, cache=None):
+            b, n, _ = x.shape
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q = q.reshape(b, n, self.n_heads, -1).transpose(0, 2, 1, 3)
+            k = k.reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            v = v.reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            k, v = cache.update_and_fetch(self.rope(k, offset=cache.offset), v)
+            q = self.rope(q, offset=cache.offset - n)
+            out = llama.scaled_dot_product_attention(q, k, v, cache, scale=self.scale, mask=mask)
+            return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+    class Model(llama.Model):
+        def __init__(self, args):
+            super().__init__(args)
+            for layer in self.model.layers:
+                layer.self_attn = Attention(args)
+
+    module = types.ModuleType("mlx_lm.models.offset_after_update")
+    module.Model, module.ModelArgs = Model, llama.ModelArgs
+    return module
+
+
+def test_unverified_architecture_that_differs_is_served_serially(
+    checkpoint, prompts, tmp_path, monkeypatch
+):
+    """The load-time check catches a forward the row views get wrong: one row, the reason,
+    and mlx-lm's answers (cohere2, unverified but correct, batches: see the tests above)."""
+    import sys
+
+    monkeypatch.setitem(
+        sys.modules, "mlx_lm.models.offset_after_update", _offset_after_update_module()
+    )
+    path = tmp_path / "probe"
+    shutil.copytree(checkpoint("llama"), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "offset_after_update"}))
+    engine = MLXEngine(path, rows=4)
+    assert engine.rows == 1 and not engine.supports_batching
+    assert engine.serial_reason == (
+        "offset_after_update: its forward over per-row caches differs from mlx-lm's own"
+    )
+    assert engine.prefix_cache.max_bytes == 0 and engine.cursor(0) == 0
+    for p in prompts[2:]:
+        logits, got = engine.prefill(0, p), []
+        for _ in range(NEW):
+            got.append(int(np.argmax(logits)))
+            logits = engine.decode([0], [got[-1]])[0]
+        engine.release(0)
+        assert got == mlx_lm_greedy(path, p, NEW)
+    assert MLXEngine(checkpoint("cohere2"), rows=4).serial_reason is None
