@@ -57,6 +57,19 @@ class Layout:
         return all(c.kind == KV and c.window is None for c in self.layers)
 
 
+def check_model_type(config: dict) -> None:
+    """Any architecture mlx-lm has a model class for; else a ValueError naming the type."""
+    from mlx_lm.utils import _get_classes
+
+    try:
+        _get_classes(config)
+    except (KeyError, ValueError):
+        raise ValueError(
+            f"model_type {config.get('model_type')!r} is not supported "
+            "(mlx-lm has no model class for it)"
+        ) from None
+
+
 def make_cache(model) -> list:
     """The cache list mlx-lm gives `model` (models/cache.py make_prompt_cache)."""
     from mlx_lm.models.cache import make_prompt_cache
@@ -91,6 +104,26 @@ def cache_layout(model) -> Layout:
             "cannot hold per request"
         )
     return Layout(tuple(layers), reason)
+
+
+def row_views(layout: Layout, store, states, plan) -> list:
+    """The engine's cache list for one forward: a view of the row store (`RowView`) or of the
+    state slots (`RowStateView`) per entry of the model's cache list, a list of those for a
+    CacheList."""
+    from llm_server.engines.row_cache import RowCacheList, RowView
+    from llm_server.engines.row_state import RowStateView
+
+    slot = iter(range(len(layout.leaves)))
+
+    def view(c: LayerCache):
+        if c.kind == LIST:
+            return RowCacheList([view(p) for p in c.parts])
+        i = next(slot)
+        if c.kind == KV:
+            return RowView(store, i, plan, c.window)
+        return RowStateView(states, i, plan)
+
+    return [view(c) for c in layout.layers]
 
 
 def model_family(model) -> str:

@@ -26,17 +26,18 @@ from llm_server.engines.fused_decode import FusedDecoder
 from llm_server.engines.layout import (
     GROUPED_SCORE_MODULES,
     KV,
-    LIST,
     PLAIN_HEAD_MODULES,
     cache_layout,
+    check_model_type,
     inner_name,
     last_logits,
     make_cache,
     model_family,
+    row_views,
 )
 from llm_server.engines.prefix_cache import PrefixCache
-from llm_server.engines.row_cache import ForwardPlan, RowCacheList, RowStore, RowView, row_mask
-from llm_server.engines.row_state import RowStateView, StateStore
+from llm_server.engines.row_cache import ForwardPlan, RowStore, row_mask
+from llm_server.engines.row_state import StateStore
 from llm_server.engines.score_reduce import reduce_logits_mlx, reduce_logprobs
 from llm_server.engines.selfcheck import VERIFIED_FAMILIES, row_forward_problem
 
@@ -83,7 +84,7 @@ class MLXEngine:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         config = json.loads((path / "config.json").read_text())
-        _check_model_type(config)
+        check_model_type(config)
         self.model, self.config = load_model(path, lazy=True)
         cpu_kernels.install(self.model)  # numpy softmax/SiLU for big tensors on the CPU
         self.model.set_dtype(_DTYPES[dtype])
@@ -353,7 +354,7 @@ class MLXEngine:
             all_rows=rows == list(range(self.rows)),
             group_axis=self._grouped_scores,
         )
-        views = self._views(plan)
+        views = row_views(self._layout, self._store, self._states, plan)
         if self._fused is not None:
             logits = self._fused.logits(ids, views, split=split)
         elif self._plain_head:
@@ -362,20 +363,6 @@ class MLXEngine:
         else:  # the model's own head: soft-capping, scaled or tied embeddings...
             logits = last_logits(self.model, self._inner, ids, views)
         return logits.astype(mx.float32)
-
-    def _views(self, plan: ForwardPlan) -> list:
-        """One view per entry of the model's cache list (a list of views for a CacheList)."""
-        slot = iter(range(self.num_layers))
-
-        def view(c):
-            if c.kind == LIST:
-                return RowCacheList([view(p) for p in c.parts])
-            i = next(slot)
-            if c.kind == KV:
-                return RowView(self._store, i, plan, c.window)
-            return RowStateView(self._states, i, plan)
-
-        return [view(c) for c in self._layout.layers]
 
     # -- scoring session -------------------------------------------------------------
 
@@ -435,16 +422,3 @@ class DecodeStep:
     logits: mx.array  # [B, vocab] float32, evaluating
     greedy: mx.array  # [B] int32 argmax of logits, evaluating
     split: bool
-
-
-def _check_model_type(config: dict) -> None:
-    """Any architecture mlx-lm has a model class for; else a ValueError naming the type."""
-    from mlx_lm.utils import _get_classes
-
-    try:
-        _get_classes(config)
-    except (KeyError, ValueError):
-        raise ValueError(
-            f"model_type {config.get('model_type')!r} is not supported "
-            "(mlx-lm has no model class for it)"
-        ) from None
