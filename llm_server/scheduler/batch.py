@@ -191,10 +191,12 @@ class BatchScheduler:
             self.engine = self._factory()
             rows = min(self.max_concurrent, self.engine.rows)
             if rows < self.max_concurrent:
+                reason = getattr(self.engine, "serial_reason", None)  # S1: one warning, why
                 log.warning(
-                    "the model has %d rows; serving %d requests at a time",
-                    self.engine.rows,
+                    "serving %d request(s) at a time instead of %d: %s",
                     rows,
+                    self.max_concurrent,
+                    reason or f"the model has {self.engine.rows} row(s)",
                 )
                 self.max_concurrent = rows
             self._free = list(range(rows))

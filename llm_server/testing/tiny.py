@@ -145,9 +145,17 @@ def build_tiny_checkpoint(out_dir: str | Path, spec: TinySpec | None = None) -> 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(spec.vocab_target)
+    eos_id, bos_id = write_tokenizer_files(out, tok, spec.max_position_embeddings)
+    cfg = _config(spec, tok.get_vocab_size(), eos_id, bos_id)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file(_weights(spec, cfg), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def write_tokenizer_files(out: Path, tok, max_length: int) -> tuple[int, int]:
+    """tokenizer.json and tokenizer_config.json (ChatML template) in `out`; (eos, bos) ids."""
     eos_id = tok.token_to_id(EOS_TOKEN)
     bos_id = tok.token_to_id("<|endoftext|>")
-    cfg = _config(spec, tok.get_vocab_size(), eos_id, bos_id)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
         json.dumps(
@@ -158,13 +166,11 @@ def build_tiny_checkpoint(out_dir: str | Path, spec: TinySpec | None = None) -> 
                 "bos_token": None,
                 "pad_token": "<|endoftext|>",
                 "unk_token": None,
-                "model_max_length": spec.max_position_embeddings,
+                "model_max_length": max_length,
                 "add_bos_token": False,
                 "clean_up_tokenization_spaces": False,
             },
             indent=2,
         )
     )
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    save_file(_weights(spec, cfg), str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+    return eos_id, bos_id
