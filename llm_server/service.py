@@ -20,6 +20,7 @@ from llm_server.scheduler import BatchScheduler, FinishEvent, GenerationRequest,
 from llm_server.scheduler.request import Event
 from llm_server.scheduler.scorer import ScoredPrompt, Scorer, check_prompts
 from llm_server.tokenizer import Tokenizer
+from llm_server.tools.detect import model_syntax
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class ServiceConfig:
     dtype: str = "float32"
     default_max_tokens: int = 512
     constrained_mode: str = "batched"  # "batched" | "lease"
+    tool_parser: str | None = None  # --tool-parser; None: detected from the chat template
 
 
 class GenerationHandle:
@@ -72,6 +74,9 @@ class ModelService:
     ) -> None:
         self.config = config
         self.tokenizer = Tokenizer(config.model_path)
+        self.syntax = model_syntax(
+            self.tokenizer.template_source, self.tokenizer.hf.get_vocab(), config.tool_parser
+        )
         self.scheduler = BatchScheduler(
             engine_factory,
             max_concurrent=config.concurrent_requests,
@@ -114,12 +119,17 @@ class ModelService:
         prompt: list[int],
         params: SamplingParams,
         constraint: LogitsConstraint | None = None,
+        keep_tokens: frozenset[int] = frozenset(),
     ) -> GenerationHandle:
-        """Admit a request now (raises QueueFull/SchedulerClosed) and return its handle."""
+        """Admit a request now (raises QueueFull/SchedulerClosed) and return its handle.
+
+        `keep_tokens`: special tokens to keep in the text (tool-call markers such as
+        [TOOL_CALLS]); every other special token is skipped.
+        """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
         eos = self.tokenizer.eos_token_ids
-        decoder = Decoder(params, eos, self.tokenizer.decode, constraint)
+        decoder = Decoder(params, eos, self.tokenizer.decoder_keeping(keep_tokens), constraint)
 
         def emit(ev: Event) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, ev)

@@ -166,10 +166,11 @@ def admit(
     prompt: list[int],
     params: SamplingParams,
     constraint: LogitsConstraint | None = None,
+    keep_tokens: frozenset[int] = frozenset(),
 ) -> GenerationHandle:
     """Admit one generation now (before any response byte, S3) or raise 429/503."""
     try:
-        return service.start_generation(prompt, params, constraint)
+        return service.start_generation(prompt, params, constraint, keep_tokens)
     except (QueueFull, SchedulerClosed) as exc:
         raise scheduler_errors(exc) from None
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -10,6 +9,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from llm_server.api.chat_plan import plan_chat
 from llm_server.api.common import (
     admit,
     check_model,
@@ -25,46 +25,29 @@ from llm_server.api.errors import error_body, invalid
 from llm_server.api.logprobs import chat_logprobs
 from llm_server.api.schemas import ChatRequest, parse_chat
 from llm_server.api.streaming import collect, finish_reason, sse
-from llm_server.constrained import ConstraintError, build_constraint
-from llm_server.decoding import FinishReason, LogitsConstraint
-from llm_server.scheduler import TokenEvent
+from llm_server.decoding import FinishReason
+from llm_server.scheduler import FinishEvent, TokenEvent
 from llm_server.service import GenerationHandle, ModelService
-from llm_server.tokenizer import ChatTemplateError
+from llm_server.tools.output import ChatOutput
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-async def _constraint(service: ModelService, chat: ChatRequest) -> LogitsConstraint | None:
-    """Compile the response_format grammar off the event loop (a big schema takes a while)."""
-    if chat.response_format is None:
-        return None
-    vocab = service.engine.vocab_size
-    try:
-        return await asyncio.to_thread(
-            build_constraint, chat.response_format, service.tokenizer, vocab
-        )
-    except ConstraintError as exc:
-        raise invalid("response_format", str(exc)) from None
 
 
 async def chat_completions(request: Request) -> Response:
     service = get_service(request)
     chat = parse_chat(await read_json(request), service.config.default_max_tokens)
     check_model(service, chat.model, served_id(request))
-    if not any(m["content"] for m in chat.messages):
+    if not any(m["content"] or m.get("tool_calls") for m in chat.messages):
         raise invalid("messages", "every message is empty; send some content")
-    constraint = await _constraint(service, chat)
-    try:
-        prompt = service.tokenizer.apply_chat_template(list(chat.messages))
-    except ChatTemplateError as exc:
-        raise invalid("messages", str(exc)) from None
-    check_prompt(service, len(prompt), "messages")
-    handle = admit(service, prompt, chat.params, constraint)  # before any SSE byte (S3)
+    plan = await plan_chat(service, chat)
+    check_prompt(service, len(plan.prompt), "messages")
+    # before any SSE byte (S3)
+    handle = admit(service, plan.prompt, chat.params, plan.constraint, plan.keep_tokens)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if chat.stream:
         return StreamingResponse(
-            _chat_stream(request, service, handle, chat, rid, created),
+            _chat_stream(request, service, handle, chat, plan.output(), rid, created),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
@@ -72,10 +55,15 @@ async def chat_completions(request: Request) -> Response:
     if (early := settle(request, [out.finish])) is not None:
         return early
     fin = out.finish
+    answer = plan.output()
+    for piece in out.pieces:
+        answer.feed(piece)
+    answer.feed(fin.text, tokens=0)
+    answer.finish()
     choice = {
         "index": 0,
-        "message": {"role": "assistant", "content": out.text},
-        "finish_reason": finish_reason(fin),
+        "message": answer.message(),
+        "finish_reason": answer.finish_reason(finish_reason(fin)),
         "logprobs": None,
     }
     if chat.params.logprobs:
@@ -88,9 +76,16 @@ async def chat_completions(request: Request) -> Response:
             "model": served_id(request),
             "system_fingerprint": service.fingerprint,
             "choices": [choice],
-            "usage": usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens),
+            "usage": _usage(fin, answer),
         }
     )
+
+
+def _usage(fin: FinishEvent, answer: ChatOutput) -> dict:
+    out = usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens)
+    if answer.splitter is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": answer.reasoning_tokens}
+    return out
 
 
 async def _chat_stream(
@@ -98,6 +93,7 @@ async def _chat_stream(
     service: ModelService,
     handle: GenerationHandle,
     chat: ChatRequest,
+    answer: ChatOutput,
     rid: str,
     created: int,
 ) -> AsyncIterator[str]:
@@ -122,8 +118,13 @@ async def _chat_stream(
             lp = None
             if ev.logprob is not None:
                 lp = chat_logprobs([ev.logprob], service.tokenizer.token_strings)
-            if ev.text or lp is not None:
-                yield chunk({"content": ev.text}, logprobs=lp)
+            deltas = answer.feed(ev.text)
+            if answer.plain:  # no parsing: one content delta per token, as before
+                deltas = [{"content": ev.text}] if ev.text or lp is not None else []
+            for i, delta in enumerate(deltas):
+                yield chunk(delta, logprobs=lp if i == 0 else None)
+            if lp is not None and not deltas:
+                yield chunk({}, logprobs=lp)
             continue
         if ev.reason == FinishReason.CANCELLED:
             return
@@ -131,15 +132,15 @@ async def _chat_stream(
         if ev.reason == FinishReason.ERROR:
             yield sse(error_body(500, "the model failed while generating this request"))
             break
-        if ev.text:
-            yield chunk({"content": ev.text})
-        yield chunk({}, finish=finish_reason(ev))
+        for delta in answer.feed(ev.text, tokens=0) + answer.finish():
+            yield chunk(delta)
+        yield chunk({}, finish=answer.finish_reason(finish_reason(ev)))
         if chat.include_usage:
             yield sse(
                 {
                     **base,
                     "choices": [],
-                    "usage": usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens),
+                    "usage": _usage(ev, answer),
                 }
             )
     yield sse("[DONE]")

@@ -19,6 +19,7 @@ class Collected:
     """A whole generation, gathered from its events."""
 
     text: str = ""
+    pieces: list[str] = field(default_factory=list)  # each token's text, in order
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish: FinishEvent | None = None
@@ -31,6 +32,7 @@ async def collect(handle: GenerationHandle, request: Request | None = None) -> C
     async def gather() -> None:
         async for ev in handle.events():
             if isinstance(ev, TokenEvent):
+                out.pieces.append(ev.text)
                 out.text += ev.text
                 out.token_ids.append(ev.token_id)
                 if ev.logprob is not None:

@@ -1,0 +1,113 @@
+"""Turn a chat request into what generation needs: the prompt (with `tools=`), the grammar
+(tool calls, or response_format after thinking), the call parser and the reasoning splitter."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from llm_server.api.errors import invalid
+from llm_server.api.schemas import ChatRequest
+from llm_server.constrained import (
+    ConstraintError,
+    build_constraint,
+    build_lark_constraint,
+    schema_for,
+)
+from llm_server.decoding import LogitsConstraint
+from llm_server.service import ModelService
+from llm_server.tokenizer import ChatTemplateError
+from llm_server.tools.detect import THINK_END, THINK_START
+from llm_server.tools.grammar import NoGrammar, answer_grammar, tool_grammar
+from llm_server.tools.output import ChatOutput
+from llm_server.tools.parsers import PARSERS, ToolParser
+from llm_server.tools.reasoning import ReasoningSplitter, prompt_opens_thinking
+from llm_server.tools.spec import ToolRequest
+
+# Markers that may be special tokens, kept in the decoded text so the parsers see them.
+MARKERS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>")
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    prompt: list[int]
+    constraint: LogitsConstraint | None
+    keep_tokens: frozenset[int]
+    parser: str | None  # PARSERS key when the output is parsed for calls
+    tools: ToolRequest
+    thinks: bool  # the template thinks: reasoning fields are reported
+    thinking_open: bool  # the prompt ends inside <think>
+
+    def output(self) -> ChatOutput:
+        """A fresh output assembler for one choice."""
+        parser: ToolParser | None = None
+        if self.parser is not None and self.tools.active:
+            parser = PARSERS[self.parser](self.tools.tools)
+        splitter = ReasoningSplitter(self.thinking_open) if self.thinks else None
+        return ChatOutput(parser, splitter)
+
+
+async def plan_chat(service: ModelService, chat: ChatRequest) -> ChatPlan:
+    """Validate the tool/reasoning fields against the model and build the plan (400s here)."""
+    tok, syntax, tools = service.tokenizer, service.syntax, chat.tools
+    if tools.active and syntax.tool_parser is None:
+        raise invalid(
+            "tools",
+            "this model's chat template shows no tool-call syntax this server can parse; "
+            "start the server with --tool-parser NAME",
+        )
+    if tools.active and chat.response_format is not None:
+        raise invalid(
+            "response_format",
+            "response_format cannot be combined with tools unless tool_choice is 'none'",
+        )
+    template_tools = [t.template_dict() for t in tools.tools] or None
+    try:
+        prompt = tok.apply_chat_template(list(chat.messages), template_tools, chat.template_kwargs)
+    except ChatTemplateError as exc:
+        raise invalid("messages", str(exc)) from None
+    tail = tok.decode(prompt[-16:], skip_special_tokens=False)
+    thinking_open = syntax.thinks and prompt_opens_thinking(tail)
+    markers = MARKERS + ((THINK_START, THINK_END) if syntax.thinks else ())
+    keep = frozenset(i for m in markers if (i := tok.special_token_id(m)) is not None)
+    constraint = await _constraint(service, chat, thinking_open)
+    return ChatPlan(
+        prompt=prompt,
+        constraint=constraint,
+        keep_tokens=keep,
+        parser=syntax.tool_parser,
+        tools=tools,
+        thinks=syntax.thinks,
+        thinking_open=thinking_open,
+    )
+
+
+async def _constraint(
+    service: ModelService, chat: ChatRequest, thinking_open: bool
+) -> LogitsConstraint | None:
+    """Compile the grammar off the event loop (a big schema takes a while)."""
+    tok, vocab, family = service.tokenizer, service.engine.vocab_size, service.syntax.tool_parser
+    if chat.tools.active:
+        marker = tok.special_token_id("[TOOL_CALLS]")
+        try:
+            lark = tool_grammar(family, chat.tools, marker, thinking_open)
+        except NoGrammar:
+            return None  # this family/choice is parsed, not constrained (README)
+        param = "tools"
+        build = (build_lark_constraint, lark)
+    elif chat.response_format is not None:
+        param = "response_format"
+        try:
+            schema = schema_for(chat.response_format)
+        except ConstraintError as exc:
+            raise invalid(param, str(exc)) from None
+        if thinking_open:
+            build = (build_lark_constraint, answer_grammar(schema, True))
+        else:
+            build = (build_constraint, chat.response_format)
+    else:
+        return None
+    try:
+        return await asyncio.to_thread(build[0], build[1], tok, vocab)
+    except ConstraintError as exc:
+        raise invalid(param, str(exc)) from None
