@@ -47,14 +47,18 @@ def _call_schema(tools: tuple[ToolSpec, ...], args_key: str) -> dict[str, Any]:
 
 def _xml_call(tools: tuple[ToolSpec, ...]) -> tuple[str, list[str]]:
     """Qwen3-Coder: `<function=f>` then one `<parameter=p>` block per property, schema order."""
-    rules, alts = [], []
+    # a string value is free text up to the first "\n</parameter>" (a lazy lexeme)
+    rules, alts = [r'str_value[lazy]: TEXT "\n</parameter>\n"'], []
     for i, t in enumerate(tools):
         props = t.parameters.get("properties") or {}
         required = set(t.parameters.get("required") or ())
         parts = []
         for k, sub in props.items():
-            value = "/[^<]*/" if sub.get("type") == "string" else _json(sub)
-            block = f"{_lit(f'<parameter={k}>' + chr(10))} {value} {_lit(chr(10) + '</parameter>' + chr(10))}"
+            head = _lit(f"<parameter={k}>\n")
+            if sub.get("type") == "string":
+                block = f"{head} str_value"
+            else:
+                block = f'{head} {_json(sub)} "\\n</parameter>\\n"'
             parts.append(f"({block})" + ("" if k in required else "?"))
         rules.append(f"fn_{i}: {_lit(f'<function={t.name}>' + chr(10))} {' '.join(parts)}")
         alts.append(f"fn_{i}")

@@ -1,0 +1,78 @@
+"""The llguidance tool grammars: each family's forced and lazy grammar accepts a valid call and
+rejects arguments that break the schema (on the tiny checkpoint's real BPE tokenizer)."""
+
+from __future__ import annotations
+
+import pytest
+
+from llm_server.constrained import build_lark_constraint
+from llm_server.tokenizer import Tokenizer
+from llm_server.tools.grammar import NoGrammar, answer_grammar, tool_grammar
+from llm_server.tools.spec import ChoiceMode, ToolChoice, ToolRequest, ToolSpec
+
+WEATHER = ToolSpec(
+    "get_weather",
+    None,
+    {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    },
+)
+REQUIRED = ToolRequest((WEATHER,), ToolChoice(ChoiceMode.REQUIRED))
+AUTO = ToolRequest((WEATHER,), ToolChoice(ChoiceMode.AUTO))
+
+VALID = {
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
+    "\n</tool_call>",
+    "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}',
+    "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}]',
+}
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_path) -> Tokenizer:
+    return Tokenizer(tiny_model_path)
+
+
+def _accepts(tok: Tokenizer, lark: str, text: str) -> bool:
+    c = build_lark_constraint(lark, tok, tok.vocab_size)
+    for t in tok.encode(text, add_special_tokens=False):
+        try:
+            c.advance(t)
+        except RuntimeError:
+            return False
+    return c.matcher.is_accepting()
+
+
+@pytest.mark.parametrize("family", sorted(VALID))
+def test_forced_grammar_holds_calls_to_the_schema(tok, family):
+    lark = tool_grammar(family, REQUIRED, None, thinking_open=False)
+    assert _accepts(tok, lark, VALID[family])
+    assert not _accepts(tok, lark, VALID[family].replace("2", '"two"', 1))
+    assert not _accepts(tok, lark, "Sure, the weather is fine.")
+
+
+@pytest.mark.parametrize("family", ["hermes", "qwen3_coder"])
+def test_lazy_grammar_frees_text_until_the_marker(tok, family):
+    lark = tool_grammar(family, AUTO, None, thinking_open=False)
+    assert _accepts(tok, lark, "Let me look. " + VALID[family])
+    assert _accepts(tok, lark, "No call needed.")
+    assert not _accepts(tok, lark, "Let me look. " + VALID[family].replace("2", '"two"', 1))
+
+
+def test_auto_on_llama_json_is_parsed_only():
+    with pytest.raises(NoGrammar):
+        tool_grammar("llama3_json", AUTO, None, thinking_open=False)
+
+
+def test_grammar_applies_after_thinking(tok):
+    lark = tool_grammar("hermes", REQUIRED, None, thinking_open=True)
+    assert _accepts(tok, lark, "I need the weather.</think>\n\n" + VALID["hermes"])
+    assert not _accepts(tok, lark, "I need the weather.</think>\n\nIt is sunny.")
+    fmt = answer_grammar({"type": "object", "required": ["a"]}, thinking_open=True)
+    assert _accepts(tok, fmt, 'hmm</think>\n{"a": 1}')
+    assert not _accepts(tok, fmt, "hmm</think>\nplain")
