@@ -25,9 +25,10 @@ class ToolSpec:
 
     def template_dict(self) -> dict[str, Any]:
         """The OpenAI shape chat templates expect (`{"type": "function", "function": {...}}`)."""
-        fn: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        fn: dict[str, Any] = {"name": self.name}
         if self.description is not None:
             fn["description"] = self.description
+        fn["parameters"] = self.parameters
         return {"type": "function", "function": fn}
 
 
