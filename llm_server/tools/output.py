@@ -43,11 +43,11 @@ class ChatOutput:
 
     def feed(self, delta: str, tokens: int = 1, final: bool = False) -> list[dict[str, Any]]:
         """Add `delta` (made of `tokens` tokens); the stream deltas now safe to send."""
-        if not self._thinking_over:
-            self.reasoning_tokens += tokens
         self.text += delta
         if self.splitter is not None:
             split = self.splitter.split(self.text, final)
+            if split.thinking and not self._thinking_over:  # through the token closing it
+                self.reasoning_tokens += tokens
             reasoning, answer, self._thinking_over = split.reasoning, split.answer, split.ended
         else:
             reasoning, answer = "", self.text

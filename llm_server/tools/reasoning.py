@@ -18,6 +18,7 @@ class Split:
     reasoning: str
     answer: str
     ended: bool  # the thinking is over (or there was none)
+    thinking: bool = True  # the output is (or was) in a <think> block
 
 
 class ReasoningSplitter:
@@ -33,9 +34,9 @@ class ReasoningSplitter:
             if lead.startswith(THINK_START):
                 body = lead[len(THINK_START) :]
             elif not final and THINK_START.startswith(lead):
-                return Split("", "", False)  # could still become <think>
+                return Split("", "", False, thinking=False)  # could still become <think>
             else:
-                return Split("", text, True)
+                return Split("", text, True, thinking=False)
         end = body.find(THINK_END)
         if end < 0:
             keep = len(body) if final else len(body) - held_back(body, THINK_END)
