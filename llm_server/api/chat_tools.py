@@ -16,6 +16,16 @@ from llm_server.tools.spec import ChoiceMode, ToolChoice, ToolRequest, ToolSpec
 # OpenAI's rule for function names
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+# apply_chat_template's own parameters: a kwarg must not replace the template, the messages or
+# the tokenization settings.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages", "conversation", "tools", "documents", "chat_template",
+        "add_generation_prompt", "continue_final_message", "tokenize", "padding", "truncation",
+        "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)  # fmt: skip
 
 
 def parse_tools(body: dict) -> ToolRequest:
@@ -152,7 +162,7 @@ def parse_template_kwargs(body: dict) -> dict[str, Any]:
         kwargs = {}
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
         raise invalid("chat_template_kwargs", "'chat_template_kwargs' must be an object")
-    reserved = {"messages", "tools", "add_generation_prompt"} & kwargs.keys()
+    reserved = RESERVED_TEMPLATE_KWARGS & kwargs.keys()
     if reserved:
         key = sorted(reserved)[0]
         raise invalid("chat_template_kwargs", f"chat_template_kwargs must not set {key!r}")

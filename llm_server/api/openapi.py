@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from llm_server.api import openapi_tools as tools
 from llm_server.decoding import MAX_TOP_LOGPROBS
 
 OPENAPI_VERSION = "3.0.3"
@@ -42,6 +43,7 @@ _USAGE = {
         "completion_tokens": _INT,
         "total_tokens": _INT,
         "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": _INT}},
+        "completion_tokens_details": tools.COMPLETION_DETAILS,
     },
 }
 _TOP_ENTRY = {
@@ -135,6 +137,7 @@ SCHEMAS: dict[str, dict] = {
                     ]
                 }
             ),
+            **tools.MESSAGE_FIELDS,
         },
     },
     "ChatCompletionRequest": {
@@ -159,6 +162,7 @@ SCHEMAS: dict[str, dict] = {
                     },
                 }
             ),
+            **tools.REQUEST_FIELDS,
         },
     },
     "ChatCompletion": {
@@ -174,15 +178,8 @@ SCHEMAS: dict[str, dict] = {
                     "required": ["index", "message", "finish_reason"],
                     "properties": {
                         "index": _INT,
-                        "message": {
-                            "type": "object",
-                            "required": ["role", "content"],
-                            "properties": {
-                                "role": {"type": "string", "enum": ["assistant"]},
-                                "content": _STR,
-                            },
-                        },
-                        "finish_reason": _FINISH,
+                        "message": tools.RESPONSE_MESSAGE,
+                        "finish_reason": tools.CHAT_FINISH,
                         "logprobs": _CHAT_LOGPROBS,
                     },
                 },

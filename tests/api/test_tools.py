@@ -240,6 +240,7 @@ def test_tool_rows_batched_beside_plain_rows(client, tools_server):
         ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
         ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
         ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "chat_template_kwargs"),
         ({"reasoning_effort": "extreme"}, "reasoning_effort"),
         ({"tool_choice": "required"}, "tool_choice"),
     ],
