@@ -62,6 +62,8 @@ def test_lazy_grammar_frees_text_until_the_marker(tok, family):
     assert _accepts(tok, lark, "Let me look. " + VALID[family])
     assert _accepts(tok, lark, "No call needed.")
     assert not _accepts(tok, lark, "Let me look. " + VALID[family].replace("2", '"two"', 1))
+    assert _accepts(tok, lark, "Let me look. " + VALID[family] + "\n" + VALID[family])
+    assert not _accepts(tok, lark, "Let me look. " + VALID[family] + " Done.")
 
 
 def test_auto_on_llama_json_is_parsed_only():

@@ -181,3 +181,12 @@ def test_reasoning_opened_by_the_model_or_not_at_all():
     assert ReasoningSplitter(False).split("Hi", True).reasoning == ""
     assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
     assert not prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    out = ChatOutput(PARSERS["hermes"]([WEATHER]), None, max_calls=1)
+    out.feed(SAMPLES["hermes"][1])
+    out.finish()
+    assert [c["function"]["arguments"] for c in out.message()["tool_calls"]] == [
+        PARALLEL[0].arguments
+    ]

@@ -44,7 +44,7 @@ class ChatPlan:
         if self.parser is not None and self.tools.active:
             parser = PARSERS[self.parser](self.tools.tools)
         splitter = ReasoningSplitter(self.thinking_open) if self.thinks else None
-        return ChatOutput(parser, splitter)
+        return ChatOutput(parser, splitter, None if self.tools.parallel else 1)
 
 
 async def plan_chat(service: ModelService, chat: ChatRequest) -> ChatPlan:

@@ -2,8 +2,9 @@
 
 Forced calls (`tool_choice` required or named) constrain the whole answer to the family's call
 syntax around each function's parameter schema. Under `auto` the grammar is lazy: free text until
-the call-start marker (a lazy lexeme), then the call is constrained. For a prompt that opened
-`<think>`, the thinking is free text up to `</think>` and the grammar applies to the answer.
+the call-start marker (a lazy lexeme), then the call is constrained and only more calls may
+follow. For a prompt that opened `<think>`, the thinking is free text up to `</think>` and the
+grammar applies to the answer.
 """
 
 from __future__ import annotations
@@ -87,10 +88,11 @@ def tool_grammar(
         if req.forced:
             rules.append(f'call: "<tool_call>" {body}')
             answer = 'call ("\\n" call)*' if req.parallel else "call"
-        else:
+        else:  # free text, or text up to the first call and then only calls
             rules.append('call_trig[lazy]: TEXT "<tool_call>"')
-            rules.append(f"call: call_trig {body}")
-            answer = "call* TEXT" if req.parallel else "call? TEXT"
+            more = f'(/[ \\n]*/ "<tool_call>" {body})*' if req.parallel else ""
+            rules.append(f"calls: call_trig {body} {more} /[ \\n]*/")
+            answer = "TEXT | calls"
     elif family == "llama3_json" and req.forced:
         call = _json(_call_schema(tools, "parameters"))
         answer = f'{call} ("; " {call})*' if req.parallel else call

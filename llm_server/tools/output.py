@@ -29,9 +29,15 @@ class _Sent:
 class ChatOutput:
     """One choice's output state; `parser`/`splitter` None when not in use."""
 
-    def __init__(self, parser: ToolParser | None, splitter: ReasoningSplitter | None) -> None:
+    def __init__(
+        self,
+        parser: ToolParser | None,
+        splitter: ReasoningSplitter | None,
+        max_calls: int | None = None,
+    ) -> None:
         self.parser = parser
         self.splitter = splitter
+        self.max_calls = max_calls  # 1 when parallel_tool_calls is false: later calls dropped
         self.text = ""
         self.reasoning = ""
         self.content = ""
@@ -71,7 +77,7 @@ class ChatOutput:
             out.append({"content": parsed.content[self._sent.content :]})
             self._sent.content = len(parsed.content)
         self.content = parsed.content
-        for i, call in enumerate(parsed.calls):
+        for i, call in enumerate(parsed.calls[: self.max_calls]):
             if i == len(self.calls):
                 entry = {"id": call_id(), "type": "function"}
                 entry["function"] = {"name": call.name, "arguments": ""}

@@ -10,10 +10,13 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
+import numpy as np
 import openai
 import pydantic
 import pytest
 
+from llm_server.api import chat_plan
+from llm_server.decoding import LogitsConstraint
 from llm_server.testing.tiny import HERMES_TEMPLATE, build_tiny_checkpoint
 
 WEATHER_SCHEMA = {
@@ -189,6 +192,46 @@ def test_three_turn_agent_loop(client, tools_server):
     assert '<tool_response>\n{"temp_c": 18}\n</tool_response>' in prompt
     assert msg.tool_calls[0].function.name in prompt
     assert final.usage.prompt_tokens == len(tok.encode(prompt, add_special_tokens=False))
+
+
+class ForcedPrefix(LogitsConstraint):
+    """Forces `prefix` token by token (each checked against the grammar), then the grammar."""
+
+    def __init__(self, prefix: list[int], grammar: LogitsConstraint) -> None:
+        self.prefix, self.grammar, self.i = prefix, grammar, 0
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        masked = self.grammar.mask(logits)
+        if self.i < len(self.prefix):
+            assert np.isfinite(masked[self.prefix[self.i]])  # the grammar allows free text
+            forced = np.full_like(logits, -np.inf)
+            forced[self.prefix[self.i]] = 0.0
+            return forced
+        return masked
+
+    def advance(self, token: int) -> bool:
+        self.i += 1
+        return self.grammar.advance(token)
+
+
+def test_auto_holds_a_started_call_to_the_schema(client, tools_server, monkeypatch):
+    """Under auto the lazy grammar leaves text free; once the model writes <tool_call> (forced
+    here, the random model never would), the call is constrained like a forced one."""
+    prefix = tools_server.service.tokenizer.encode("Let me check.\n<tool_call>", False)
+    real = chat_plan._constraint
+
+    async def with_prefix(service, chat, thinking_open):
+        return ForcedPrefix(prefix, await real(service, chat, thinking_open))
+
+    monkeypatch.setattr(chat_plan, "_constraint", with_prefix)
+    r = client.chat.completions.create(
+        model="default", messages=ASK, tools=TOOLS, max_tokens=MAX, temperature=0
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me check.\n"
+    call = choice.message.tool_calls[0]
+    jsonschema.validate(json.loads(call.function.arguments), _schema(call.function.name))
 
 
 def _plain(client, i: int):
