@@ -50,29 +50,54 @@ def _accepts(tok: Tokenizer, lark: str, text: str) -> bool:
 
 @pytest.mark.parametrize("family", sorted(VALID))
 def test_forced_grammar_holds_calls_to_the_schema(tok, family):
-    lark = tool_grammar(family, REQUIRED, None, thinking_open=False)
+    lark = tool_grammar(family, REQUIRED, {}, thinking_open=False)
     assert _accepts(tok, lark, VALID[family])
     assert not _accepts(tok, lark, VALID[family].replace("2", '"two"', 1))
     assert not _accepts(tok, lark, "Sure, the weather is fine.")
 
 
-@pytest.mark.parametrize("family", ["hermes", "qwen3_coder"])
+@pytest.mark.parametrize("family", ["hermes", "qwen3_coder", "mistral"])
 def test_lazy_grammar_frees_text_until_the_marker(tok, family):
-    lark = tool_grammar(family, AUTO, None, thinking_open=False)
+    lark = tool_grammar(family, AUTO, {}, thinking_open=False)
     assert _accepts(tok, lark, "Let me look. " + VALID[family])
     assert _accepts(tok, lark, "No call needed.")
     assert not _accepts(tok, lark, "Let me look. " + VALID[family].replace("2", '"two"', 1))
-    assert _accepts(tok, lark, "Let me look. " + VALID[family] + "\n" + VALID[family])
+    if family != "mistral":  # Mistral's parallel calls share one array
+        assert _accepts(tok, lark, "Let me look. " + VALID[family] + "\n" + VALID[family])
     assert not _accepts(tok, lark, "Let me look. " + VALID[family] + " Done.")
+
+
+def _accepts_ids(tok: Tokenizer, lark: str, ids: list[int]) -> bool:
+    c = build_lark_constraint(lark, tok, tok.vocab_size)
+    for t in ids:
+        try:
+            c.advance(t)
+        except RuntimeError:
+            return False
+    return c.matcher.is_accepting()
+
+
+@pytest.mark.parametrize("forced", [True, False])
+def test_mistral_v11_grammar_names_the_special_tokens(tok, forced):
+    # stand-ins: two special tokens of the tiny vocabulary play [TOOL_CALLS] and [ARGS]
+    tc, args = tok.special_token_id("<|im_start|>"), tok.special_token_id("<|endoftext|>")
+    specials = {"[TOOL_CALLS]": tc, "[ARGS]": args}
+    lark = tool_grammar("mistral", REQUIRED if forced else AUTO, specials, thinking_open=False)
+    call = [tc, *tok.encode("get_weather", False), args]
+    good = call + tok.encode('{"city": "Paris", "days": 2}', False)
+    bad = call + tok.encode('{"city": "Paris", "days": "2"}', False)
+    prefix = [] if forced else tok.encode("Let me look. ", False)
+    assert _accepts_ids(tok, lark, prefix + good + good)
+    assert not _accepts_ids(tok, lark, prefix + bad)
 
 
 def test_auto_on_llama_json_is_parsed_only():
     with pytest.raises(NoGrammar):
-        tool_grammar("llama3_json", AUTO, None, thinking_open=False)
+        tool_grammar("llama3_json", AUTO, {}, thinking_open=False)
 
 
 def test_grammar_applies_after_thinking(tok):
-    lark = tool_grammar("hermes", REQUIRED, None, thinking_open=True)
+    lark = tool_grammar("hermes", REQUIRED, {}, thinking_open=True)
     assert _accepts(tok, lark, "I need the weather.</think>\n\n" + VALID["hermes"])
     assert not _accepts(tok, lark, "I need the weather.</think>\n\nIt is sunny.")
     fmt = answer_grammar({"type": "object", "required": ["a"]}, thinking_open=True)

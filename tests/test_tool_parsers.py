@@ -52,6 +52,12 @@ SAMPLES = {
         '{"name": "get_weather", "arguments": {"city": "Rome", "days": 1}}]',
         '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"',
     ),
+    "mistral_v11": (
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}',
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome", "days": 1}',
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"',
+    ),
 }
 CLEAN = [ParsedCall("get_weather", '{"city": "Paris", "days": 2}', True)]
 PARALLEL = [
@@ -61,9 +67,13 @@ PARALLEL = [
 CLEAN_CONTENT = {"hermes": "Let me check.\n", "qwen3_coder": "Let me check.\n"}
 
 
+def _parser(family: str):
+    return PARSERS[family.removesuffix("_v11")]([WEATHER])
+
+
 def _streamed(family: str, text: str) -> ChatOutput:
     """Feed `text` one character at a time; every snapshot must only grow."""
-    out = ChatOutput(PARSERS[family]([WEATHER]), None)
+    out = ChatOutput(_parser(family), None)
     content, calls = "", {}
     for ch in text:
         for delta in out.feed(ch):
@@ -88,7 +98,7 @@ def _streamed(family: str, text: str) -> ChatOutput:
 @pytest.mark.parametrize("family", sorted(SAMPLES))
 def test_clean_call(family):
     text = SAMPLES[family][0]
-    result = PARSERS[family]([WEATHER]).parse(text, final=True)
+    result = _parser(family).parse(text, final=True)
     assert list(result.calls) == CLEAN and result.error is None
     assert result.content == CLEAN_CONTENT.get(family, "")
     out = _streamed(family, text)
@@ -100,7 +110,7 @@ def test_clean_call(family):
 
 @pytest.mark.parametrize("family", sorted(SAMPLES))
 def test_two_parallel_calls(family):
-    result = PARSERS[family]([WEATHER]).parse(SAMPLES[family][1], final=True)
+    result = _parser(family).parse(SAMPLES[family][1], final=True)
     assert list(result.calls) == PARALLEL and result.error is None
     out = _streamed(family, SAMPLES[family][1])
     assert [c["function"]["arguments"] for c in out.calls] == [c.arguments for c in PARALLEL]
@@ -110,7 +120,7 @@ def test_two_parallel_calls(family):
 @pytest.mark.parametrize("family", sorted(SAMPLES))
 def test_malformed_call_is_text(family):
     text = SAMPLES[family][2]
-    assert PARSERS[family]([WEATHER]).parse(text, final=True).error is not None
+    assert _parser(family).parse(text, final=True).error is not None
     out = _streamed(family, text)
     assert not out.called and out.finish_reason("stop") == "stop"
     msg = out.message()

@@ -88,9 +88,9 @@ async def _constraint(
     """Compile the grammar off the event loop (a big schema takes a while)."""
     tok, vocab, family = service.tokenizer, service.engine.vocab_size, service.syntax.tool_parser
     if chat.tools.active:
-        marker = tok.special_token_id("[TOOL_CALLS]")
+        specials = {m: i for m in MARKERS if (i := tok.special_token_id(m)) is not None}
         try:
-            lark = tool_grammar(family, chat.tools, marker, thinking_open)
+            lark = tool_grammar(family, chat.tools, specials, thinking_open)
         except NoGrammar:
             return None  # this family/choice is parsed, not constrained (README)
         param = "tools"

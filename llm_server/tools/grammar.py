@@ -10,6 +10,7 @@ grammar applies to the answer.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from llm_server.tools.detect import THINK_END
@@ -77,9 +78,13 @@ def _body(family: str, tools: tuple[ToolSpec, ...], marker: str) -> tuple[str, l
 
 
 def tool_grammar(
-    family: str, req: ToolRequest, marker_token: int | None, thinking_open: bool
+    family: str, req: ToolRequest, specials: Mapping[str, int], thinking_open: bool
 ) -> str:
-    """The lark grammar for `req` under `family`; NoGrammar when it only parses."""
+    """The lark grammar for `req` under `family`; NoGrammar when it only parses.
+
+    `specials`: marker text -> id for the markers that are single special tokens
+    ([TOOL_CALLS], [ARGS]); the grammar names those by id.
+    """
     tools = req.callable()
     rules = ["%llguidance {}", TEXT]
     if family in ("hermes", "qwen3_coder"):
@@ -96,15 +101,39 @@ def tool_grammar(
     elif family == "llama3_json" and req.forced:
         call = _json(_call_schema(tools, "parameters"))
         answer = f'{call} ("; " {call})*' if req.parallel else call
-    elif family == "mistral" and req.forced:
-        start = f"<[{marker_token}]>" if marker_token is not None else _lit("[TOOL_CALLS]")
-        calls = {"type": "array", "items": _call_schema(tools, "arguments"), "minItems": 1}
-        if not req.parallel:
-            calls["maxItems"] = 1
-        answer = f"{start} {_json(calls)}"
+    elif family == "mistral":
+        answer = _mistral(rules, tools, req, specials)
     else:
         raise NoGrammar(family)
     return _with_thinking(rules, answer, thinking_open)
+
+
+def _marker(text: str, specials: Mapping[str, int]) -> str:
+    return f"<[{specials[text]}]>" if text in specials else _lit(text)
+
+
+def _mistral(
+    rules: list[str], tools: tuple[ToolSpec, ...], req: ToolRequest, specials: Mapping[str, int]
+) -> str:
+    """`[TOOL_CALLS][{..}, ..]`, or `[TOOL_CALLS]name[ARGS]{..}` per call when the tokenizer
+    has [ARGS] (v11); under auto, free text until [TOOL_CALLS]."""
+    tc = _marker("[TOOL_CALLS]", specials)
+    if "[ARGS]" in specials:
+        args = _marker("[ARGS]", specials)
+        alts = " | ".join(f"{_lit(t.name)} {args} {_json(t.parameters)}" for t in tools)
+        rules.append(f"one: {alts}")
+        body = f"one ({tc} one)*" if req.parallel else "one"
+    else:
+        calls = {"type": "array", "items": _call_schema(tools, "arguments"), "minItems": 1}
+        if not req.parallel:
+            calls["maxItems"] = 1
+        body = _json(calls)
+    if req.forced:
+        return f"{tc} {body}"
+    if "[TOOL_CALLS]" in specials:  # a special token never occurs inside TEXT
+        return f"TEXT | TEXT {tc} {body}"
+    rules.append('call_trig[lazy]: TEXT "[TOOL_CALLS]"')
+    return f"TEXT | call_trig {body}"
 
 
 def answer_grammar(schema: dict[str, Any], thinking_open: bool) -> str:
