@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tool-parser",
-        choices=["hermes", "qwen3_coder", "llama3_json", "mistral"],
+        choices=["hermes", "qwen3_coder", "llama3_json", "mistral", "harmony"],
         help="the tool-call syntax to parse and constrain (default: detected from the chat "
         "template)",
     )

@@ -103,3 +103,10 @@ def test_grammar_applies_after_thinking(tok):
     fmt = answer_grammar({"type": "object", "required": ["a"]}, thinking_open=True)
     assert _accepts(tok, fmt, 'hmm</think>\n{"a": 1}')
     assert not _accepts(tok, fmt, "hmm</think>\nplain")
+
+
+def test_decoder_keeps_only_the_marker_special_tokens(tok):
+    marker, other = tok.special_token_id("<|im_start|>"), tok.special_token_id("<|endoftext|>")
+    ids = [marker, *tok.encode("hi", False), other]
+    assert tok.decoder_keeping(frozenset({marker}))(ids) == "<|im_start|>hi"
+    assert tok.decoder_keeping(frozenset())(ids) == "hi"

@@ -8,8 +8,9 @@ import pytest
 
 from llm_server.tools.detect import detect_parser
 from llm_server.tools.output import ChatOutput
-from llm_server.tools.parsers import PARSERS, ParsedCall
+from llm_server.tools.parsers import ParsedCall
 from llm_server.tools.reasoning import ReasoningSplitter, prompt_opens_thinking
+from llm_server.tools.registry import PARSERS
 from llm_server.tools.spec import ToolSpec
 
 WEATHER = ToolSpec(
@@ -157,6 +158,7 @@ def test_qwen3_coder_types_values_by_schema():
         ("<tool_call>\\n<function=example>\\n<parameter=p>\\n...", "qwen3_coder"),
         ("{{- '<|python_tag|>' + tool_call.name }}", "llama3_json"),
         ("{{ '[TOOL_CALLS]' + tool_calls|tojson }}", "mistral"),
+        ("{{- '<|start|>assistant<|channel|>analysis<|message|>' }}", "harmony"),
         ("{% for m in messages %}{{ m.content }}{% endfor %}", None),
     ],
 )
@@ -200,3 +202,49 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     assert [c["function"]["arguments"] for c in out.message()["tool_calls"]] == [
         PARALLEL[0].arguments
     ]
+
+
+HARMONY_THOUGHT = "<|channel|>analysis<|message|>Need the weather.<|end|>"
+HARMONY = {
+    "clean": HARMONY_THOUGHT + "<|start|>assistant<|channel|>commentary to=functions.get_weather "
+    '<|constrain|>json<|message|>{"city": "Paris", "days": 2}',
+    "parallel": HARMONY_THOUGHT + "<|start|>assistant<|channel|>commentary "
+    'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|end|>'
+    "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+    '{"city": "Rome", "days": 1}',
+    "final": HARMONY_THOUGHT + "<|start|>assistant<|channel|>final<|message|>It is sunny.",
+    "malformed": HARMONY_THOUGHT + "<|start|>assistant<|channel|>commentary "
+    'to=functions.get_weather<|message|>{"city": ',
+}
+
+
+def _harmony(text: str) -> tuple[ChatOutput, str, str]:
+    from llm_server.tools.harmony import HarmonyParser, HarmonySplitter
+
+    out = ChatOutput(HarmonyParser([WEATHER]), HarmonySplitter())
+    reasoning = content = ""
+    for ch in text:
+        for d in out.feed(ch):
+            reasoning += d.get("reasoning_content") or ""
+            content += d.get("content") or ""
+    for d in out.finish():
+        content += d.get("content") or ""
+    return out, reasoning, content
+
+
+def test_harmony_channels():
+    out, reasoning, content = _harmony(HARMONY["clean"])
+    assert reasoning == "Need the weather." and content == ""
+    assert [c["function"] for c in out.message()["tool_calls"]] == [
+        {"name": "get_weather", "arguments": CLEAN[0].arguments}
+    ]
+    out, _, _ = _harmony(HARMONY["parallel"])
+    assert [c["function"]["arguments"] for c in out.calls] == [c.arguments for c in PARALLEL]
+    out, reasoning, content = _harmony(HARMONY["final"])
+    assert (reasoning, content, out.finish_reason("stop")) == (
+        "Need the weather.",
+        "It is sunny.",
+        "stop",
+    )
+    out, _, content = _harmony(HARMONY["malformed"])
+    assert not out.called and out.message()["content"].endswith('<|message|>{"city": ')

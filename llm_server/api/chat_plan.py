@@ -17,15 +17,23 @@ from llm_server.constrained import (
 from llm_server.decoding import LogitsConstraint
 from llm_server.service import ModelService
 from llm_server.tokenizer import ChatTemplateError
-from llm_server.tools.detect import THINK_END, THINK_START
 from llm_server.tools.grammar import NoGrammar, answer_grammar, tool_grammar
+from llm_server.tools.harmony import MARKERS as HARMONY_MARKERS
+from llm_server.tools.harmony import HarmonyParser, HarmonySplitter
 from llm_server.tools.output import ChatOutput
-from llm_server.tools.parsers import PARSERS, ToolParser
-from llm_server.tools.reasoning import ReasoningSplitter, prompt_opens_thinking
+from llm_server.tools.parsers import ToolParser
+from llm_server.tools.reasoning import (
+    THINK_END,
+    THINK_START,
+    ReasoningSplitter,
+    prompt_opens_thinking,
+)
+from llm_server.tools.registry import PARSERS
 from llm_server.tools.spec import ToolRequest
 
 # Markers that may be special tokens, kept in the decoded text so the parsers see them.
 MARKERS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>")
+THINK_MARKERS = {"think": (THINK_START, THINK_END), "harmony": HARMONY_MARKERS}
 
 
 @dataclass(frozen=True)
@@ -35,7 +43,7 @@ class ChatPlan:
     keep_tokens: frozenset[int]
     parser: str | None  # PARSERS key when the output is parsed for calls
     tools: ToolRequest
-    thinks: bool  # the template thinks: reasoning fields are reported
+    reasoning: str | None  # "think" or "harmony": reasoning fields are reported
     thinking_open: bool  # the prompt ends inside <think>
 
     def output(self) -> ChatOutput:
@@ -43,7 +51,12 @@ class ChatPlan:
         parser: ToolParser | None = None
         if self.parser is not None and self.tools.active:
             parser = PARSERS[self.parser](self.tools.tools)
-        splitter = ReasoningSplitter(self.thinking_open) if self.thinks else None
+        splitter: ReasoningSplitter | HarmonySplitter | None = None
+        if self.reasoning == "harmony":
+            splitter = HarmonySplitter()
+            parser = parser or HarmonyParser()  # the final channel is the answer
+        elif self.reasoning == "think":
+            splitter = ReasoningSplitter(self.thinking_open)
         return ChatOutput(parser, splitter, None if self.tools.parallel else 1)
 
 
@@ -67,8 +80,8 @@ async def plan_chat(service: ModelService, chat: ChatRequest) -> ChatPlan:
     except ChatTemplateError as exc:
         raise invalid("messages", str(exc)) from None
     tail = tok.decode(prompt[-16:], skip_special_tokens=False)
-    thinking_open = syntax.thinks and prompt_opens_thinking(tail)
-    markers = MARKERS + ((THINK_START, THINK_END) if syntax.thinks else ())
+    thinking_open = syntax.reasoning == "think" and prompt_opens_thinking(tail)
+    markers = MARKERS + THINK_MARKERS.get(syntax.reasoning or "", ())
     keep = frozenset(i for m in markers if (i := tok.special_token_id(m)) is not None)
     constraint = await _constraint(service, chat, thinking_open)
     return ChatPlan(
@@ -77,7 +90,7 @@ async def plan_chat(service: ModelService, chat: ChatRequest) -> ChatPlan:
         keep_tokens=keep,
         parser=syntax.tool_parser,
         tools=tools,
-        thinks=syntax.thinks,
+        reasoning=syntax.reasoning,
         thinking_open=thinking_open,
     )
 
@@ -92,6 +105,12 @@ async def _constraint(
         try:
             lark = tool_grammar(family, chat.tools, specials, thinking_open)
         except NoGrammar:
+            if chat.tools.forced:  # a promise only a grammar keeps
+                raise invalid(
+                    "tool_choice",
+                    f"tool_choice {chat.tools.choice.mode.value!r} is not supported with the "
+                    f"{family} call format; use 'auto'",
+                ) from None
             return None  # this family/choice is parsed, not constrained (README)
         param = "tools"
         build = (build_lark_constraint, lark)

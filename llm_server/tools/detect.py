@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llm_server.tools.parsers import PARSERS
-
-THINK_START = "<think>"
-THINK_END = "</think>"
+from llm_server.tools.reasoning import THINK_END, THINK_START
+from llm_server.tools.registry import PARSERS
 
 
 class UnknownParser(ValueError):
@@ -19,11 +17,17 @@ class ModelSyntax:
     """What the model's template and tokenizer say about tool calls and thinking."""
 
     tool_parser: str | None  # a PARSERS key, or None when the template shows no call syntax
-    thinks: bool  # the template or vocabulary has <think>...</think>
+    reasoning: str | None  # "think" (<think>...</think>), "harmony" (analysis channel) or None
+
+    @property
+    def thinks(self) -> bool:
+        return self.reasoning is not None
 
 
 def detect_parser(template: str, vocab: dict[str, int]) -> str | None:
     """The parser for the call syntax the chat template teaches, or None."""
+    if "<|channel|>" in template:
+        return "harmony"
     if "<function=" in template and "<parameter=" in template:
         return "qwen3_coder"
     if "<tool_call>" in template:
@@ -42,5 +46,9 @@ def model_syntax(template: str, vocab: dict[str, int], override: str | None) -> 
             f"unknown tool parser {override!r}; choose one of {', '.join(sorted(PARSERS))}"
         )
     parser = override or detect_parser(template, vocab)
-    thinks = THINK_END in template or (THINK_START in vocab and THINK_END in vocab)
-    return ModelSyntax(parser, thinks)
+    reasoning = None
+    if "<|channel|>" in template:
+        reasoning = "harmony"
+    elif THINK_END in template or (THINK_START in vocab and THINK_END in vocab):
+        reasoning = "think"
+    return ModelSyntax(parser, reasoning)

@@ -13,7 +13,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from llm_server.tools.detect import THINK_END
+from llm_server.tools.reasoning import THINK_END
 from llm_server.tools.spec import ToolRequest, ToolSpec
 
 # Compact JSON separators (as constrained.JSON_OPTIONS): no free whitespace to wander into.

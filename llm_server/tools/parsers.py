@@ -261,8 +261,3 @@ class MistralParser(ToolParser):
             pos = end + len(rest[end:]) - len(rest[end:].lstrip())
             if rest.startswith(",", pos):
                 pos += 1
-
-
-PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, Qwen3CoderParser, Llama3JsonParser, MistralParser)
-}

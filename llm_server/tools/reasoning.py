@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llm_server.tools.detect import THINK_END, THINK_START
 from llm_server.tools.parsers import held_back
+
+THINK_START = "<think>"
+THINK_END = "</think>"
 
 
 def prompt_opens_thinking(prompt_tail: str) -> bool:
