@@ -129,4 +129,7 @@ async def _constraint(
     try:
         return await asyncio.to_thread(build[0], build[1], tok, vocab)
     except ConstraintError as exc:
+        tools = chat.tools
+        if param == "tools" and not tools.forced and not any(t.strict for t in tools.tools):
+            return None  # auto without strict: a schema llguidance cannot take is only parsed
         raise invalid(param, str(exc)) from None

@@ -297,6 +297,33 @@ def test_bad_tool_fields_are_400_naming_the_field(client, extra, param):
     assert err.value.body["param"] == param
 
 
+LOOKBEHIND = {
+    "type": "function",
+    "function": {
+        "name": "odd",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "string", "pattern": "(?<=a)b"}},
+        },
+    },
+}
+
+
+def test_a_schema_the_grammar_cannot_take(client):
+    """Refused where the call must be valid (required, strict); parsed only under auto."""
+    strict = {**LOOKBEHIND, "function": {**LOOKBEHIND["function"], "strict": True}}
+    for tools, choice in (([LOOKBEHIND], "required"), ([strict], "auto")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(
+                model="default", messages=ASK, tools=tools, tool_choice=choice, max_tokens=2
+            )
+        assert err.value.body["param"] == "tools"
+    r = client.chat.completions.create(
+        model="default", messages=ASK, tools=[LOOKBEHIND], max_tokens=4, temperature=0
+    )
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
 def test_bad_history_call_is_400(client):
     messages = ASK + [
         {
