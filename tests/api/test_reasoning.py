@@ -6,6 +6,9 @@ place of the request's grammar) forces the text token by token through the real 
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import numpy as np
 import openai
 import pytest
@@ -13,9 +16,22 @@ import pytest
 from llm_server.api import chat_plan
 from llm_server.decoding import LogitsConstraint
 from llm_server.testing.tiny import THINKING_TEMPLATE, build_tiny_checkpoint
+from tests.api.helpers import ForcedPrefix
 
 THOUGHT, ANSWER = "The user greets me.", "Hello there."
 ASK = [{"role": "user", "content": "Hi!"}]
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "greet",
+        "parameters": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 8}},
+            "required": ["name"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 class Scripted(LogitsConstraint):
@@ -94,6 +110,34 @@ def test_streamed_thinking_arrives_as_reasoning_deltas(client, think_server, mon
     # no delta carries both: the reasoning ends before the answer starts
     assert not any(d.content and d.model_extra.get("reasoning_content") for d in deltas)
     assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == len(thought)
+
+
+def test_tool_grammar_applies_after_thinking(client, think_server, monkeypatch):
+    """The model thinks freely (forced here), then the tool grammar holds the call."""
+    prefix = think_server.service.tokenizer.encode(THOUGHT + "</think>\n\n", False)
+    real = chat_plan._constraint
+
+    async def with_prefix(service, chat, thinking_open):
+        assert thinking_open
+        return ForcedPrefix(prefix, await real(service, chat, thinking_open))
+
+    monkeypatch.setattr(chat_plan, "_constraint", with_prefix)
+    r = client.chat.completions.create(
+        model="default",
+        messages=ASK,
+        tools=[TOOL],
+        tool_choice="required",
+        max_tokens=120,
+        temperature=0,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.model_extra["reasoning_content"] == THOUGHT
+    (call,) = choice.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), TOOL["function"]["parameters"])
+    assert r.usage.completion_tokens_details.reasoning_tokens == len(
+        think_server.service.tokenizer.encode(THOUGHT + "</think>", False)
+    )
 
 
 def test_enable_thinking_false_reaches_the_template(client, think_server, monkeypatch):

@@ -10,14 +10,13 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
-import numpy as np
 import openai
 import pydantic
 import pytest
 
 from llm_server.api import chat_plan
-from llm_server.decoding import LogitsConstraint
 from llm_server.testing.tiny import HERMES_TEMPLATE, build_tiny_checkpoint
+from tests.api.helpers import ForcedPrefix
 
 WEATHER_SCHEMA = {
     "type": "object",
@@ -192,26 +191,6 @@ def test_three_turn_agent_loop(client, tools_server):
     assert '<tool_response>\n{"temp_c": 18}\n</tool_response>' in prompt
     assert msg.tool_calls[0].function.name in prompt
     assert final.usage.prompt_tokens == len(tok.encode(prompt, add_special_tokens=False))
-
-
-class ForcedPrefix(LogitsConstraint):
-    """Forces `prefix` token by token (each checked against the grammar), then the grammar."""
-
-    def __init__(self, prefix: list[int], grammar: LogitsConstraint) -> None:
-        self.prefix, self.grammar, self.i = prefix, grammar, 0
-
-    def mask(self, logits: np.ndarray) -> np.ndarray:
-        masked = self.grammar.mask(logits)
-        if self.i < len(self.prefix):
-            assert np.isfinite(masked[self.prefix[self.i]])  # the grammar allows free text
-            forced = np.full_like(logits, -np.inf)
-            forced[self.prefix[self.i]] = 0.0
-            return forced
-        return masked
-
-    def advance(self, token: int) -> bool:
-        self.i += 1
-        return self.grammar.advance(token)
 
 
 def test_auto_holds_a_started_call_to_the_schema(client, tools_server, monkeypatch):
