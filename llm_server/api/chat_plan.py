@@ -51,13 +51,15 @@ class ChatPlan:
         parser: ToolParser | None = None
         if self.parser is not None and self.tools.active:
             parser = PARSERS[self.parser](self.tools.tools)
+        max_calls = None if self.tools.parallel else 1
         splitter: ReasoningSplitter | HarmonySplitter | None = None
         if self.reasoning == "harmony":
             splitter = HarmonySplitter()
-            parser = parser or HarmonyParser()  # the final channel is the answer
+            if parser is None:  # the final channel is the answer; no calls without tools
+                parser, max_calls = HarmonyParser(), 0
         elif self.reasoning == "think":
             splitter = ReasoningSplitter(self.thinking_open)
-        return ChatOutput(parser, splitter, None if self.tools.parallel else 1)
+        return ChatOutput(parser, splitter, max_calls)
 
 
 async def plan_chat(service: ModelService, chat: ChatRequest) -> ChatPlan:
