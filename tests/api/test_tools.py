@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import jsonschema
 import openai
 import pydantic
@@ -332,3 +333,14 @@ def test_a_template_without_tool_syntax_refuses_tools(server):
         model="default", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=2
     )
     assert r.choices[0].message.tool_calls is None
+
+
+def test_tokenize_counts_the_prompt_a_tools_request_sends(client, tools_server):
+    body = {"messages": ASK, "tools": TOOLS}
+    counted = httpx.post(tools_server.url + "/tokenize", json=body, timeout=30).json()["count"]
+    r = client.chat.completions.create(
+        model="default", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=1
+    )
+    assert counted == r.usage.prompt_tokens
+    plain = httpx.post(tools_server.url + "/tokenize", json={"messages": ASK}, timeout=30)
+    assert plain.json()["count"] < counted  # the tools are in the prompt
