@@ -7,7 +7,7 @@ import pytest
 
 from llm_server.constrained import build_lark_constraint
 from llm_server.tokenizer import Tokenizer
-from llm_server.tools.grammar import NoGrammar, answer_grammar, tool_grammar
+from llm_server.tools.grammar import answer_grammar, tool_grammar
 from llm_server.tools.spec import ChoiceMode, ToolChoice, ToolRequest, ToolSpec
 
 WEATHER = ToolSpec(
@@ -56,9 +56,14 @@ def test_forced_grammar_holds_calls_to_the_schema(tok, family):
     assert not _accepts(tok, lark, "Sure, the weather is fine.")
 
 
-@pytest.mark.parametrize("family", ["hermes", "qwen3_coder", "mistral"])
+@pytest.mark.parametrize("family", ["hermes", "qwen3_coder", "mistral", "llama3_json"])
 def test_lazy_grammar_frees_text_until_the_marker(tok, family):
     lark = tool_grammar(family, AUTO, {}, thinking_open=False)
+    if family == "llama3_json":  # the call is the whole answer
+        assert _accepts(tok, lark, VALID[family]) and _accepts(tok, lark, "No call needed.")
+        assert not _accepts(tok, lark, VALID[family].replace("2", '"two"', 1))
+        assert _accepts(tok, lark, "\n" + VALID[family]) and _accepts(tok, lark, " Hi {x}")
+        return
     assert _accepts(tok, lark, "Let me look. " + VALID[family])
     assert _accepts(tok, lark, "No call needed.")
     assert not _accepts(tok, lark, "Let me look. " + VALID[family].replace("2", '"two"', 1))
@@ -89,11 +94,6 @@ def test_mistral_v11_grammar_names_the_special_tokens(tok, forced):
     prefix = [] if forced else tok.encode("Let me look. ", False)
     assert _accepts_ids(tok, lark, prefix + good + good)
     assert not _accepts_ids(tok, lark, prefix + bad)
-
-
-def test_auto_on_llama_json_is_parsed_only():
-    with pytest.raises(NoGrammar):
-        tool_grammar("llama3_json", AUTO, {}, thinking_open=False)
 
 
 def test_grammar_applies_after_thinking(tok):

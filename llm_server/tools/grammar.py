@@ -98,9 +98,14 @@ def tool_grammar(
             more = f'(/[ \\n]*/ "<tool_call>" {body})*' if req.parallel else ""
             rules.append(f"calls: call_trig {body} {more} /[ \\n]*/")
             answer = "TEXT | calls"
-    elif family == "llama3_json" and req.forced:
+    elif family == "llama3_json":
         call = _json(_call_schema(tools, "parameters"))
-        answer = f'{call} ("; " {call})*' if req.parallel else call
+        calls = f'{call} ("; " {call})*' if req.parallel else call
+        if req.forced:
+            answer = calls
+        else:  # as the parser reads it: an answer that opens with `{` is a call
+            rules.append(r"PLAIN: /(\s*[^{\s](.|\n)*)?/")
+            answer = f"PLAIN | /\\s*/ {calls}"
     elif family == "mistral":
         answer = _mistral(rules, tools, req, specials)
     else:
