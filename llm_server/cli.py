@@ -97,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="response_format requests: decode inside the batch with a per-row mask "
         "(batched, default) or alone while the batch pauses (lease)",
     )
+    p.add_argument(
+        "--tool-parser",
+        choices=["hermes", "qwen3_coder", "llama3_json", "mistral", "harmony"],
+        help="the tool-call syntax to parse and constrain (default: detected from the chat "
+        "template)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--api-key",

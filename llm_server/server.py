@@ -45,6 +45,7 @@ def make_service(
     prefix_cache_bytes: int | None = None,
     keep_quantized: bool = False,
     chat_template: str | None = None,
+    tool_parser: str | None = None,
 ) -> ModelService:
     """A started (loading) service for `model_path`; the engine loads on the scheduler thread."""
     from llm_server.cli import engine_rows
@@ -78,6 +79,7 @@ def make_service(
         default_max_tokens=default_max_tokens,
         constrained_mode=constrained_mode,
         chat_template=chat_template,
+        tool_parser=tool_parser,
     )
     return ModelService(config, engine_factory or factory).start()
 
@@ -99,6 +101,7 @@ def service_from_args(
         prefix_cache_bytes=args.prefix_cache_bytes,
         keep_quantized=args.keep_quantized,
         chat_template=args.chat_template,
+        tool_parser=getattr(args, "tool_parser", None),
     )
 
 

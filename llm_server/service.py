@@ -21,6 +21,7 @@ from llm_server.scheduler import BatchScheduler, FinishEvent, GenerationRequest,
 from llm_server.scheduler.request import Event
 from llm_server.scheduler.scorer import ScoredPrompt, Scorer, check_prompts
 from llm_server.tokenizer import Tokenizer
+from llm_server.tools.detect import model_syntax
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class ServiceConfig:
     default_max_tokens: int = 512
     constrained_mode: str = "batched"  # "batched" | "lease"
     chat_template: str | None = None  # overrides the checkpoint's (--chat-template FILE)
+    tool_parser: str | None = None  # --tool-parser; None: detected from the chat template
 
 
 class GenerationHandle:
@@ -76,6 +78,9 @@ class ModelService:
         self.tokenizer = Tokenizer(config.model_path, chat_template=config.chat_template)
         # what a request that omits temperature/top_p gets (the checkpoint's generation_config)
         self.sampling_defaults = load_sampling_defaults(config.model_path)
+        self.syntax = model_syntax(
+            self.tokenizer.template_source, self.tokenizer.hf.get_vocab(), config.tool_parser
+        )
         self.scheduler = BatchScheduler(
             engine_factory,
             max_concurrent=config.concurrent_requests,
@@ -118,25 +123,32 @@ class ModelService:
         prompt: list[int],
         params: SamplingParams,
         constraint: LogitsConstraint | None = None,
+        keep_tokens: frozenset[int] = frozenset(),
     ) -> GenerationHandle:
-        """Admit a request now (raises QueueFull/SchedulerClosed) and return its handle."""
-        return self.start_generations([prompt], [params], [constraint])[0]
+        """Admit a request now (raises QueueFull/SchedulerClosed) and return its handle.
+
+        `keep_tokens`: special tokens to keep in the text (tool-call markers such as
+        [TOOL_CALLS]); every other special token is skipped.
+        """
+        return self.start_generations([prompt], [params], [constraint], keep_tokens)[0]
 
     def start_generations(
         self,
         prompts: list[list[int]],
         params: list[SamplingParams],
         constraints: list[LogitsConstraint | None] | None = None,
+        keep_tokens: frozenset[int] = frozenset(),
     ) -> list[GenerationHandle]:
         """Admit one generation per prompt, all or none (QueueFull/SchedulerClosed); one
         handle per prompt, in order. `params[i]` and `constraints[i]` go with `prompts[i]`."""
         loop = asyncio.get_running_loop()
         eos = self.tokenizer.eos_token_ids
         constraints = constraints or [None] * len(prompts)
+        detokenize = self.tokenizer.decoder_keeping(keep_tokens)
         reqs, handles = [], []
         for prompt, sp, constraint in zip(prompts, params, constraints, strict=True):
             queue: asyncio.Queue[Event] = asyncio.Queue()
-            decoder = Decoder(sp, eos, self.tokenizer.decode, constraint, prompt)
+            decoder = Decoder(sp, eos, detokenize, constraint, prompt)
             exclusive = constraint is not None and self.config.constrained_mode == "lease"
             req = GenerationRequest(
                 prompt=prompt, decoder=decoder, emit=_emitter(loop, queue), exclusive=exclusive
