@@ -13,6 +13,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from llm_server.api import messages_output as anthropic
+from llm_server.api.agent_routes import AGENT_ROUTES
 from llm_server.api.common import DEFAULT_MAX_BODY_BYTES, AppState
 from llm_server.api.errors import APIError, error_body
 from llm_server.api.metrics import Metrics, RequestCounter, metrics_endpoint
@@ -33,6 +35,8 @@ async def _openapi(request: Request) -> Response:
 
 
 async def _api_error(request: Request, exc: APIError) -> Response:
+    if anthropic.is_anthropic(request.url.path):
+        return anthropic.error_response(exc.status, exc.message, exc.headers)
     return exc.response()
 
 
@@ -43,6 +47,8 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     }
     message = messages.get(exc.status_code, str(exc.detail))
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    if anthropic.is_anthropic(request.url.path):
+        return anthropic.error_response(exc.status_code, message, exc.headers)
     return JSONResponse(
         error_body(exc.status_code, message, code=code),
         status_code=exc.status_code,
@@ -52,6 +58,8 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 async def _server_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s", request.url.path)
+    if anthropic.is_anthropic(request.url.path):
+        return anthropic.error_response(500, "internal server error")
     return JSONResponse(error_body(500, "internal server error"), status_code=500)
 
 
@@ -65,6 +73,7 @@ ROUTES = [
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
     Route("/openapi.json", _openapi, methods=["GET"], include_in_schema=False),
+    *AGENT_ROUTES,
 ]
 
 
@@ -91,7 +100,7 @@ def create_app(
                 CORSMiddleware,
                 allow_origins=list(cors_origins),
                 allow_methods=["GET", "POST", "OPTIONS"],
-                allow_headers=["Authorization", "Content-Type"],
+                allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"],
             )
         )
     key = resolve_api_key(api_key)

@@ -9,11 +9,10 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from llm_server.api.chat_plan import ChatPlan, plan_chat
+from llm_server.api.chat_plan import ChatPlan
+from llm_server.api.chat_run import assemble, start_chat
 from llm_server.api.common import (
-    admit_all,
     check_model,
-    check_prompt,
     get_service,
     read_json,
     record_finish,
@@ -42,12 +41,9 @@ async def chat_completions(request: Request) -> Response:
     check_model(service, chat.model, served_id(request))
     if not any(m["content"] or m.get("tool_calls") for m in chat.messages):
         raise invalid("messages", "every message is empty; send some content")
-    plan = await plan_chat(service, chat)
-    check_prompt(service, len(plan.prompt), "messages")
     # every choice admitted before any SSE byte (S3), all or none
-    handles = admit_all(
-        service, [plan.prompt], chat.params, chat.n, list(plan.constraints), plan.keep_tokens
-    )
+    started = await start_chat(service, chat)
+    plan, handles = started.plan, started.handles
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if chat.stream:
@@ -61,11 +57,7 @@ async def chat_completions(request: Request) -> Response:
         return early
     choices, answers = [], []
     for i, out in enumerate(outs):
-        answer = plan.output()
-        for piece in out.pieces:
-            answer.feed(piece)
-        answer.feed(out.finish.text, tokens=0)
-        answer.finish()
+        answer = assemble(plan, out)
         answers.append(answer)
         choice = {
             "index": i,
