@@ -276,12 +276,14 @@ def _thinking(
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if kind == "disabled":
         return {"enable_thinking": False} if service.syntax.reasoning == "think" else None
-    if kind != "enabled":
-        raise invalid("thinking.type", "thinking.type must be 'enabled' or 'disabled'")
+    if kind not in ("enabled", "adaptive"):
+        raise invalid("thinking.type", "thinking.type must be 'enabled', 'adaptive' or 'disabled'")
     if service.syntax.reasoning is None:
         raise invalid(
             "thinking", "this model does not think (its chat template has no thinking section)"
         )
+    if kind == "adaptive":  # the model decides how long to think: the template's default
+        return None
     budget = thinking.get("budget_tokens")
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < MIN_THINKING_BUDGET:
         raise invalid(
