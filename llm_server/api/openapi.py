@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from llm_server.api import openapi_agents as agents
 from llm_server.api import openapi_tools as tools
 from llm_server.api.schemas import MAX_LOGIT_BIAS, MAX_N
 from llm_server.decoding import MAX_TOP_LOGPROBS
@@ -437,9 +438,10 @@ def openapi_schema() -> dict:
                 _json("TokenizerInfo", "info"),
                 "503",
             ),
+            **agents.paths(),
         },
         "components": {
-            "schemas": SCHEMAS,
+            "schemas": {**SCHEMAS, **agents.SCHEMAS},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }
