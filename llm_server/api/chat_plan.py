@@ -17,6 +17,7 @@ from llm_server.constrained import (
 from llm_server.decoding import LogitsConstraint
 from llm_server.service import ModelService
 from llm_server.tokenizer import ChatTemplateError
+from llm_server.tools.budget import ThinkingBudget
 from llm_server.tools.grammar import NoGrammar, answer_grammar, tool_grammar
 from llm_server.tools.harmony import MARKERS as HARMONY_MARKERS
 from llm_server.tools.harmony import HarmonyParser, HarmonySplitter
@@ -91,6 +92,10 @@ async def plan_chat(service: ModelService, chat: ChatRequest) -> ChatPlan:
     markers = MARKERS + THINK_MARKERS.get(syntax.reasoning or "", ())
     keep = frozenset(i for m in markers if (i := tok.special_token_id(m)) is not None)
     constraints = tuple([await _constraint(service, chat, thinking_open) for _ in range(chat.n)])
+    if chat.thinking_budget is not None and syntax.reasoning == "think":
+        constraints = tuple(
+            _budgeted(service, chat.thinking_budget, thinking_open, c) for c in constraints
+        )
     return ChatPlan(
         prompt=prompt,
         constraints=constraints,
@@ -99,6 +104,21 @@ async def plan_chat(service: ModelService, chat: ChatRequest) -> ChatPlan:
         tools=tools,
         reasoning=syntax.reasoning,
         thinking_open=thinking_open,
+    )
+
+
+def _budgeted(
+    service: ModelService, budget: int, opened: bool, inner: LogitsConstraint | None
+) -> ThinkingBudget:
+    """`inner` (the answer's grammar) behind a thinking budget."""
+    encode = service.tokenizer.encode
+    return ThinkingBudget(
+        budget,
+        start=encode(THINK_START, add_special_tokens=False),
+        end=encode(THINK_END, add_special_tokens=False),
+        close=encode(f"\n{THINK_END}\n\n", add_special_tokens=False),
+        opened=opened,
+        inner=inner,
     )
 
 

@@ -16,7 +16,7 @@ from llm_server.api.errors import APIError, invalid
 from llm_server.api.schemas import MAX_STOP_LENGTH, ChatRequest, parse_chat
 from llm_server.service import ModelService
 
-MIN_THINKING_BUDGET = 1024  # Anthropic's minimum budget_tokens
+MIN_THINKING_BUDGET = 1  # Anthropic asks for 1024 or more; smaller budgets work here too
 MAX_STOP_SEQUENCES = 16
 UNSUPPORTED = {
     "container": "code-execution containers need Anthropic's servers",
@@ -53,6 +53,7 @@ def parse_messages_request(
         messages.insert(0, {"role": "system", "content": system})
     tools = _tools(body.get("tools"))
     choice, parallel = _tool_choice(body.get("tool_choice"))
+    template_kwargs, budget = _thinking(body.get("thinking"), max_tokens, service, count_only)
     chat_body: dict[str, Any] = {
         "messages": messages,
         "model": body.get("model"),
@@ -65,7 +66,7 @@ def parse_messages_request(
         "tools": tools,
         "tool_choice": choice,
         "parallel_tool_calls": parallel,
-        "chat_template_kwargs": _thinking(body.get("thinking"), max_tokens, service, count_only),
+        "chat_template_kwargs": template_kwargs,
     }
     try:
         chat = parse_chat(
@@ -83,7 +84,7 @@ def parse_messages_request(
         {**m, "reasoning_content": reasoning[i - offset]} if i - offset in reasoning else m
         for i, m in enumerate(chat.messages)
     )
-    return replace(chat, messages=merged)
+    return replace(chat, messages=merged, thinking_budget=budget)
 
 
 def _renamed(param: str | None) -> str | None:
@@ -269,13 +270,14 @@ def _stop_sequences(stops: Any) -> list | None:
 
 def _thinking(
     thinking: Any, max_tokens: Any, service: ModelService, count_only: bool
-) -> dict[str, Any] | None:
-    """`thinking` as the template's `enable_thinking` (None: the template's default)."""
+) -> tuple[dict[str, Any] | None, int | None]:
+    """`thinking` as the template's `enable_thinking` (None: the template's default) and the
+    thinking budget (enforced for `<think>` templates: chat_plan forces `</think>`)."""
     if thinking is None:
-        return None
+        return None, None
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if kind == "disabled":
-        return {"enable_thinking": False} if service.syntax.reasoning == "think" else None
+        return ({"enable_thinking": False} if service.syntax.reasoning == "think" else None), None
     if kind not in ("enabled", "adaptive"):
         raise invalid("thinking.type", "thinking.type must be 'enabled', 'adaptive' or 'disabled'")
     if service.syntax.reasoning is None:
@@ -283,7 +285,7 @@ def _thinking(
             "thinking", "this model does not think (its chat template has no thinking section)"
         )
     if kind == "adaptive":  # the model decides how long to think: the template's default
-        return None
+        return None, None
     budget = thinking.get("budget_tokens")
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < MIN_THINKING_BUDGET:
         raise invalid(
@@ -292,4 +294,6 @@ def _thinking(
         )
     if not count_only and isinstance(max_tokens, int) and budget >= max_tokens:
         raise invalid("thinking.budget_tokens", "thinking.budget_tokens must be below max_tokens")
-    return {"enable_thinking": True} if service.syntax.reasoning == "think" else None
+    if service.syntax.reasoning != "think":
+        return None, None  # harmony (gpt-oss) always reasons; its length follows reasoning_effort
+    return {"enable_thinking": True}, budget

@@ -30,6 +30,7 @@ class ChatRequest:
     n: int = 1  # choices generated from the prompt
     tools: ToolRequest = ToolRequest()
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
+    thinking_budget: int | None = None  # thinking tokens before </think> is forced (Messages)
 
 
 @dataclass(frozen=True)

@@ -117,3 +117,20 @@ def test_thinking_disabled_closes_the_think_block(ant, think_server, monkeypatch
     )
     assert counted.input_tokens == len(tok.encode(closed, add_special_tokens=False))
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens == counted.input_tokens
+
+
+def test_thinking_budget_forces_the_end_of_thinking(ant, think_server):
+    """The random model never closes </think>: with no budget ('adaptive') the whole answer is
+    thinking; with budget_tokens 5 the thinking stops after its first 5 tokens (the same
+    greedy tokens) and the answer follows."""
+    kw = dict(model="default", messages=ASK, max_tokens=24, extra_body=GREEDY)
+    free = ant.messages.create(thinking={"type": "adaptive"}, **kw)
+    assert [b.type for b in free.content] == ["thinking"] and free.stop_reason == "max_tokens"
+    capped = ant.messages.create(thinking={"type": "enabled", "budget_tokens": 5}, **kw)
+    assert [b.type for b in capped.content] == ["thinking", "text"]
+    thought, whole = capped.content[0].thinking, free.content[0].thinking
+    assert thought and whole.startswith(thought) and len(thought) < len(whole)
+    assert capped.content[1].text and capped.stop_reason == "max_tokens"
+    with ant.messages.stream(thinking={"type": "enabled", "budget_tokens": 5}, **kw) as stream:
+        streamed = stream.get_final_message()
+    assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in capped.content]
