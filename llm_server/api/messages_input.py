@@ -46,16 +46,15 @@ def parse_messages_request(
         not isinstance(temperature, int | float) or not 0 <= temperature <= 1
     ):
         raise invalid("temperature", "'temperature' must be a number between 0 and 1")
-    messages, reasoning = chat_messages(body.get("messages"))
+    messages = chat_messages(body.get("messages"))
     system = _system(body.get("system"))
-    offset = 1 if system else 0
     if system:
         messages.insert(0, {"role": "system", "content": system})
     tools = _tools(body.get("tools"))
     choice, parallel = _tool_choice(body.get("tool_choice"))
     template_kwargs, budget = _thinking(body.get("thinking"), max_tokens, service, count_only)
     chat_body: dict[str, Any] = {
-        "messages": messages,
+        "messages": [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages],
         "model": body.get("model"),
         "stream": body.get("stream"),
         "temperature": temperature,
@@ -81,8 +80,8 @@ def parse_messages_request(
     if len(body.get("stop_sequences") or ()) > 4:  # parse_chat saw the first four only
         chat = replace(chat, params=replace(chat.params, stop=tuple(body["stop_sequences"])))
     merged = tuple(
-        {**m, "reasoning_content": reasoning[i - offset]} if i - offset in reasoning else m
-        for i, m in enumerate(chat.messages)
+        {**m, "reasoning_content": src["reasoning_content"]} if "reasoning_content" in src else m
+        for m, src in zip(chat.messages, messages, strict=True)
     )
     return replace(chat, messages=merged, thinking_budget=budget)
 
@@ -114,14 +113,13 @@ def _text_block(block: Any, param: str) -> str:
     return block["text"]
 
 
-def chat_messages(raw: Any) -> tuple[list[dict[str, Any]], dict[int, str]]:
-    """Chat messages for Anthropic `messages`, and the thinking of assistant messages by index."""
+def chat_messages(raw: Any) -> list[dict[str, Any]]:
+    """Chat messages for Anthropic `messages` (thinking blocks as `reasoning_content`)."""
     if raw is None:
         raise invalid("messages", "'messages' is required")
     if not isinstance(raw, list) or not raw:
         raise invalid("messages", "'messages' must be a non-empty array")
     out: list[dict[str, Any]] = []
-    reasoning: dict[int, str] = {}
     open_calls: set[str] = set()  # tool_use ids of the assistant message just before
     for i, m in enumerate(raw):
         param = f"messages[{i}]"
@@ -133,9 +131,9 @@ def chat_messages(raw: Any) -> tuple[list[dict[str, Any]], dict[int, str]]:
             raise invalid(f"{param}.content", "'content' must be a string or an array of blocks")
         if m["role"] == "assistant":
             msg, thinking, open_calls = _assistant(blocks, param)
+            if thinking:  # to the template as reasoning_content (after validation)
+                msg["reasoning_content"] = thinking
             out.append(msg)
-            if thinking:
-                reasoning[len(out) - 1] = thinking
         else:
             out += _user(blocks, param, open_calls)
             open_calls = set()
@@ -144,7 +142,7 @@ def chat_messages(raw: Any) -> tuple[list[dict[str, Any]], dict[int, str]]:
             f"messages[{len(raw) - 1}]",
             "a final assistant message (prefill) is not supported; end with a user message",
         )
-    return out, reasoning
+    return out
 
 
 def _assistant(blocks: list, param: str) -> tuple[dict[str, Any], str, set[str]]:

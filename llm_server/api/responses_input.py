@@ -67,6 +67,8 @@ def parse_responses(
         raise invalid("input", "'input' is required: a string or an array of input items")
     known = {c["id"] for m in previous for c in m.get("tool_calls", ())}
     new, reasoning = input_messages(raw, known)
+    for i, text in reasoning.items():
+        new[i]["reasoning_content"] = text
     history = previous + tuple(new)
     messages = [{"role": "system", "content": instructions}] if instructions else []
     messages += list(history)
@@ -96,10 +98,9 @@ def parse_responses(
         exc.param = _renamed(exc.param)
         raise
     # the thinking of earlier turns reaches templates that show it (Qwen3 in a tool loop)
-    offset = len(messages) - len(history)
     merged = tuple(
-        {**m, "reasoning_content": reasoning[i - offset]} if i - offset in reasoning else m
-        for i, m in enumerate(chat.messages)
+        {**m, "reasoning_content": src["reasoning_content"]} if "reasoning_content" in src else m
+        for m, src in zip(chat.messages, messages, strict=True)
     )
     store = body.get("store", True)
     if not isinstance(store, bool):

@@ -10,6 +10,7 @@ import anthropic
 import openai
 import pytest
 
+from llm_server.api.messages_input import parse_messages_request
 from llm_server.api.responses_input import parse_responses
 from llm_server.testing.tiny import THINKING_TEMPLATE, build_tiny_checkpoint
 from tests.api.test_reasoning import ANSWER, ASK, THOUGHT, _script
@@ -134,3 +135,36 @@ def test_thinking_budget_forces_the_end_of_thinking(ant, think_server):
     with ant.messages.stream(thinking={"type": "enabled", "budget_tokens": 5}, **kw) as stream:
         streamed = stream.get_final_message()
     assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in capped.content]
+
+
+def test_thinking_of_earlier_turns_reaches_the_template_request(oai, think_server, monkeypatch):
+    """Stored responses keep their reasoning; Messages history keeps thinking blocks: both come
+    back as the assistant message's reasoning_content."""
+    _script(monkeypatch, think_server, THOUGHT + "</think>", "\n\n" + ANSWER)
+    first = oai.responses.create(model="default", input=ASK, max_output_tokens=64)
+    stored = think_server.app.state.responses.get(first.id)
+    assert stored.messages[-1] == {
+        "role": "assistant",
+        "content": ANSWER,
+        "reasoning_content": THOUGHT,
+    }
+    chat = parse_responses({"input": "And?"}, think_server.service, stored.messages).chat
+    assert [m["role"] for m in chat.messages] == ["user", "assistant", "user"]
+    assert chat.messages[1]["reasoning_content"] == THOUGHT
+    history = {
+        "max_tokens": 8,
+        "system": "Be kind.",
+        "messages": [
+            *ASK,
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": THOUGHT,
+             "signature": ""}, {"type": "text", "text": ANSWER}]},
+            {"role": "user", "content": "And?"},
+        ],
+    }  # fmt: skip
+    chat = parse_messages_request(history, think_server.service)
+    assert [m["role"] for m in chat.messages] == ["system", "user", "assistant", "user"]
+    assert chat.messages[2] == {
+        "role": "assistant",
+        "content": ANSWER,
+        "reasoning_content": THOUGHT,
+    }
