@@ -74,6 +74,12 @@ def parse_responses(
     messages += list(history)
     text_format = _text_format(body.get("text"))
     effort, summary = _reasoning(body.get("reasoning"))
+    template_kwargs = None
+    if effort == "none":  # no thinking at all: the template's switch, where it has one
+        if service.syntax.reasoning == "harmony":
+            raise invalid("reasoning.effort", "this model always reasons; use 'low'")
+        if service.syntax.reasoning == "think":
+            template_kwargs = {"enable_thinking": False}
     chat_body: dict[str, Any] = {
         "messages": [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages],
         "model": body.get("model"),
@@ -82,7 +88,8 @@ def parse_responses(
         "top_p": body.get("top_p"),
         "max_completion_tokens": body.get("max_output_tokens"),
         "response_format": text_format,
-        "reasoning_effort": effort,
+        "reasoning_effort": None if effort == "none" else effort,
+        "chat_template_kwargs": template_kwargs,
         "parallel_tool_calls": body.get("parallel_tool_calls"),
         "tools": _tools(body.get("tools")),
         "tool_choice": _tool_choice(body.get("tool_choice")),

@@ -168,3 +168,14 @@ def test_thinking_of_earlier_turns_reaches_the_template_request(oai, think_serve
         "content": ANSWER,
         "reasoning_content": THOUGHT,
     }
+
+
+def test_reasoning_effort_none_turns_thinking_off(oai, think_server, monkeypatch):
+    _script(monkeypatch, think_server, ANSWER)
+    r = oai.responses.create(
+        model="default", input=ASK, max_output_tokens=16, reasoning={"effort": "none"}
+    )
+    assert [o.type for o in r.output] == ["message"] and r.output_text == ANSWER
+    tok = think_server.service.tokenizer
+    closed = tok.render_chat(ASK, None, {"enable_thinking": False})
+    assert r.usage.input_tokens == len(tok.encode(closed, add_special_tokens=False))
