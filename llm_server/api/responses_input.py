@@ -109,18 +109,21 @@ def parse_responses(
         {**m, "reasoning_content": src["reasoning_content"]} if "reasoning_content" in src else m
         for m, src in zip(chat.messages, messages, strict=True)
     )
-    store = body.get("store", True)
+    store = True if body.get("store") is None else body["store"]
     if not isinstance(store, bool):
         raise invalid("store", "'store' must be a boolean")
+    metadata = body.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise invalid("metadata", "'metadata' must be an object")
     echo = {
         "instructions": instructions,
         "max_output_tokens": body.get("max_output_tokens"),
-        "metadata": body.get("metadata") or {},
+        "metadata": metadata,
         "parallel_tool_calls": chat.tools.parallel,
         "previous_response_id": body.get("previous_response_id"),
         "reasoning": {"effort": effort, "summary": summary},
         "temperature": chat.params.temperature,
-        "text": {"format": text_format or {"type": "text"}},
+        "text": {"format": _echo_format(body.get("text"))},
         "tool_choice": body.get("tool_choice") or "auto",
         "tools": body.get("tools") or [],
         "top_p": chat.params.top_p,
@@ -128,6 +131,12 @@ def parse_responses(
         "user": body.get("user"),
     }
     return ResponsesRequest(replace(chat, messages=merged), history, echo, store, bool(summary))
+
+
+def _echo_format(text: dict | None) -> dict:
+    """`text.format` as the request gave it (validated by _text_format)."""
+    fmt = (text or {}).get("format")
+    return fmt if isinstance(fmt, dict) else {"type": "text"}
 
 
 def _renamed(param: str | None) -> str | None:
