@@ -203,7 +203,9 @@ def _user(blocks: list, param: str, open_calls: set[str]) -> list[dict[str, Any]
 
 
 def _result(block: dict, param: str) -> str:
-    content = block.get("content", "")
+    content = block.get("content")
+    if content is None:
+        content = ""
     if isinstance(content, list):
         content = "".join(_text_block(b, f"{param}.content[{k}]") for k, b in enumerate(content))
     if not isinstance(content, str):
@@ -241,7 +243,7 @@ def _tool_choice(choice: Any) -> tuple[Any, bool | None]:
         return None, None
     kind = choice.get("type") if isinstance(choice, dict) else None
     modes = {"auto": "auto", "any": "required", "none": "none"}
-    parallel = None if not choice.get("disable_parallel_tool_use") else False
+    parallel = False if kind is not None and choice.get("disable_parallel_tool_use") else None
     if kind in modes:
         return modes[kind], parallel
     if kind == "tool" and isinstance(choice.get("name"), str):

@@ -102,7 +102,7 @@ def parse_responses(
             service.sampling_defaults,
         )
     except APIError as exc:
-        exc.param = _renamed(exc.param)
+        exc.param = responses_param(exc.param)
         raise
     # the thinking of earlier turns reaches templates that show it (Qwen3 in a tool loop)
     merged = tuple(
@@ -139,7 +139,8 @@ def _echo_format(text: dict | None) -> dict:
     return fmt if isinstance(fmt, dict) else {"type": "text"}
 
 
-def _renamed(param: str | None) -> str | None:
+def responses_param(param: str | None) -> str | None:
+    """The Responses field a chat field's error is about."""
     if param is None:
         return None
     if param.startswith("messages"):

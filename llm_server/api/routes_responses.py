@@ -17,8 +17,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from llm_server.api.chat_run import Finished, Started, answer_deltas, assemble, start_chat
 from llm_server.api.common import check_model, get_service, read_json, served_id, settle
-from llm_server.api.errors import invalid
-from llm_server.api.responses_input import ResponsesRequest, parse_responses, unknown_response
+from llm_server.api.errors import APIError, invalid
+from llm_server.api.responses_input import (
+    ResponsesRequest,
+    parse_responses,
+    responses_param,
+    unknown_response,
+)
 from llm_server.api.responses_output import OutputItems, final_deltas, new_id
 from llm_server.api.responses_store import ResponseStore
 from llm_server.api.streaming import collect_many
@@ -52,7 +57,11 @@ async def create_response(request: Request) -> Response:
         previous = stored.messages
     req = parse_responses(body, service, previous)
     check_model(service, req.chat.model, served_id(request))
-    started = await start_chat(service, req.chat, "input")  # 429 before any byte (S3)
+    try:
+        started = await start_chat(service, req.chat, "input")  # 429 before any byte (S3)
+    except APIError as exc:  # a grammar or template error names the chat field
+        exc.param = responses_param(exc.param)
+        raise
     head = {
         "id": new_id("resp"),
         "object": "response",
