@@ -119,6 +119,9 @@ def test_responses_stream_events_in_order(oai):
     assert len(deltas) > 1 and "".join(deltas) == whole.output_text
     assert final.output_text == whole.output_text and final.status == whole.status
     assert final.id == events[0].response.id
+    stored = oai.responses.retrieve(final.id)  # a streamed response is stored as completed
+    assert stored.status == "completed" and stored.output_text == whole.output_text
+    assert [o.id for o in stored.output] == [o.id for o in final.output]
 
 
 def test_responses_function_call_round_trip(oai):
