@@ -20,6 +20,7 @@ from llm_server.api.openapi import openapi_schema
 from llm_server.api.request_log import RequestLogMiddleware, RequestRecorder
 from llm_server.api.routes_chat import chat_completions
 from llm_server.api.routes_completions import completions
+from llm_server.api.routes_embeddings import embeddings
 from llm_server.api.routes_info import detokenize, health, list_models, tokenize, tokenizer_info
 from llm_server.api.security import APIKeyMiddleware, resolve_api_key
 
@@ -58,6 +59,7 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 ROUTES = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/embeddings", embeddings, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics_endpoint, methods=["GET"]),

@@ -341,6 +341,38 @@ class MLXEngine:
         self._score_cache = None
         self._score_offset = 0
 
+    # -- embedding session (its own cache: a scoring batch may be open meanwhile) ------
+
+    def embed_begin(self, batch: int) -> None:
+        """Open a fresh embedding session of `batch` rows, separate from decode and scoring."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        if batch < 1:
+            raise ValueError("an embedding batch needs at least one row")
+        self._embed_cache = make_prompt_cache(self.model)
+        self._embed_offset = 0
+
+    def embed_chunk(self, tokens: np.ndarray) -> np.ndarray:
+        """Final-norm hidden states [N, q, hidden] float32 of `tokens` [N, q] at the session's
+        cursor (the scoring forward without the LM head)."""
+        if getattr(self, "_embed_cache", None) is None:
+            raise RuntimeError("embed_begin() must be called before embed_chunk()")
+        q = tokens.shape[1]
+        if self._embed_offset + q > self.context_length:
+            raise ValueError(f"embedding past the context of {self.context_length} positions")
+        ids = mx.array(np.asarray(tokens, dtype=np.int32))
+        try:
+            hidden = self.model.model(ids, cache=self._embed_cache).astype(mx.float32)
+            mx.eval(hidden)
+        except Exception as exc:  # noqa: BLE001
+            raise EngineError(f"embedding forward failed: {exc}") from exc
+        self._embed_offset += q
+        return np.array(hidden)
+
+    def embed_end(self) -> None:
+        self._embed_cache = None
+        self._embed_offset = 0
+
     def all_position_logits(self, tokens: np.ndarray) -> np.ndarray:
         """Logits [N, q, vocab] of a padded batch on a fresh scoring cache (tests, tools)."""
         from mlx_lm.models.cache import make_prompt_cache
