@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="response_format requests: decode inside the batch with a per-row mask "
         "(batched, default) or alone while the batch pauses (lease)",
     )
+    p.add_argument(
+        "--pooling",
+        choices=["last", "mean", "cls"],
+        help="/v1/embeddings pooling (default: the checkpoint's sentence-transformers "
+        "1_Pooling config, else last-token; vectors are L2-normalised unless the checkpoint's "
+        "modules.json has no Normalize module)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--api-key",

@@ -43,6 +43,7 @@ def make_service(
     backend: str = "auto",
     constrained_mode: str = "batched",
     prefix_cache_bytes: int | None = None,
+    pooling: str | None = None,
 ) -> ModelService:
     """A started (loading) service for `model_path`; the engine loads on the scheduler thread."""
     from llm_server.cli import engine_rows
@@ -74,6 +75,7 @@ def make_service(
         dtype=dtype,
         default_max_tokens=default_max_tokens,
         constrained_mode=constrained_mode,
+        pooling=pooling,
     )
     return ModelService(config, engine_factory or factory).start()
 
@@ -93,6 +95,7 @@ def service_from_args(
         constrained_mode=args.constrained_mode,
         backend=args.backend,
         prefix_cache_bytes=args.prefix_cache_bytes,
+        pooling=args.pooling,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from llm_server.api.openapi_embeddings import EMBEDDING_SCHEMAS
 from llm_server.decoding import MAX_TOP_LOGPROBS
 
 OPENAPI_VERSION = "3.0.3"
@@ -401,6 +402,12 @@ def openapi_schema() -> dict:
                 "Completion",
                 stream=True,
             ),
+            "/v1/embeddings": _post(
+                "createEmbedding",
+                "Embeddings of texts or token ids",
+                "EmbeddingRequest",
+                "EmbeddingList",
+            ),
             "/v1/models": _get(
                 "listModels", "The served model", _json("ModelList", "the served model"), "401"
             ),
@@ -423,7 +430,7 @@ def openapi_schema() -> dict:
             ),
         },
         "components": {
-            "schemas": SCHEMAS,
+            "schemas": {**SCHEMAS, **EMBEDDING_SCHEMAS},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }
