@@ -34,6 +34,10 @@ class EmbeddingRequest:
     dimensions: int | None  # truncate to this many features, then re-normalise
     input_type: str | None  # "query" | "document": the checkpoint's prompt prefix
     model: str | None
+    single: bool  # `input` was one string or one id list (errors then name 'input')
+
+    def field(self, index: int) -> str:
+        return "input" if self.single else f"input[{index}]"
 
 
 def _is_ids(value: object) -> bool:
@@ -44,11 +48,12 @@ def _is_ids(value: object) -> bool:
     )
 
 
-def _inputs(body: dict, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
+def _inputs(body: dict, vocab_size: int) -> tuple[tuple[str | tuple[int, ...], ...], bool]:
     value = body.get("input")
     if value is None:
         raise invalid("input", "'input' is required")
-    if isinstance(value, str) or _is_ids(value):
+    single = isinstance(value, str) or _is_ids(value)
+    if single:
         items: list = [value]
     elif isinstance(value, list) and value:
         items = value
@@ -62,7 +67,7 @@ def _inputs(body: dict, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
         raise invalid("input", f"'input' has {len(items)} items; at most {MAX_INPUTS} per request")
     out: list[str | tuple[int, ...]] = []
     for i, item in enumerate(items):
-        name = "input" if len(items) == 1 and not isinstance(value, list) else f"input[{i}]"
+        name = "input" if single else f"input[{i}]"
         if isinstance(item, str):
             if not item:
                 raise invalid(name, f"'{name}' is an empty string; send at least one character")
@@ -79,12 +84,12 @@ def _inputs(body: dict, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
             raise invalid(
                 name, f"'{name}' must be a non-empty string or a non-empty array of token ids"
             )
-    return tuple(out)
+    return tuple(out), single
 
 
 def parse_embedding(body: dict, vocab_size: int) -> EmbeddingRequest:
     """Validate a request body; raises APIError 400 naming the field at fault."""
-    inputs = _inputs(body, vocab_size)
+    inputs, single = _inputs(body, vocab_size)
     fmt = body.get("encoding_format")
     if fmt is None:
         fmt = "float"
@@ -106,7 +111,7 @@ def parse_embedding(body: dict, vocab_size: int) -> EmbeddingRequest:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise invalid("user", "'user' must be a string")
-    return EmbeddingRequest(inputs, fmt, dims, input_type, model)
+    return EmbeddingRequest(inputs, fmt, dims, input_type, model, single)
 
 
 def _token_ids(service: ModelService, req: EmbeddingRequest) -> list[list[int]]:
@@ -116,7 +121,7 @@ def _token_ids(service: ModelService, req: EmbeddingRequest) -> list[list[int]]:
         prefix = service.embedding.prompts.get(req.input_type, "")
     out = []
     for i, item in enumerate(req.inputs):
-        name = "input" if len(req.inputs) == 1 else f"input[{i}]"
+        name = req.field(i)
         if isinstance(item, str):
             ids = service.tokenizer.encode(prefix + item)
         elif prefix:
