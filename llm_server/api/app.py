@@ -56,9 +56,28 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(error_body(500, "internal server error"), status_code=500)
 
 
+def _needs_lm_head(handler):
+    """Refuse generation and scoring (400) on a checkpoint without an LM head (an embedding
+    model saved as the bare transformer); it serves /v1/embeddings only."""
+
+    async def route(request: Request) -> Response:
+        service = request.app.state.llm.service
+        engine = service.engine if service is not None else None
+        if engine is not None and not getattr(engine, "has_lm_head", True):
+            raise APIError(
+                400,
+                "this model is an embedding checkpoint without a language-model head; "
+                "it serves POST /v1/embeddings only",
+                code="embeddings_only",
+            )
+        return await handler(request)
+
+    return route
+
+
 ROUTES = [
-    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/chat/completions", _needs_lm_head(chat_completions), methods=["POST"]),
+    Route("/v1/completions", _needs_lm_head(completions), methods=["POST"]),
     Route("/v1/embeddings", embeddings, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/health", health, methods=["GET"]),

@@ -19,6 +19,7 @@ import numpy as np
 
 from llm_server import blas
 from llm_server.engines import cpu_kernels
+from llm_server.engines.bare_checkpoint import model_classes
 from llm_server.engines.base import EngineError, ScoreChunkResult
 from llm_server.engines.fused_decode import FusedDecoder
 from llm_server.engines.prefix_cache import PrefixCache
@@ -74,7 +75,9 @@ class MLXEngine:
                 f"model_type {config.get('model_type')!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_TYPES)}"
             )
-        self.model, self.config = load_model(path, lazy=True)
+        # bare-transformer checkpoints (embedding models) load too; see bare_checkpoint
+        self.model, self.config = load_model(path, lazy=True, get_model_classes=model_classes)
+        self.has_lm_head = getattr(self.model, "has_lm_head", True)
         cpu_kernels.install(self.model)  # numpy softmax/SiLU for big tensors on the CPU
         self.model.set_dtype(_DTYPES[dtype])
         max_pos = int(config.get("max_position_embeddings") or 2048)

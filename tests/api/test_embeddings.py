@@ -197,3 +197,35 @@ def test_default_model_embeds(default_model_path):
     assert vecs.shape == (3, 576)
     np.testing.assert_allclose(np.linalg.norm(vecs, axis=1), 1, atol=1e-5)
     np.testing.assert_allclose(vecs, alone, rtol=0, atol=TOL)
+
+
+def _bare_copy(src, dst):
+    """The same weights saved as the bare transformer: no `model.` prefix, no LM head."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(str(src / "model.safetensors"))
+    bare = {k.removeprefix("model."): v for k, v in weights.items() if k != "lm_head.weight"}
+    save_file(bare, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_bare_embedding_checkpoint_serves_embeddings_only(st_model, tmp_path, client):
+    """A sentence-transformers save (no LM head) starts; chat and completions get a clean 400."""
+    from llm_server.testing.live import serving
+
+    want = client.embeddings.create(model="default", input=TEXTS, encoding_format="float")
+    with serving(_bare_copy(st_model, tmp_path / "bare")) as srv:
+        bare = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        got = bare.embeddings.create(model="default", input=TEXTS, encoding_format="float")
+        for a, b in zip(got.data, want.data, strict=True):
+            np.testing.assert_allclose(a.embedding, b.embedding, rtol=0, atol=TOL)
+        with pytest.raises(openai.BadRequestError) as chat:
+            bare.chat.completions.create(
+                model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+            )
+        assert chat.value.code == "embeddings_only"
+        with pytest.raises(openai.BadRequestError, match="embeddings only"):
+            bare.completions.create(model="default", prompt="Hi", max_tokens=2)
