@@ -19,7 +19,7 @@ from llm_server.api.common import (
 from llm_server.api.errors import APIError, invalid
 from llm_server.pooling import truncate
 from llm_server.scheduler import QueueFull, SchedulerClosed
-from llm_server.scheduler.embedder import EmbeddingError
+from llm_server.scheduler.embedder import EmbeddingError, supports_embeddings
 from llm_server.service import EmbeddingsUnavailable, ModelService
 
 MAX_INPUTS = 2048  # inputs per request (OpenAI's bound)
@@ -151,6 +151,13 @@ async def embeddings(request: Request) -> Response:
     if req.dimensions is not None and size is not None and req.dimensions > size:
         raise invalid(
             "dimensions", f"'dimensions' is {req.dimensions} but the model's embeddings have {size}"
+        )
+    if not supports_embeddings(service.engine):
+        raise APIError(
+            400,
+            f"the {service.engine.name} engine does not compute embeddings; serve the model "
+            "with the MLX engine",
+            code="embeddings_unavailable",
         )
     ids = _token_ids(service, req)
     try:

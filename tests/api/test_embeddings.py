@@ -229,3 +229,27 @@ def test_bare_embedding_checkpoint_serves_embeddings_only(st_model, tmp_path, cl
         assert chat.value.code == "embeddings_only"
         with pytest.raises(openai.BadRequestError, match="embeddings only"):
             bare.completions.create(model="default", prompt="Hi", max_tokens=2)
+
+
+class _NoEmbeddingEngine:
+    """A real engine without the embedding methods (as the Core ML engine is)."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str):
+        if name.startswith("embed_"):
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+def test_an_engine_without_embeddings_gets_400(tiny_llama_path):
+    from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.testing.live import serving
+
+    factory = lambda: _NoEmbeddingEngine(MLXEngine(tiny_llama_path))  # noqa: E731
+    with serving(tiny_llama_path, engine_factory=factory) as srv:
+        resp = httpx.post(srv.url + "/v1/embeddings", json={"input": "a"}, timeout=60)
+    assert resp.status_code == 400
+    assert resp.json()["error"]["code"] == "embeddings_unavailable"
+    assert "does not compute embeddings" in resp.json()["error"]["message"]
