@@ -49,7 +49,7 @@ class EmbeddingBenchResult:
     server_concurrency: int
     lengths: list[int]
     modes: list[EmbeddingMode]
-    max_abs_diff: float  # batched vs sequential vectors
+    max_abs_diff: float  # batched vs sequential vectors (the last repeat of each)
     repeats: int
 
     def to_dict(self) -> dict:
@@ -100,18 +100,23 @@ def run_embeddings(
         def one(i: int) -> np.ndarray:
             return _embed(client, url, [inputs[i]])[0]
 
-        batched = sequential = np.zeros(0)
-        for _ in range(repeats):
-            t = time.perf_counter()
-            batched = _embed(client, url, inputs)
-            best["batched"] = min(best["batched"], time.perf_counter() - t)
-            t = time.perf_counter()
+        def concurrent() -> np.ndarray:
             with ThreadPoolExecutor(concurrency) as pool:
-                list(pool.map(one, range(n)))
-            best["concurrent"] = min(best["concurrent"], time.perf_counter() - t)
-            t = time.perf_counter()
-            sequential = np.stack([one(i) for i in range(n)])
-            best["sequential"] = min(best["sequential"], time.perf_counter() - t)
+                return np.stack(list(pool.map(one, range(n))))
+
+        runs = {
+            "batched": lambda: _embed(client, url, inputs),
+            "concurrent": concurrent,
+            "sequential": lambda: np.stack([one(i) for i in range(n)]),
+        }
+        vectors: dict[str, np.ndarray] = {}
+        order = list(runs)
+        for r in range(repeats):
+            # alternate the order, so load from elsewhere on the machine hits every mode alike
+            for name in order if r % 2 == 0 else order[::-1]:
+                t = time.perf_counter()
+                vectors[name] = runs[name]()
+                best[name] = min(best[name], time.perf_counter() - t)
     requests = {"batched": 1, "concurrent": n, "sequential": n}
     modes = [EmbeddingMode(k, requests[k], v, n, tokens) for k, v in best.items()]
     return EmbeddingBenchResult(
@@ -119,7 +124,7 @@ def run_embeddings(
         server_concurrency=concurrency,
         lengths=[len(i) for i in inputs],
         modes=modes,
-        max_abs_diff=float(np.abs(batched - sequential).max()),
+        max_abs_diff=float(np.abs(vectors["batched"] - vectors["sequential"]).max()),
         repeats=repeats,
     )
 
