@@ -11,25 +11,36 @@ import socket
 import sys
 from pathlib import Path
 
+from llm_server.model_source import ModelSource, ModelSourceError, resolve_model_source
+
 log = logging.getLogger("llm_server")
+
+# Batching costs nothing while one request runs (a step over one row is the same forward), so
+# the server batches by default.
+DEFAULT_CONCURRENT = 4
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llm-server", description=__doc__)
     p.add_argument(
         "--model",
-        help="model folder (HF/MLX/converted) or .gguf file; default: the embedded SmolLM2-135M-Instruct",
+        help="model folder (HF/MLX/converted), .gguf file, .mlpackage, or Hugging Face id "
+        "ORG/NAME[@REVISION] (downloaded into the HF cache once); "
+        "default: the embedded SmolLM2-135M-Instruct",
     )
-    p.add_argument("--model-id", help="id reported by /v1/models (default: the folder name)")
+    p.add_argument(
+        "--model-id", help="id reported by /v1/models (default: the hub id or the folder name)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port; 0 picks a free one (default 8080)")
     p.add_argument("--uds", help="serve on this Unix socket instead of TCP")
     p.add_argument(
         "--concurrent-requests",
         type=int,
-        default=1,
+        default=DEFAULT_CONCURRENT,
         metavar="N",
-        help="requests decoded together in one batch (default 1: no batching)",
+        help=f"requests decoded together in one batch (default {DEFAULT_CONCURRENT}; "
+        "1 serves one request at a time)",
     )
     p.add_argument(
         "--max-queued",
@@ -58,6 +69,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="bound of the prompt prefix cache, e.g. 512M or 2G (default: an eighth of the "
         "model's weight bytes; 0 turns it off)",
     )
+    p.add_argument(
+        "--keep-quantized",
+        action="store_true",
+        help="serve a quantized MLX checkpoint quantized on the CPU too (default: dequantized "
+        "to float32 at load when it fits in memory, much faster on the CPU; Metal keeps it "
+        "quantized either way)",
+    )
+    p.add_argument(
+        "--chat-template",
+        type=_template,
+        metavar="FILE",
+        help="Jinja chat template replacing the model's (default: its tokenizer_config.json "
+        "or chat_template.jinja)",
+    )
     p.add_argument("--context-length", type=int, help="cap the context (default: the model's)")
     p.add_argument(
         "--default-max-tokens",
@@ -78,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="/v1/embeddings pooling (default: the checkpoint's sentence-transformers "
         "1_Pooling config, else last-token; vectors are L2-normalised unless the checkpoint's "
         "modules.json has no Normalize module)",
+    )
+    p.add_argument(
+        "--tool-parser",
+        choices=["hermes", "qwen3_coder", "llama3_json", "mistral", "harmony"],
+        help="the tool-call syntax to parse and constrain (default: detected from the chat "
+        "template)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
@@ -151,6 +182,15 @@ def _size(text: str) -> int:
         ) from None
 
 
+def _template(path: str) -> str:
+    """--chat-template FILE -> the template text."""
+    try:
+        return Path(path).expanduser().read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {reason}") from None
+
+
 def validate_args(args: argparse.Namespace) -> None:
     if args.concurrent_requests < 1:
         raise SystemExit("llm-server: --concurrent-requests must be at least 1")
@@ -168,35 +208,16 @@ def validate_args(args: argparse.Namespace) -> None:
 
 
 def resolve_model(model: str | None) -> Path:
-    """The model folder to serve: the given one (GGUF converted once) or the embedded default."""
-    if model is None:
-        from llm_server.default_model import default_model_path
-
-        return default_model_path()
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise SystemExit(f"llm-server: model path {path} does not exist")
-    if path.is_file() and path.suffix == ".gguf":
-        from llm_server.default_model import converted_gguf_path
-
-        return converted_gguf_path(path)
-    if path.suffix == ".mlpackage" or (path.is_dir() and any(path.glob("*.mlpackage"))):
-        return path
-    if not path.is_dir() or not (path / "config.json").is_file():
-        raise SystemExit(f"llm-server: {path} is not a model folder (it needs config.json)")
-    if not os.access(path / "config.json", os.R_OK):
-        raise SystemExit(f"llm-server: {path / 'config.json'} is not readable")
-    return path
+    """The model folder to serve (see model_source); exits with one line when it is unusable."""
+    return _source(model).path
 
 
-def model_id_for(model: str | None, model_path: Path) -> str:
-    """The id /v1/models reports: the source's name, not the cache folder's hashed name."""
-    if model is None:
-        from llm_server.default_model import MODEL_NAME
-
-        return MODEL_NAME
-    source = Path(model)
-    return source.stem if source.suffix in (".gguf", ".mlpackage") else model_path.name
+def _source(model: str | None) -> ModelSource:
+    try:
+        return resolve_model_source(model)
+    except ModelSourceError as exc:
+        print(f"llm-server: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def engine_rows(model_path: Path, concurrent: int) -> int:
@@ -246,14 +267,17 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    for client in ("httpx", "httpx2"):  # one line per hub request is noise, not news
+        logging.getLogger(client).setLevel(max(logging.WARNING, logging.root.level))
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from llm_server.blas import active_blas, check_blas
 
+    source = _source(args.model)  # before any log line: a bad --model is one line on stderr
     check_blas()  # re-execs with the fallback library if this one computes wrong products
     log.info("BLAS: %s", active_blas())
-    model_path = resolve_model(args.model)
+    model_path = source.path
     if args.model_id is None:
-        args.model_id = model_id_for(args.model, model_path)
+        args.model_id = source.model_id
     if args.replay:
         from llm_server.server import run_replay
 

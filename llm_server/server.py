@@ -44,6 +44,9 @@ def make_service(
     constrained_mode: str = "batched",
     prefix_cache_bytes: int | None = None,
     pooling: str | None = None,
+    keep_quantized: bool = False,
+    chat_template: str | None = None,
+    tool_parser: str | None = None,
 ) -> ModelService:
     """A started (loading) service for `model_path`; the engine loads on the scheduler thread."""
     from llm_server.cli import engine_rows
@@ -64,6 +67,7 @@ def make_service(
             context_length=context_length,
             dtype=dtype,
             prefix_cache_bytes=prefix_cache_bytes,
+            keep_quantized=keep_quantized,
         )
 
     tokenizer_path = model_path.parent if model_path.suffix == ".mlpackage" else model_path
@@ -76,6 +80,8 @@ def make_service(
         default_max_tokens=default_max_tokens,
         constrained_mode=constrained_mode,
         pooling=pooling,
+        chat_template=chat_template,
+        tool_parser=tool_parser,
     )
     return ModelService(config, engine_factory or factory).start()
 
@@ -96,6 +102,9 @@ def service_from_args(
         backend=args.backend,
         prefix_cache_bytes=args.prefix_cache_bytes,
         pooling=args.pooling,
+        keep_quantized=args.keep_quantized,
+        chat_template=args.chat_template,
+        tool_parser=getattr(args, "tool_parser", None),
     )
 
 

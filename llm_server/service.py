@@ -18,6 +18,7 @@ import numpy as np
 from llm_server.decoding import Decoder, LogitsConstraint, SamplingParams
 from llm_server.engines.base import Engine
 from llm_server.fingerprint import system_fingerprint
+from llm_server.generation_config import load_sampling_defaults
 from llm_server.pooling import EmbeddingConfig, EmbeddingConfigError, load_embedding_config
 from llm_server.scheduler import BatchScheduler, FinishEvent, GenerationRequest, TokenEvent
 from llm_server.scheduler.embedder import Embedder
@@ -25,6 +26,7 @@ from llm_server.scheduler.pumps import Pumps
 from llm_server.scheduler.request import Event
 from llm_server.scheduler.scorer import ScoredPrompt, Scorer, check_prompts
 from llm_server.tokenizer import Tokenizer
+from llm_server.tools.detect import model_syntax
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ class ServiceConfig:
     dtype: str = "float32"
     default_max_tokens: int = 512
     constrained_mode: str = "batched"  # "batched" | "lease"
+    chat_template: str | None = None  # overrides the checkpoint's (--chat-template FILE)
+    tool_parser: str | None = None  # --tool-parser; None: detected from the chat template
     pooling: str | None = None  # "last" | "mean" | "cls": overrides the checkpoint's pooling
 
 
@@ -81,7 +85,12 @@ class ModelService:
         on_step: Callable[[float, int], None] | None = None,
     ) -> None:
         self.config = config
-        self.tokenizer = Tokenizer(config.model_path)
+        self.tokenizer = Tokenizer(config.model_path, chat_template=config.chat_template)
+        # what a request that omits temperature/top_p gets (the checkpoint's generation_config)
+        self.sampling_defaults = load_sampling_defaults(config.model_path)
+        self.syntax = model_syntax(
+            self.tokenizer.template_source, self.tokenizer.hf.get_vocab(), config.tool_parser
+        )
         self.scheduler = BatchScheduler(
             engine_factory,
             max_concurrent=config.concurrent_requests,
@@ -141,20 +150,51 @@ class ModelService:
         prompt: list[int],
         params: SamplingParams,
         constraint: LogitsConstraint | None = None,
+        keep_tokens: frozenset[int] = frozenset(),
     ) -> GenerationHandle:
-        """Admit a request now (raises QueueFull/SchedulerClosed) and return its handle."""
+        """Admit a request now (raises QueueFull/SchedulerClosed) and return its handle.
+
+        `keep_tokens`: special tokens to keep in the text (tool-call markers such as
+        [TOOL_CALLS]); every other special token is skipped.
+        """
+        return self.start_generations([prompt], [params], [constraint], keep_tokens)[0]
+
+    def start_generations(
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        constraints: list[LogitsConstraint | None] | None = None,
+        keep_tokens: frozenset[int] = frozenset(),
+    ) -> list[GenerationHandle]:
+        """Admit one generation per prompt, all or none (QueueFull/SchedulerClosed); one
+        handle per prompt, in order. `params[i]` and `constraints[i]` go with `prompts[i]`."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Event] = asyncio.Queue()
         eos = self.tokenizer.eos_token_ids
-        decoder = Decoder(params, eos, self.tokenizer.decode, constraint)
+        constraints = constraints or [None] * len(prompts)
+        detokenize = self.tokenizer.decoder_keeping(keep_tokens)
+        reqs, handles = [], []
+        for prompt, sp, constraint in zip(prompts, params, constraints, strict=True):
+            queue: asyncio.Queue[Event] = asyncio.Queue()
+            decoder = Decoder(sp, eos, detokenize, constraint, prompt)
+            exclusive = constraint is not None and self.config.constrained_mode == "lease"
+            req = GenerationRequest(
+                prompt=prompt, decoder=decoder, emit=_emitter(loop, queue), exclusive=exclusive
+            )
+            reqs.append(req)
+            handles.append(GenerationHandle(req, queue))
+        self.scheduler.submit_all(reqs)
+        return handles
 
-        def emit(ev: Event) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, ev)
+    @property
+    def capacity(self) -> int:
+        """Generations the scheduler holds at once, running plus queued."""
+        return self.scheduler.max_concurrent + self.scheduler.max_queued
 
-        exclusive = constraint is not None and self.config.constrained_mode == "lease"
-        req = GenerationRequest(prompt=prompt, decoder=decoder, emit=emit, exclusive=exclusive)
-        self.scheduler.submit(req)
-        return GenerationHandle(req, queue)
+    @property
+    def token_id_limit(self) -> int:
+        """Token ids below this are valid in a request (the tokenizer's and the logits')."""
+        vocab = self.tokenizer.vocab_size
+        return min(vocab, self.engine.vocab_size) if self.engine is not None else vocab
 
     async def score(
         self, prompts: list[list[int]], top_k: int, generate_one: bool
@@ -191,6 +231,15 @@ class ModelService:
         if self.embedder is not None:
             self.embedder.close()
         return closed
+
+
+def _emitter(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Event]) -> Callable:
+    """A scheduler-thread callback that hands events to `queue` on the event loop."""
+
+    def emit(ev: Event) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, ev)
+
+    return emit
 
 
 __all__ = ["GenerationHandle", "ModelService", "ServiceConfig", "TokenEvent", "FinishEvent"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from dataclasses import replace
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -166,27 +167,47 @@ def admit(
     prompt: list[int],
     params: SamplingParams,
     constraint: LogitsConstraint | None = None,
+    keep_tokens: frozenset[int] = frozenset(),
 ) -> GenerationHandle:
     """Admit one generation now (before any response byte, S3) or raise 429/503."""
-    try:
-        return service.start_generation(prompt, params, constraint)
-    except (QueueFull, SchedulerClosed) as exc:
-        raise scheduler_errors(exc) from None
+    return admit_all(service, [prompt], params, 1, [constraint], keep_tokens)[0]
+
+
+def choice_params(params: SamplingParams, choice: int) -> SamplingParams:
+    """The sampling of choice `choice` of a request: a seeded request's choices draw from
+    seeds seed, seed + 1, ... (as vLLM derives them), so they differ yet each repeats."""
+    if choice == 0 or params.seed is None:
+        return params
+    return replace(params, seed=params.seed + choice)
 
 
 def admit_all(
-    service: ModelService, prompts: list[list[int]], params: SamplingParams
+    service: ModelService,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    n: int = 1,
+    constraints: list[LogitsConstraint | None] | None = None,
+    keep_tokens: frozenset[int] = frozenset(),
 ) -> list[GenerationHandle]:
-    """Admit every prompt of a request, or none: earlier ones are cancelled on a refusal."""
-    handles: list[GenerationHandle] = []
+    """Admit `n` choices of every prompt, all or none (429/503 before any response byte).
+
+    Handles come prompt by prompt, choices within each: handle i is choice index i (the order
+    OpenAI gives `choices[i].index`). `constraints` has one entry per handle when given.
+    `keep_tokens`: special tokens kept in the text (tool-call markers the parsers read).
+    """
+    total = len(prompts) * n
+    if n > 1 and total > service.capacity:
+        raise invalid(
+            "n",
+            f"'n' asks for {total} generations but this server holds at most "
+            f"{service.capacity} at once (running and queued)",
+        )
+    ids = [p for p in prompts for _ in range(n)]
+    per_choice = [choice_params(params, j) for _ in prompts for j in range(n)]
     try:
-        for prompt in prompts:
-            handles.append(admit(service, prompt, params))
-    except APIError:
-        for h in handles:
-            h.cancel()
-        raise
-    return handles
+        return service.start_generations(ids, per_choice, constraints, keep_tokens)
+    except (QueueFull, SchedulerClosed) as exc:
+        raise scheduler_errors(exc) from None
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from llm_server.api import openapi_tools as tools
 from llm_server.api.openapi_embeddings import EMBEDDING_SCHEMAS
+from llm_server.api.schemas import MAX_LOGIT_BIAS, MAX_N
 from llm_server.decoding import MAX_TOP_LOGPROBS
 
 OPENAPI_VERSION = "3.0.3"
@@ -31,7 +33,25 @@ _SAMPLING = {
     "top_p": {"type": "number", "minimum": 0, "maximum": 1},
     "seed": _nullable({"type": "integer", "minimum": 0}),
     "stop": _STOP,
-    "n": {"type": "integer", "minimum": 1, "maximum": 1},
+    "n": {"type": "integer", "minimum": 1, "maximum": MAX_N},
+    "top_k": {"type": "integer", "minimum": -1},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "repetition_penalty": {
+        "type": "number",
+        "minimum": 0,
+        "maximum": 2,
+        "description": "above 0 (0 itself is a 400); 1 is off",
+    },
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "logit_bias": _nullable(
+        {
+            "type": "object",
+            "description": "token id (a string of digits) -> bias added to its logit",
+            "maxProperties": MAX_LOGIT_BIAS,
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        }
+    ),
     "stream": _BOOL,
     "stream_options": _nullable({"type": "object", "properties": {"include_usage": _BOOL}}),
 }
@@ -43,6 +63,7 @@ _USAGE = {
         "completion_tokens": _INT,
         "total_tokens": _INT,
         "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": _INT}},
+        "completion_tokens_details": tools.COMPLETION_DETAILS,
     },
 }
 _TOP_ENTRY = {
@@ -136,6 +157,7 @@ SCHEMAS: dict[str, dict] = {
                     ]
                 }
             ),
+            **tools.MESSAGE_FIELDS,
         },
     },
     "ChatCompletionRequest": {
@@ -160,6 +182,7 @@ SCHEMAS: dict[str, dict] = {
                     },
                 }
             ),
+            **tools.REQUEST_FIELDS,
         },
     },
     "ChatCompletion": {
@@ -175,15 +198,8 @@ SCHEMAS: dict[str, dict] = {
                     "required": ["index", "message", "finish_reason"],
                     "properties": {
                         "index": _INT,
-                        "message": {
-                            "type": "object",
-                            "required": ["role", "content"],
-                            "properties": {
-                                "role": {"type": "string", "enum": ["assistant"]},
-                                "content": _STR,
-                            },
-                        },
-                        "finish_reason": _FINISH,
+                        "message": tools.RESPONSE_MESSAGE,
+                        "finish_reason": tools.CHAT_FINISH,
                         "logprobs": _CHAT_LOGPROBS,
                     },
                 },

@@ -1,8 +1,7 @@
-"""POST /v1/chat/completions: parse, template, admit, then JSON or SSE."""
+"""POST /v1/chat/completions: parse, plan (template, grammar, parsers), admit, then JSON or SSE."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -10,8 +9,9 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from llm_server.api.chat_plan import ChatPlan, plan_chat
 from llm_server.api.common import (
-    admit,
+    admit_all,
     check_model,
     check_prompt,
     get_service,
@@ -24,62 +24,58 @@ from llm_server.api.common import (
 from llm_server.api.errors import error_body, invalid
 from llm_server.api.logprobs import chat_logprobs
 from llm_server.api.schemas import ChatRequest, parse_chat
-from llm_server.api.streaming import collect, finish_reason, sse
-from llm_server.constrained import ConstraintError, build_constraint
-from llm_server.decoding import FinishReason, LogitsConstraint
-from llm_server.scheduler import TokenEvent
+from llm_server.api.streaming import collect_many, finish_reason, merge_events, sse
+from llm_server.decoding import FinishReason
+from llm_server.scheduler import FinishEvent, TokenEvent
 from llm_server.service import GenerationHandle, ModelService
-from llm_server.tokenizer import ChatTemplateError
+from llm_server.tools.output import ChatOutput
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-async def _constraint(service: ModelService, chat: ChatRequest) -> LogitsConstraint | None:
-    """Compile the response_format grammar off the event loop (a big schema takes a while)."""
-    if chat.response_format is None:
-        return None
-    vocab = service.engine.vocab_size
-    try:
-        return await asyncio.to_thread(
-            build_constraint, chat.response_format, service.tokenizer, vocab
-        )
-    except ConstraintError as exc:
-        raise invalid("response_format", str(exc)) from None
-
-
 async def chat_completions(request: Request) -> Response:
     service = get_service(request)
-    chat = parse_chat(await read_json(request), service.config.default_max_tokens)
+    body = await read_json(request)
+    chat = parse_chat(
+        body, service.config.default_max_tokens, service.token_id_limit, service.sampling_defaults
+    )
     check_model(service, chat.model, served_id(request))
-    if not any(m["content"] for m in chat.messages):
+    if not any(m["content"] or m.get("tool_calls") for m in chat.messages):
         raise invalid("messages", "every message is empty; send some content")
-    constraint = await _constraint(service, chat)
-    try:
-        prompt = service.tokenizer.apply_chat_template(list(chat.messages))
-    except ChatTemplateError as exc:
-        raise invalid("messages", str(exc)) from None
-    check_prompt(service, len(prompt), "messages")
-    handle = admit(service, prompt, chat.params, constraint)  # before any SSE byte (S3)
+    plan = await plan_chat(service, chat)
+    check_prompt(service, len(plan.prompt), "messages")
+    # every choice admitted before any SSE byte (S3), all or none
+    handles = admit_all(
+        service, [plan.prompt], chat.params, chat.n, list(plan.constraints), plan.keep_tokens
+    )
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if chat.stream:
         return StreamingResponse(
-            _chat_stream(request, service, handle, chat, rid, created),
+            _chat_stream(request, service, handles, chat, plan, rid, created),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
-    out = await collect(handle, request)
-    if (early := settle(request, [out.finish])) is not None:
+    outs = await collect_many(handles, request)
+    if (early := settle(request, [o.finish for o in outs])) is not None:
         return early
-    fin = out.finish
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": out.text},
-        "finish_reason": finish_reason(fin),
-        "logprobs": None,
-    }
-    if chat.params.logprobs:
-        choice["logprobs"] = chat_logprobs(out.logprobs, service.tokenizer.token_strings)
+    choices, answers = [], []
+    for i, out in enumerate(outs):
+        answer = plan.output()
+        for piece in out.pieces:
+            answer.feed(piece)
+        answer.feed(out.finish.text, tokens=0)
+        answer.finish()
+        answers.append(answer)
+        choice = {
+            "index": i,
+            "message": answer.message(),
+            "finish_reason": answer.finish_reason(finish_reason(out.finish)),
+            "logprobs": None,
+        }
+        if chat.params.logprobs:
+            choice["logprobs"] = chat_logprobs(out.logprobs, service.tokenizer.token_strings)
+        choices.append(choice)
     return JSONResponse(
         {
             "id": rid,
@@ -87,20 +83,34 @@ async def chat_completions(request: Request) -> Response:
             "created": created,
             "model": served_id(request),
             "system_fingerprint": service.fingerprint,
-            "choices": [choice],
-            "usage": usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens),
+            "choices": choices,
+            "usage": _usage([o.finish for o in outs], answers),
         }
     )
+
+
+def _usage(finishes: list[FinishEvent], answers: list[ChatOutput]) -> dict:
+    """The prompt counts once whatever n is; completion (and reasoning) tokens add up."""
+    first = finishes[0]
+    completion = sum(f.completion_tokens for f in finishes)
+    out = usage(first.prompt_tokens, completion, first.cached_tokens)
+    if answers[0].splitter is not None:
+        reasoning = sum(a.reasoning_tokens for a in answers)
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return out
 
 
 async def _chat_stream(
     request: Request,
     service: ModelService,
-    handle: GenerationHandle,
+    handles: list[GenerationHandle],
     chat: ChatRequest,
+    plan: ChatPlan,
     rid: str,
     created: int,
 ) -> AsyncIterator[str]:
+    """Chunks of every choice as their tokens come, each tagged with its `index` (n > 1
+    interleaves them as OpenAI does); usage, when asked, after the last choice finished."""
     base = {
         "id": rid,
         "object": "chat.completion.chunk",
@@ -109,21 +119,32 @@ async def _chat_stream(
         "system_fingerprint": service.fingerprint,
     }
 
-    def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None) -> str:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+    def chunk(
+        index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None
+    ) -> str:
+        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         body = {**base, "choices": [choice]}
         if chat.include_usage:
             body["usage"] = None
         return sse(body)
 
-    yield chunk({"role": "assistant", "content": ""})
-    async for ev in handle.events():
+    answers = [plan.output() for _ in handles]
+    for i in range(len(handles)):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    finishes: list[FinishEvent | None] = [None] * len(handles)
+    async for i, ev in merge_events(handles):
+        answer = answers[i]
         if isinstance(ev, TokenEvent):
             lp = None
             if ev.logprob is not None:
                 lp = chat_logprobs([ev.logprob], service.tokenizer.token_strings)
-            if ev.text or lp is not None:
-                yield chunk({"content": ev.text}, logprobs=lp)
+            deltas = answer.feed(ev.text)
+            if answer.plain:  # no parsing: one content delta per token
+                deltas = [{"content": ev.text}] if ev.text or lp is not None else []
+            for j, delta in enumerate(deltas):
+                yield chunk(i, delta, logprobs=lp if j == 0 else None)
+            if lp is not None and not deltas:
+                yield chunk(i, {}, logprobs=lp)
             continue
         if ev.reason == FinishReason.CANCELLED:
             return
@@ -131,15 +152,10 @@ async def _chat_stream(
         if ev.reason == FinishReason.ERROR:
             yield sse(error_body(500, "the model failed while generating this request"))
             break
-        if ev.text:
-            yield chunk({"content": ev.text})
-        yield chunk({}, finish=finish_reason(ev))
-        if chat.include_usage:
-            yield sse(
-                {
-                    **base,
-                    "choices": [],
-                    "usage": usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens),
-                }
-            )
+        finishes[i] = ev
+        for delta in answer.feed(ev.text, tokens=0) + answer.finish():
+            yield chunk(i, delta)
+        yield chunk(i, {}, finish=answer.finish_reason(finish_reason(ev)))
+    if chat.include_usage and all(f is not None for f in finishes):
+        yield sse({**base, "choices": [], "usage": _usage(finishes, answers)})
     yield sse("[DONE]")

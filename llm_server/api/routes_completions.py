@@ -63,7 +63,10 @@ def _is_scoring(req: CompletionRequest) -> bool:
 async def completions(request: Request) -> Response:
     service = get_service(request)
     req = parse_completion(
-        await read_json(request), service.config.default_max_tokens, service.tokenizer.vocab_size
+        await read_json(request),
+        service.config.default_max_tokens,
+        service.token_id_limit,
+        service.sampling_defaults,
     )
     check_model(service, req.model, served_id(request))
     prompts = _prompts(service, req)
@@ -75,6 +78,8 @@ async def completions(request: Request) -> Response:
         "model": served_id(request),
         "system_fingerprint": service.fingerprint,
     }
+    if req.n > 1 and (_is_scoring(req) or req.params.max_tokens == 0):
+        raise invalid("n", "'n' must be 1 when scoring or echoing ('max_tokens' 0)")
     if _is_scoring(req):
         return await _score(service, req, prompts, base)
     if req.params.max_tokens == 0:  # echo only: the prompt is the whole answer
@@ -84,7 +89,8 @@ async def completions(request: Request) -> Response:
         ]
         n_prompt = sum(len(p.ids) for p in prompts)
         return JSONResponse({**base, "choices": choices, "usage": usage(n_prompt, 0)})
-    handles = admit_all(service, [p.ids for p in prompts], req.params)  # before any SSE byte
+    # before any SSE byte; choice i is choice i % n of prompt i // n
+    handles = admit_all(service, [p.ids for p in prompts], req.params, req.n)
     if req.stream:
         return StreamingResponse(
             _stream(request, service, req, prompts, handles, base),
@@ -95,7 +101,8 @@ async def completions(request: Request) -> Response:
     if (early := settle(request, [o.finish for o in outs])) is not None:
         return early
     choices = []
-    for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+    for i, o in enumerate(outs):
+        p = prompts[i // req.n]
         lp = None
         if req.logprobs is not None:
             lp = completion_logprobs(o.logprobs, service.tokenizer.token_strings)
@@ -103,7 +110,7 @@ async def completions(request: Request) -> Response:
         choices.append(
             {"index": i, "text": text, "logprobs": lp, "finish_reason": finish_reason(o.finish)}
         )
-    n_prompt = sum(o.finish.prompt_tokens for o in outs)
+    n_prompt = sum(o.finish.prompt_tokens for o in outs[:: req.n])  # each prompt counts once
     n_completion = sum(o.finish.completion_tokens for o in outs)
     return JSONResponse({**base, "choices": choices, "usage": usage(n_prompt, n_completion)})
 
@@ -116,7 +123,7 @@ async def _stream(
     handles: list[GenerationHandle],
     base: dict,
 ) -> AsyncIterator[str]:
-    offsets = [0] * len(prompts)
+    offsets = [0] * len(handles)
     n_prompt = n_completion = 0
 
     def chunk(index: int, text: str, finish: str | None = None, lp: dict | None = None) -> str:
@@ -129,8 +136,8 @@ async def _stream(
         return sse(body)
 
     if req.echo:
-        for i, p in enumerate(prompts):
-            yield chunk(i, p.text)
+        for i in range(len(handles)):
+            yield chunk(i, prompts[i // req.n].text)
     async for i, ev in merge_events(handles):
         if isinstance(ev, TokenEvent):
             lp = None
@@ -146,7 +153,8 @@ async def _stream(
         if ev.reason == FinishReason.ERROR:
             yield sse(error_body(500, "the model failed while generating this request"))
             return
-        n_prompt += ev.prompt_tokens
+        if i % req.n == 0:  # each prompt counts once, whatever n is
+            n_prompt += ev.prompt_tokens
         n_completion += ev.completion_tokens
         yield chunk(i, ev.text, finish=finish_reason(ev))
     if req.include_usage:

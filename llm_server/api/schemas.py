@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from llm_server.api.chat_tools import message_extras, parse_template_kwargs, parse_tools
 from llm_server.api.errors import invalid
 from llm_server.decoding import MAX_TOP_LOGPROBS, SamplingParams
+from llm_server.generation_config import SamplingDefaults
+from llm_server.tools.spec import ToolRequest
+
+OPENAI_DEFAULTS = SamplingDefaults()
 
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_LENGTH = 256
@@ -16,12 +21,15 @@ ROLES = ("system", "user", "assistant", "developer", "tool")
 
 @dataclass(frozen=True)
 class ChatRequest:
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, Any], ...]
     params: SamplingParams
     stream: bool
     include_usage: bool
     response_format: dict | None
     model: str | None
+    n: int = 1  # choices generated from the prompt
+    tools: ToolRequest = ToolRequest()
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,7 @@ class CompletionRequest:
     echo: bool
     logprobs: int | None  # None: no logprobs; else top-k count 0..20
     model: str | None
+    n: int = 1  # choices generated from each prompt
 
 
 def _get(body: dict, key: str, kinds: type | tuple[type, ...], default: Any = None) -> Any:
@@ -97,21 +106,137 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _sampling(body: dict, max_tokens: int, logprobs: bool, top: int) -> SamplingParams:
+# -- the sampling fields, shared by chat and completions -----------------------------------
+
+MAX_N = 8  # choices per request (each takes a row or a queue slot)
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+LOGIT_BIAS_RANGE = 100.0
+PENALTY_RANGE = 2.0  # presence_penalty and frequency_penalty: [-2, 2] as OpenAI documents
+MAX_REPETITION_PENALTY = 2.0  # (0, 2] as vLLM takes it
+
+# Fields a client may rely on that this server does not implement: a 400 naming the field
+# (with what to do instead) rather than silently ignoring them. A null value is accepted.
+UNSUPPORTED_FIELDS = {
+    "functions": "the deprecated 'functions' is not supported; send 'tools' instead",
+    "function_call": "the deprecated 'function_call' is not supported; send 'tool_choice'",
+    "audio": "audio output is not supported; this server generates text",
+    "prediction": "predicted outputs ('prediction') are not supported",
+    "web_search_options": "web search is not supported by a local model",
+    "suffix": "'suffix' (insertion) is not supported; send the text before it as 'prompt'",
+}
+# Accepted and ignored: they change nothing a local server does (see README "Request fields").
+NO_OP_FIELDS = (
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+)
+
+
+def refuse_unsupported(body: dict) -> None:
+    """400 for a field this server does not implement (see UNSUPPORTED_FIELDS)."""
+    for key, why in UNSUPPORTED_FIELDS.items():
+        value = body.get(key)
+        if value is not None and value != "":
+            raise invalid(key, why)
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise invalid("modalities", "only 'modalities': ['text'] is supported")
+    verbosity = body.get("verbosity")
+    if verbosity is not None and verbosity != "medium":
+        raise invalid("verbosity", "'verbosity' is not supported; only 'medium' (the default)")
+
+
+def parse_n(body: dict) -> int:
+    """How many choices to generate from the prompt (1..MAX_N); best_of must be n or absent."""
     n = _get(body, "n", int, 1)
-    if n != 1:
-        raise invalid("n", f"only n=1 is supported, got {n}; send separate requests instead")
+    if not 1 <= n <= MAX_N:
+        raise invalid("n", f"'n' must be between 1 and {MAX_N}, got {n}")
+    best_of = _get(body, "best_of", int)
+    if best_of is not None and best_of != n:
+        raise invalid(
+            "best_of", f"'best_of' is not supported (only equal to 'n', {n}); got {best_of}"
+        )
+    return n
+
+
+def _top_k(body: dict, default: int) -> int:
+    value = _get(body, "top_k", int, default)
+    if value < -1:
+        raise invalid("top_k", f"'top_k' must be 0 or -1 (off) or a positive integer, got {value}")
+    return max(value, 0)
+
+
+def _repetition_penalty(body: dict) -> float:
+    value = float(_get(body, "repetition_penalty", (int, float), 1.0))
+    if not math.isfinite(value) or not 0.0 < value <= MAX_REPETITION_PENALTY:
+        raise invalid(
+            "repetition_penalty",
+            f"'repetition_penalty' must be above 0 and at most {MAX_REPETITION_PENALTY:g} "
+            f"(1 is off), got {value:g}",
+        )
+    return value
+
+
+def _logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    bias = _get(body, "logit_bias", dict)
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise invalid(
+            "logit_bias", f"'logit_bias' takes at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}"
+        )
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise invalid("logit_bias", f"'logit_bias' keys must be token ids, got {key!r}")
+        token = int(key)
+        if vocab_size is not None and token >= vocab_size:
+            raise invalid(
+                "logit_bias",
+                f"'logit_bias' token id {token} is outside the vocabulary 0..{vocab_size - 1}",
+            )
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if not ok or not math.isfinite(value) or abs(value) > LOGIT_BIAS_RANGE:
+            raise invalid(
+                "logit_bias",
+                f"'logit_bias' values must be numbers between -100 and 100, got {value!r} "
+                f"for token {key}",
+            )
+        out[token] = float(value)
+    return tuple(out.items())
+
+
+def _sampling(
+    body: dict,
+    max_tokens: int,
+    logprobs: bool,
+    top: int,
+    vocab_size: int | None = None,
+    defaults: SamplingDefaults = OPENAI_DEFAULTS,
+) -> SamplingParams:
+    """The sampling fields of a chat or completions body (400 naming a bad one); a field the
+    body omits (or sends as null) takes `defaults`'s value (the checkpoint's generation config)."""
+    refuse_unsupported(body)
     seed = _get(body, "seed", int)
     if seed is not None and seed < 0:
         raise invalid("seed", f"'seed' must be 0 or more, got {seed}")
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
+        temperature=_number(body, "temperature", defaults.temperature, 0.0, 2.0),
+        top_p=_number(body, "top_p", defaults.top_p, 0.0, 1.0) or 1.0,
         seed=seed,
         stop=_stop(body),
         logprobs=logprobs,
         top_logprobs=top,
+        top_k=_top_k(body, defaults.top_k),
+        min_p=_number(body, "min_p", defaults.min_p, 0.0, 1.0),
+        repetition_penalty=_repetition_penalty(body),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -PENALTY_RANGE, PENALTY_RANGE),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -PENALTY_RANGE, PENALTY_RANGE),
+        logit_bias=_logit_bias(body, vocab_size),
     )
 
 
@@ -146,7 +271,7 @@ def _content(value: Any, index: int) -> str:
     return "".join(parts)
 
 
-def parse_messages(body: dict) -> tuple[dict[str, str], ...]:
+def parse_messages(body: dict) -> tuple[dict[str, Any], ...]:
     messages = body.get("messages")
     if messages is None:
         raise invalid("messages", "'messages' is required")
@@ -163,12 +288,18 @@ def parse_messages(body: dict) -> tuple[dict[str, str], ...]:
             {
                 "role": "system" if role == "developer" else role,
                 "content": _content(m.get("content"), i),
+                **message_extras(m, i),
             }
         )
     return tuple(out)
 
 
-def parse_chat(body: dict, default_max_tokens: int) -> ChatRequest:
+def parse_chat(
+    body: dict,
+    default_max_tokens: int,
+    vocab_size: int | None = None,
+    defaults: SamplingDefaults = OPENAI_DEFAULTS,
+) -> ChatRequest:
     messages = parse_messages(body)
     stream = bool(_get(body, "stream", bool, False))
     logprobs = bool(_get(body, "logprobs", bool, False))
@@ -188,11 +319,14 @@ def parse_chat(body: dict, default_max_tokens: int) -> ChatRequest:
         fmt = None
     return ChatRequest(
         messages=messages,
-        params=_sampling(body, max_tokens, logprobs, top),
+        params=_sampling(body, max_tokens, logprobs, top, vocab_size, defaults),
         stream=stream,
         include_usage=_stream_options(body, stream),
         response_format=fmt,
         model=_get(body, "model", str),
+        n=parse_n(body),
+        tools=parse_tools(body),
+        template_kwargs=parse_template_kwargs(body),
     )
 
 
@@ -232,7 +366,12 @@ def _prompts(body: dict, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
     return tuple(out)
 
 
-def parse_completion(body: dict, default_max_tokens: int, vocab_size: int) -> CompletionRequest:
+def parse_completion(
+    body: dict,
+    default_max_tokens: int,
+    vocab_size: int,
+    defaults: SamplingDefaults = OPENAI_DEFAULTS,
+) -> CompletionRequest:
     prompts = _prompts(body, vocab_size)
     stream = bool(_get(body, "stream", bool, False))
     lp = body.get("logprobs")
@@ -248,10 +387,11 @@ def parse_completion(body: dict, default_max_tokens: int, vocab_size: int) -> Co
         raise invalid("max_tokens", "'max_tokens' must be at least 1 unless 'echo' is true")
     return CompletionRequest(
         prompts=prompts,
-        params=_sampling(body, max_tokens, lp is not None, lp or 0),
+        params=_sampling(body, max_tokens, lp is not None, lp or 0, vocab_size, defaults),
         stream=stream,
         include_usage=_stream_options(body, stream),
         echo=echo,
         logprobs=lp,
         model=_get(body, "model", str),
+        n=parse_n(body),
     )

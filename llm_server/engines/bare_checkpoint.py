@@ -11,11 +11,18 @@ the model `has_lm_head = False` (the server then serves embeddings only).
 from __future__ import annotations
 
 PREFIX = "model."
+BARE_NAMES = ("embed_tokens.", "layers.")  # the decoder stack's own top-level weights
 
 
 def add_model_prefix(weights: dict) -> dict:
-    """Keys of a bare-transformer checkpoint in the causal-LM layout; others unchanged."""
-    if not weights or any(k.startswith(PREFIX) for k in weights):
+    """Keys of a bare-transformer checkpoint in the causal-LM layout; others unchanged.
+
+    Bare means: the decoder's own top-level names (`embed_tokens.`, `layers.`) and nothing
+    under `model.`; checkpoints of other layouts (`backbone.`, `language_model.`) pass as they are.
+    """
+    if not any(k.startswith(BARE_NAMES) for k in weights):
+        return weights
+    if any(k.startswith(PREFIX) for k in weights):
         return weights
     return {k if k.startswith("lm_head.") else PREFIX + k: v for k, v in weights.items()}
 
@@ -33,7 +40,8 @@ def _bare_aware(model_cls: type) -> type:
         has_lm_head = True
 
         def sanitize(self, weights: dict) -> dict:
-            weights = add_model_prefix(weights)
+            if "model" in self:  # the mlx-lm class keeps its decoder stack under `model`
+                weights = add_model_prefix(weights)
             if hasattr(super(), "sanitize"):
                 weights = super().sanitize(weights)
             head_needed = "lm_head" in self and "lm_head.weight" not in weights

@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from llm_server.engines import cpu_kernels
+from llm_server.engines.layout import PLAIN_HEAD_MODULES, model_family
 from llm_server.engines.row_cache import RowView
 
 _KNOWN_ATTN = {"q_proj", "k_proj", "v_proj", "o_proj", "rope", "q_norm", "k_norm"}
@@ -161,6 +162,8 @@ class FusedDecoder:
 
     @classmethod
     def build(cls, model, positions: int) -> FusedDecoder | None:
+        if model_family(model) not in PLAIN_HEAD_MODULES:
+            return None  # e.g. granite: llama's layer names, but multipliers this does not apply
         inner = getattr(model, "model", None)
         blocks = getattr(inner, "layers", None)
         if not blocks or not all(_fusable(b) for b in blocks):

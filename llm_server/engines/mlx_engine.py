@@ -2,7 +2,9 @@
 
 Rows share one preallocated store; each row has its own cursor. Prefill touches one row,
 decode runs every requested row in one batched forward with a per-row mask, and scoring uses
-its own cache so the decode rows are never disturbed.
+its own cache so the decode rows are never disturbed. Sliding-window layers get a per-row window
+mask, recurrent layers a per-row state slot (see layout.py); a model whose caches cannot be held
+per row is served on one row through mlx-lm's own caches (`serial_reason` says why).
 """
 
 from __future__ import annotations
@@ -18,19 +20,32 @@ import mlx.core as mx
 import numpy as np
 
 from llm_server import blas
-from llm_server.engines import cpu_kernels
+from llm_server.engines import cpu_kernels, quantized
 from llm_server.engines.bare_checkpoint import model_classes
 from llm_server.engines.base import EngineError, ScoreChunkResult
 from llm_server.engines.fused_decode import FusedDecoder
+from llm_server.engines.layout import (
+    GROUPED_SCORE_MODULES,
+    KV,
+    PLAIN_HEAD_MODULES,
+    cache_layout,
+    check_model_type,
+    inner_name,
+    last_logits,
+    make_cache,
+    model_family,
+    row_views,
+)
 from llm_server.engines.prefix_cache import PrefixCache
-from llm_server.engines.row_cache import ForwardPlan, RowStore, RowView
+from llm_server.engines.row_cache import ForwardPlan, RowStore, row_mask
+from llm_server.engines.row_state import StateStore
 from llm_server.engines.score_reduce import reduce_logits_mlx, reduce_logprobs
+from llm_server.engines.selfcheck import VERIFIED_FAMILIES, row_forward_problem
 
 log = logging.getLogger(__name__)
 
 SPLIT_MAX_POSITIONS = 256  # forwards up to this many positions split their products (see _split)
 PREFILL_CHUNK = 512  # prompt positions per prefill forward (bounds activation memory)
-SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
@@ -50,6 +65,7 @@ class MLXEngine:
         padded_shapes: bool = False,
         fused_decode: bool = True,
         pipeline: bool | None = None,
+        keep_quantized: bool = False,
     ) -> None:
         """`prefix_cache_bytes`: bound of the prompt prefix cache (None: an eighth of the weights, at least 64 MiB; 0: off).
 
@@ -59,6 +75,7 @@ class MLXEngine:
         `pipeline`: let the scheduler start a greedy step before the one before is finished
         (None: on Metal only; on the CPU the Python work then competes with the forward for the
         same cores, measured 8-12% slower on 2 cores).
+        `keep_quantized`: serve a quantized checkpoint quantized on the CPU too (see quantized).
         """
         from mlx_lm.utils import load_model
 
@@ -70,46 +87,75 @@ class MLXEngine:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         config = json.loads((path / "config.json").read_text())
-        if config.get("model_type") not in SUPPORTED_TYPES:
-            raise ValueError(
-                f"model_type {config.get('model_type')!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_TYPES)}"
-            )
+        check_model_type(config)
         # bare-transformer checkpoints (embedding models) load too; see bare_checkpoint
         self.model, self.config = load_model(path, lazy=True, get_model_classes=model_classes)
         self.has_lm_head = getattr(self.model, "has_lm_head", True)
+        self.quantized = quantized.prepare(self.model, keep_quantized)  # float32 on the CPU
         cpu_kernels.install(self.model)  # numpy softmax/SiLU for big tensors on the CPU
         self.model.set_dtype(_DTYPES[dtype])
-        max_pos = int(config.get("max_position_embeddings") or 2048)
+        text = {**config, **config.get("text_config", {})}  # multimodal configs nest the LM's
+        max_pos = int(text.get("max_position_embeddings") or 2048)
         self.context_length = min(context_length or max_pos, max_pos)
+        self._layout = cache_layout(self.model)
+        self.model_type = str(config["model_type"])
+        # why this model serves one request at a time (None: its rows batch)
+        self.serial_reason: str | None = None
+        if self._layout.serial_reason is not None:
+            self.serial_reason = f"{self.model_type}: {self._layout.serial_reason}"
+        self._inner = inner_name(self.model)
+        self._plain_head = model_family(self.model) in PLAIN_HEAD_MODULES
+        self._grouped_scores = model_family(self.model) in GROUPED_SCORE_MODULES
         # decode steps with stacked q/k/v and gate/up products (None: mlx-lm's forward). Built
         # while the weights are still lazy, so the separate ones only ever exist one layer at a
         # time: stacking loaded weights instead left ~280 MB of freed (but resident) heap.
-        self._fused = FusedDecoder.build(self.model, self.context_length) if fused_decode else None
+        fusable = fused_decode and self._plain_head and self._layout.plain
+        fusable = fusable and self.serial_reason is None
+        self._fused = FusedDecoder.build(self.model, self.context_length) if fusable else None
         mx.eval(self.model.parameters())
         mx.clear_cache()  # the buffers freed while stacking
-        if self._fused is None:  # the fused forward splits its own products
+        if self._fused is None and self._plain_head:  # the fused forward splits its own products
             cpu_kernels.split_linears(self.model)  # 1-2 row decode products use both cores
         self.model_path = path
-        self.pipelined = (not cpu_kernels.on_cpu()) if pipeline is None else pipeline
+        self._pipeline = (not cpu_kernels.on_cpu()) if pipeline is None else pipeline
         self.padded_shapes = padded_shapes
         self.dtype = dtype
-        self.rows = rows
-        self.supports_batching = rows > 1
-        self.vocab_size = int(config["vocab_size"])
-        self.num_layers = len(self.model.layers)
-        self._store = RowStore(self.num_layers, rows, self.context_length)
-        # ids whose KV each row holds; a row's cursor is the length of its list
-        self._row_tokens: list[list[int]] = [[] for _ in range(rows)]
-        self.row_cached = [0] * rows  # prompt tokens the last prefill took from the prefix cache
-        self._ahead = [0] * rows  # decode steps started on a row and not yet finished
-        self._epoch = [0] * rows  # bumped by release(): in-flight steps of the old owner are void
+        self.vocab_size = int(text["vocab_size"])
+        self.num_layers = len(self._layout.leaves)  # caches of the model's cache list
         self._split_steps = 0  # split decode steps in flight (BLIS held to one thread meanwhile)
         if prefix_cache_bytes is None:
             prefix_cache_bytes = max(self.weight_bytes() // 8, 64 << 20)
-        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self._prefix_cache_bytes = prefix_cache_bytes
         self._score_cache: list | None = None
         self._score_offset = 0
+        self._init_rows(rows)
+        if self.serial_reason is None and model_family(self.model) not in VERIFIED_FAMILIES:
+            problem = row_forward_problem(self)  # an architecture the tests do not cover
+            if problem is not None:
+                self.serial_reason = f"{self.model_type}: {problem}"
+                self._init_rows(1)
+            else:
+                self._init_rows(rows)  # forget the check's rows (prefix cache included)
+
+    def _init_rows(self, rows: int) -> None:
+        """Empty rows (`rows` of them, 1 when serving serially) and the prefix cache."""
+        serial = self.serial_reason is not None
+        self.rows = 1 if serial else rows
+        self.supports_batching = self.rows > 1
+        # a recurrent state cannot be rewound: a step is never started before the last one
+        # finished (a cancelled early step would have advanced it), and no prefix is reused
+        rewindable = not (self._layout.stateful or serial)
+        self.pipelined = self._pipeline and rewindable
+        self._store = RowStore(self.num_layers, self.rows, self.context_length)
+        states = [(i, c.size) for i, c in enumerate(self._layout.leaves) if c.kind != KV]
+        self._states = StateStore([i for i, _ in states], self.rows, [n for _, n in states])
+        self._serial_cache: list | None = None  # mlx-lm's caches of the one row (serial mode)
+        # ids whose KV each row holds; a row's cursor is the length of its list
+        self._row_tokens: list[list[int]] = [[] for _ in range(self.rows)]
+        self.row_cached = [0] * self.rows  # prompt tokens the last prefill took from the cache
+        self._ahead = [0] * self.rows  # decode steps started on a row and not yet finished
+        self._epoch = [0] * self.rows  # bumped by release(): in-flight steps are then void
+        self.prefix_cache = PrefixCache(self._prefix_cache_bytes if rewindable else 0)
 
     # -- decode rows -----------------------------------------------------------------
 
@@ -126,6 +172,8 @@ class MLXEngine:
         self._row_tokens[row] = []
         self._ahead[row] = 0
         self._epoch[row] += 1
+        self._states.clear_row(row)
+        self._serial_cache = None
         if not any(self._row_tokens):
             self._store.clear()  # idle: give the KV memory back
             mx.clear_cache()
@@ -153,8 +201,17 @@ class MLXEngine:
         if self._ahead[row]:
             raise RuntimeError(f"row {row} has a decode step in flight; release it first")
         tokens = [int(t) for t in tokens]
+        self._states.clear_row(row)
+        if self.serial_reason is not None:
+            self._serial_cache = make_cache(self.model)
         entry, reused = self.prefix_cache.match(tokens)
-        if entry is not None:
+        source, shared = self._live_prefix(row, tokens)
+        if shared > reused:  # a running row holds more of this prompt than the cache
+            keys, values = self._store.read_row(source, shared)
+            self._store.write_prefix(row, keys, values, shared)
+            self.prefix_cache.note_hit(shared)
+            reused = shared
+        elif entry is not None:
             self._store.write_prefix(row, entry.keys, entry.values, reused)
         self._row_tokens[row] = tokens[:reused]
         self.row_cached[row] = reused
@@ -164,6 +221,24 @@ class MLXEngine:
             logits = self._forward_rows([row], [start], [chunk])
             self._row_tokens[row].extend(chunk)
         return logits[0]
+
+    def _live_prefix(self, row: int, tokens: list[int]) -> tuple[int, int]:
+        """The other row holding the longest prefix of `tokens` (all but the last) and its
+        length: the choices of an `n` > 1 request, or prompts sharing a system prompt, sent
+        together. (0, 0) when none shares at least the prefix cache's minimum."""
+        best_row, best = 0, 0
+        if not self.prefix_cache.enabled:
+            return best_row, best
+        query = np.asarray(tokens[:-1], dtype=np.int64)
+        for r, held in enumerate(self._row_tokens):
+            n = min(len(held), query.size)
+            if r == row or n <= max(best, self.prefix_cache.min_tokens - 1):
+                continue
+            differ = np.flatnonzero(np.asarray(held[:n], dtype=np.int64) != query[:n])
+            length = int(differ[0]) if differ.size else n
+            if length > best and length >= self.prefix_cache.min_tokens:
+                best_row, best = r, length
+        return best_row, best
 
     def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         return self.decode_finish(self.decode_start(rows, tokens))
@@ -191,11 +266,13 @@ class MLXEngine:
         if split:
             self._split_steps += 1
             blas.set_threads(1)  # one BLIS thread per split half until the step is finished
+        before = self._states.snapshot(rows)
         try:
             logits = self._graph(rows, starts, ids, split)
             greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
-            mx.async_eval(logits, greedy, *self._store.keys, *self._store.values)
+            mx.async_eval(logits, greedy, *self._held())
         except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
+            self._states.restore(before)  # the rows' states as before the failed step
             self._end_split(split)
             raise EngineError(f"forward failed: {exc}") from exc
         for r in rows:
@@ -245,8 +322,17 @@ class MLXEngine:
                 blas.set_threads(blas.default_threads())
 
     def kv_bytes(self) -> int:
-        """Bytes held by the decode rows' KV store."""
-        return self._store.nbytes()
+        """Bytes held by the decode rows: KV store and recurrent states (or mlx-lm's caches)."""
+        return sum(a.nbytes for a in self._held())
+
+    def _held(self) -> list[mx.array]:
+        """Every array the rows keep between forwards (evaluated with each step)."""
+        if self._serial_cache is not None:
+            from mlx.utils import tree_flatten
+
+            leaves = tree_flatten([c.state for c in self._serial_cache])
+            return [a for _, a in leaves if isinstance(a, mx.array)]
+        return self._store.arrays() + self._states.arrays()
 
     def _split(self, positions: int) -> bool:
         """Whether a forward over `positions` (rows x new tokens) splits its products in halves
@@ -277,13 +363,15 @@ class MLXEngine:
         with blas.threads(1) if split else nullcontext():
             try:
                 logits = self._graph(rows, starts, ids, split)
-                mx.eval(logits, *self._store.keys, *self._store.values)
+                mx.eval(logits, *self._held())
             except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
                 raise EngineError(f"forward failed: {exc}") from exc
         return np.array(logits, copy=False)
 
     def _graph(self, rows: list[int], starts: list[int], ids: mx.array, split: bool) -> mx.array:
         """The (lazy) logits [B, vocab] float32 of each row's last position for ids [B, q]."""
+        if self._serial_cache is not None:  # one row on mlx-lm's own caches
+            return last_logits(self.model, self._inner, ids, self._serial_cache).astype(mx.float32)
         q = ids.shape[1]
         kv_len = max(starts) + q
         self._store.ensure(kv_len)
@@ -291,26 +379,27 @@ class MLXEngine:
             rows=rows,
             starts=starts,
             length=q,
-            mask=_row_mask(starts, q, kv_len),
+            mask=row_mask(starts, q, kv_len),
             kv_len=kv_len,
             all_rows=rows == list(range(self.rows)),
+            group_axis=self._grouped_scores,
         )
-        views = [RowView(self._store, i, plan) for i in range(self.num_layers)]
+        views = row_views(self._layout, self._store, self._states, plan)
         if self._fused is not None:
             logits = self._fused.logits(ids, views, split=split)
-        else:
+        elif self._plain_head:
             hidden = self.model.model(ids, cache=views)[:, -1, :]
             logits = cpu_kernels.lm_head(self.model, hidden)
+        else:  # the model's own head: soft-capping, scaled or tied embeddings...
+            logits = last_logits(self.model, self._inner, ids, views)
         return logits.astype(mx.float32)
 
     # -- scoring session -------------------------------------------------------------
 
     def score_begin(self, batch: int) -> None:
-        from mlx_lm.models.cache import make_prompt_cache
-
         if batch < 1:
             raise ValueError("a scoring batch needs at least one row")
-        self._score_cache = make_prompt_cache(self.model)
+        self._score_cache = make_cache(self.model)
         self._score_offset = 0
 
     def score_chunk(self, tokens: np.ndarray, targets: np.ndarray, top_k: int) -> ScoreChunkResult:
@@ -348,11 +437,9 @@ class MLXEngine:
 
     def embed_begin(self, batch: int) -> None:
         """Open a fresh embedding session of `batch` rows, separate from decode and scoring."""
-        from mlx_lm.models.cache import make_prompt_cache
-
         if batch < 1:
             raise ValueError("an embedding batch needs at least one row")
-        self._embed_cache = make_prompt_cache(self.model)
+        self._embed_cache = make_cache(self.model)
         self._embed_offset = 0
 
     def embed_chunk(self, tokens: np.ndarray) -> np.ndarray:
@@ -363,12 +450,17 @@ class MLXEngine:
         q = tokens.shape[1]
         if self._embed_offset + q > self.context_length:
             raise ValueError(f"embedding past the context of {self.context_length} positions")
+        if self._inner is None:
+            raise EngineError(f"{self.model_type}: no decoder stack known to embed with")
         ids = mx.array(np.asarray(tokens, dtype=np.int32))
         try:
-            hidden = self.model.model(ids, cache=self._embed_cache).astype(mx.float32)
+            stack = getattr(self.model, self._inner)
+            hidden = stack(ids, cache=self._embed_cache).astype(mx.float32)
             mx.eval(hidden)
         except Exception as exc:  # noqa: BLE001
             raise EngineError(f"embedding forward failed: {exc}") from exc
+        if hidden.ndim != 3 or hidden.shape[-1] == self.vocab_size:  # a wrapper gave logits
+            raise EngineError(f"{self.model_type}: the decoder stack does not return hidden states")
         self._embed_offset += q
         return np.array(hidden)
 
@@ -378,9 +470,7 @@ class MLXEngine:
 
     def all_position_logits(self, tokens: np.ndarray) -> np.ndarray:
         """Logits [N, q, vocab] of a padded batch on a fresh scoring cache (tests, tools)."""
-        from mlx_lm.models.cache import make_prompt_cache
-
-        cache = make_prompt_cache(self.model)
+        cache = make_cache(self.model)
         ids = mx.array(np.asarray(tokens, dtype=np.int32))
         logits = self.model(ids, cache=cache).astype(mx.float32)
         mx.eval(logits)
@@ -397,12 +487,3 @@ class DecodeStep:
     logits: mx.array  # [B, vocab] float32, evaluating
     greedy: mx.array  # [B] int32 argmax of logits, evaluating
     split: bool
-
-
-def _row_mask(starts: list[int], q: int, kv_len: int) -> mx.array | str | None:
-    """Mask [B, 1, q, kv_len]: entry b, query i sees key j iff j <= starts[b] + i."""
-    if len(set(starts)) == 1 and starts[0] + q == kv_len:
-        return "causal" if q > 1 else None  # every entry reads exactly its own history
-    pos = mx.array(starts)[:, None] + mx.arange(q)[None, :]  # [B, q]
-    keys = mx.arange(kv_len)[None, None, :]
-    return (keys <= pos[:, :, None])[:, None, :, :]

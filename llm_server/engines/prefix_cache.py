@@ -73,6 +73,11 @@ class PrefixCache:
         self.hit_tokens += best_len
         return best, best_len
 
+    def note_hit(self, tokens: int) -> None:
+        """Count a prefix of `tokens` reused from elsewhere (a running row) in the stats."""
+        self.hits += 1
+        self.hit_tokens += tokens
+
     def insert(self, tokens: list[int], keys: list[mx.array], values: list[mx.array]) -> None:
         """Store KV for `tokens` (copies); drops entries it extends; evicts LRU to fit."""
         if not self.enabled or len(tokens) < self.min_tokens:

@@ -4,7 +4,8 @@ The store keeps, per layer, keys and values for every row: [rows, kv_heads, capa
 (the layout attention reads without a copy), grown in steps of GROW positions (no per-token
 concatenation). A forward sees one `RowView` per layer, which tells the attention layer where
 each row's new keys go (`offset`), writes them in place, and returns the keys each row may attend
-to plus a per-row mask.
+to plus a per-row mask. Sliding-window layers keep every position too: their window is a per-row
+mask (`make_mask(..., window_size=W)`), so rows at different cursors still batch exactly.
 """
 
 from __future__ import annotations
@@ -41,8 +42,12 @@ class RowStore:
             self.values[i] = mx.pad(v, pad)
         self.capacity = new_cap
 
+    def arrays(self) -> list[mx.array]:
+        """Every allocated key/value array (layers without KV, e.g. recurrent ones, have none)."""
+        return [a for a in self.keys + self.values if a is not None]
+
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.keys + self.values if a is not None)
+        return sum(a.nbytes for a in self.arrays())
 
     def clear(self) -> None:
         """Drop all storage (memory back to zero); cursors are the engine's business."""
@@ -81,30 +86,75 @@ class ForwardPlan:
     rows: list[int]  # store rows, one per batch entry
     starts: list[int]  # first position written per batch entry
     length: int  # new positions per batch entry (q)
-    mask: mx.array | str | None  # [B, 1, q, kv_len] bool, "causal" or None
+    mask: mx.array | str | None  # [B, 1, q, kv_len] bool, "causal" or None (no window)
     kv_len: int  # positions each batch entry reads (max over entries of start + q)
     all_rows: bool  # rows == range(store.rows): read by slicing, not gathering
+    # array masks get a query-group axis, [B, 1, 1, q, kv_len], for models whose attention
+    # scores are [B, kv_heads, groups, q, kv_len] (mlx-lm's gemma2)
+    group_axis: bool = False
     contiguous: bool = field(init=False)  # rows form one range: slice, never gather
     same_start: bool = field(init=False)  # every entry writes at the same position
     offset: int | mx.array = field(init=False)  # rope offset: shared int or per-entry [B]
+    _masks: dict = field(init=False, default_factory=dict)  # (window, as_array) -> mask
 
     def __post_init__(self) -> None:
         self.contiguous = _is_range(self.rows)
         self.same_start = len(set(self.starts)) == 1
         self.offset = self.starts[0] if self.same_start else mx.array(self.starts)
 
+    def mask_for(self, window: int | None, as_array: bool) -> mx.array | str | None:
+        """The mask for keys within `window` positions of each query (None: no window);
+        built once per forward and shared by the layers that ask for it."""
+        if window is not None and max(self.starts) + self.length <= window:
+            window = None  # no query of this forward reaches past its window
+        if window is None and not as_array:
+            return self.mask
+        key = (window, as_array)
+        if key not in self._masks:
+            mask = row_mask(self.starts, self.length, self.kv_len, window, as_array)
+            if self.group_axis and isinstance(mask, mx.array):
+                mask = mask[:, :, None]
+            self._masks[key] = mask
+        return self._masks[key]
+
+
+def row_mask(
+    starts: list[int], q: int, kv_len: int, window: int | None = None, as_array: bool = False
+) -> mx.array | str | None:
+    """Mask [B, 1, q, kv_len]: entry b, query i sees key j iff j <= p and (no window or
+    j > p - window), with p = starts[b] + i. As "causal"/None where that is the same thing."""
+    if window is None and not as_array and len(set(starts)) == 1 and starts[0] + q == kv_len:
+        return "causal" if q > 1 else None  # every entry reads exactly its own history
+    pos = (mx.array(starts)[:, None] + mx.arange(q)[None, :])[:, :, None]  # [B, q, 1]
+    keys = mx.arange(kv_len)[None, None, :]
+    mask = keys <= pos
+    if window is not None:
+        mask = mask & (keys > pos - window)
+    return mask[:, None, :, :]
+
 
 class RowView:
     """One layer's view of the store for one forward; the interface mlx-lm attention calls."""
 
-    def __init__(self, store: RowStore, layer: int, plan: ForwardPlan) -> None:
+    def __init__(
+        self, store: RowStore, layer: int, plan: ForwardPlan, window: int | None = None
+    ) -> None:
         self.store = store
         self.layer = layer
         self.plan = plan
         self.offset = plan.offset
+        self.window = window  # the layer's sliding window (mlx-lm gives it a RotatingKVCache)
 
-    def make_mask(self, n: int, return_array: bool = False, window_size=None):
-        return self.plan.mask
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
+        """The mask mlx-lm's `create_attention_mask` asks the cache for (as RotatingKVCache
+        does, a windowed layer's own window applies when the model names none)."""
+        return self.plan.mask_for(window_size or self.window, return_array)
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def empty(self) -> bool:
+        return self.store.keys[self.layer] is None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """keys/values [B, kv_heads, q, dim] -> readable keys/values [B, kv_heads, kv_len, dim]."""
@@ -131,6 +181,19 @@ class RowView:
             return store.keys[i][r0:r1, :, :kl], store.values[i][r0:r1, :, :kl]
         ridx = mx.array(plan.rows)
         return store.keys[i][ridx, :, :kl], store.values[i][ridx, :, :kl]
+
+
+class RowCacheList:
+    """Several caches of one layer (mlx-lm's CacheList), each a row view of its own slot."""
+
+    def __init__(self, parts: list) -> None:
+        self.caches = tuple(parts)
+
+    def __getitem__(self, idx: int):
+        return self.caches[idx]
+
+    def is_trimmable(self) -> bool:
+        return False
 
 
 def _is_range(rows: list[int]) -> bool:

@@ -132,14 +132,19 @@ class BatchScheduler:
 
     def submit(self, req: GenerationRequest) -> None:
         """Admit `req` at once or raise QueueFull/SchedulerClosed (S3)."""
+        self.submit_all([req])
+
+    def submit_all(self, reqs: list[GenerationRequest]) -> None:
+        """Admit every request of `reqs` (the choices of one HTTP request) or none of them."""
         with self._cond:
             if self._closing or self.load_error is not None:
                 raise SchedulerClosed("the server is shutting down")
             waiting = len(self._queue)
-            if len(self._running) + waiting >= self.max_concurrent + self.max_queued:
+            if len(self._running) + waiting + len(reqs) > self.max_concurrent + self.max_queued:
                 raise QueueFull(len(self._running), waiting, self.retry_after)
-            req._wake = self.wake
-            self._queue.append(req)
+            for req in reqs:
+                req._wake = self.wake
+                self._queue.append(req)
             self._cond.notify_all()
 
     def wake(self) -> None:
@@ -186,10 +191,12 @@ class BatchScheduler:
             self.engine = self._factory()
             rows = min(self.max_concurrent, self.engine.rows)
             if rows < self.max_concurrent:
+                reason = getattr(self.engine, "serial_reason", None)  # S1: one warning, why
                 log.warning(
-                    "the model has %d rows; serving %d requests at a time",
-                    self.engine.rows,
+                    "serving %d request(s) at a time instead of %d: %s",
                     rows,
+                    self.max_concurrent,
+                    reason or f"the model has {self.engine.rows} row(s)",
                 )
                 self.max_concurrent = rows
             self._free = list(range(rows))

@@ -32,7 +32,7 @@ def greedy_plain(req: GenerationRequest) -> bool:
     return (
         not req.exclusive
         and req.decoder.constraint is None
-        and req.decoder.params.temperature <= 0.0
+        and req.decoder.params.plain_greedy
         and not req.cancelled.is_set()
     )
 

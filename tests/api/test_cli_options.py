@@ -71,3 +71,10 @@ def test_cli_flags(cli_server):
         headers={"Origin": "http://ui.local", "Access-Control-Request-Method": "GET"},
     )
     assert pre.headers["access-control-allow-origin"] == "http://ui.local"
+
+
+def test_concurrent_requests_defaults_to_batching():
+    from llm_server.cli import build_parser
+
+    assert build_parser().parse_args([]).concurrent_requests == 4
+    assert build_parser().parse_args(["--concurrent-requests", "1"]).concurrent_requests == 1

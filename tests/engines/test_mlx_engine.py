@@ -123,7 +123,7 @@ def test_bad_calls_raise_clear_errors(tiny_model_path):
 def test_missing_or_unsupported_model(tmp_path, tiny_model_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         MLXEngine(tmp_path)
-    (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
+    (tmp_path / "config.json").write_text('{"model_type": "no_such_arch"}')
     with pytest.raises(ValueError, match="not supported"):
         MLXEngine(tmp_path)
 

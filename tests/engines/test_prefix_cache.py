@@ -66,10 +66,13 @@ def test_shared_system_prompt_and_same_prefix_at_once(tok, tiny_model_path):
     on = start_scheduler(tiny_model_path, 4, prefix_cache_bytes=64 << 20)
     try:
         ref = _run_batch(off, tok, prompts)
-        first = _run_batch(on, tok, prompts[:4])  # four with the same prefix at once: no entry yet
+        # four with the same prefix at once: no cache entry yet, so the first computes the
+        # prefix and the other three copy it from its row while it runs
+        first = _run_batch(on, tok, prompts[:4])
         second = _run_batch(on, tok, prompts[4:])
         assert [o.tokens for o in first + second] == [o.tokens for o in ref]
-        assert [o.finish.cached_tokens for o in first] == [0, 0, 0, 0]
+        cached = [o.finish.cached_tokens for o in first]
+        assert cached[0] == 0 and all(c >= 150 for c in cached[1:]), cached
         assert all(o.finish.cached_tokens >= 150 for o in second)
     finally:
         off.close(10)

@@ -1,7 +1,9 @@
 """The bad-input catalogue: what clients may send, the status each gets, and that none is a 500.
 
 Decisions this catalogue pins down:
-- unknown fields are ignored (as OpenAI does); a known field of the wrong type is a 400;
+- unknown fields are ignored; a known field of the wrong type is a 400; an OpenAI field the
+  server does not implement (`functions`, `audio`, `suffix`, ...) is a 400 naming it, while
+  `user`, `metadata`, `store` and `service_tier` are accepted as no-ops;
 - a huge `max_tokens` is accepted and capped by the context: generation stops when the
   context is full, with finish_reason "length" (no 400 for asking for more than fits);
 - bodies must be UTF-8 JSON objects sent as `application/json` (415 otherwise: this keeps
@@ -370,9 +372,124 @@ CASES = [
     Case("stop-too-long", CHAT, chat(stop="x" * 300), 400, "stop", ("at most 256",)),
     Case("stop-empty-string", CHAT, chat(stop=[""]), 400, "stop", ("empty",)),
     Case("stop-an-object", CHAT, chat(stop={"a": 1}), 400, "stop", ("string",)),
-    Case("n-two", CHAT, chat(n=2), 400, "n", ("n=1", "separate requests")),
-    Case("n-zero", COMP, comp(n=0), 400, "n", ("n=1",)),
-    Case("n-hundred", CHAT, chat(n=100), 400, "n", ("n=1",)),
+    # -- the sampling set and n --
+    Case("n-two", CHAT, chat(n=2), 200, finish="length"),
+    Case("n-zero", COMP, comp(n=0), 400, "n", ("between 1 and 8", "0")),
+    Case("n-hundred", CHAT, chat(n=100), 400, "n", ("between 1 and 8", "100")),
+    Case("n-as-float", CHAT, chat(n=2.0), 400, "n", ("integer",)),
+    Case("n-over-capacity", COMP, comp(prompt=["a", "b", "c"], n=8), 400, "n", ("24", "18")),
+    Case("top-k-minus-one-is-off", CHAT, chat(top_k=-1, temperature=1), 200, finish="length"),
+    Case("top-k-minus-two", COMP, comp(top_k=-2), 400, "top_k", ("top_k", "-2")),
+    Case("top-k-float", CHAT, chat(top_k=1.5), 400, "top_k", ("integer",)),
+    Case("min-p-negative", CHAT, chat(min_p=-0.1), 400, "min_p", ("between 0 and 1",)),
+    Case("min-p-over-one", COMP, comp(min_p=1.1), 400, "min_p", ("between 0 and 1",)),
+    Case(
+        "repetition-penalty-zero",
+        CHAT,
+        chat(repetition_penalty=0),
+        400,
+        "repetition_penalty",
+        ("above 0", "at most 2"),
+    ),
+    Case(
+        "repetition-penalty-big",
+        COMP,
+        comp(repetition_penalty=2.5),
+        400,
+        "repetition_penalty",
+        ("at most 2",),
+    ),
+    Case(
+        "presence-penalty-low",
+        CHAT,
+        chat(presence_penalty=-2.01),
+        400,
+        "presence_penalty",
+        ("between -2 and 2",),
+    ),
+    Case(
+        "frequency-penalty-high",
+        COMP,
+        comp(frequency_penalty=3),
+        400,
+        "frequency_penalty",
+        ("between -2 and 2",),
+    ),
+    Case(
+        "frequency-penalty-string",
+        CHAT,
+        chat(frequency_penalty="high"),
+        400,
+        "frequency_penalty",
+        ("number",),
+    ),
+    Case("logit-bias-list", CHAT, chat(logit_bias=[1, 2]), 400, "logit_bias", ("object",)),
+    Case("logit-bias-word-key", CHAT, chat(logit_bias={"hi": 5}), 400, "logit_bias", ("'hi'",)),
+    Case("logit-bias-negative-key", COMP, comp(logit_bias={"-1": 5}), 400, "logit_bias", ("-1",)),
+    Case(
+        "logit-bias-out-of-vocab",
+        CHAT,
+        chat(logit_bias={str(VOCAB): 5}),
+        400,
+        "logit_bias",
+        (str(VOCAB), "vocabulary"),
+    ),
+    Case(
+        "logit-bias-value-range",
+        COMP,
+        comp(logit_bias={"5": 101}),
+        400,
+        "logit_bias",
+        ("between -100 and 100", "101"),
+    ),
+    Case(
+        "logit-bias-value-string",
+        CHAT,
+        chat(logit_bias={"5": "ban"}),
+        400,
+        "logit_bias",
+        ("between -100 and 100",),
+    ),
+    Case(
+        "logit-bias-too-many",
+        CHAT,
+        chat(logit_bias={str(i): 1 for i in range(301)}),
+        400,
+        "logit_bias",
+        ("at most 300", "301"),
+    ),
+    Case("logit-bias-ok", COMP, comp(logit_bias={"5": -100, "6": 2.5}), 200, finish="length"),
+    Case("best-of-over-n", COMP, comp(best_of=2), 400, "best_of", ("best_of",)),
+    Case("best-of-equal-n-ok", COMP, comp(best_of=2, n=2), 200, finish="length"),
+    Case("suffix-refused", COMP, comp(suffix="end"), 400, "suffix", ("suffix",)),
+    Case("functions-refused", CHAT, chat(functions=[{"name": "f"}]), 400, "functions", ("tools",)),
+    Case(
+        "function-call-refused",
+        CHAT,
+        chat(function_call="auto"),
+        400,
+        "function_call",
+        ("tool_choice",),
+    ),
+    Case("audio-refused", CHAT, chat(audio={"voice": "x"}), 400, "audio", ("audio",)),
+    Case("modalities-audio", CHAT, chat(modalities=["text", "audio"]), 400, "modalities", ()),
+    Case("modalities-text-ok", CHAT, chat(modalities=["text"]), 200, finish="length"),
+    Case(
+        "prediction-refused",
+        CHAT,
+        chat(prediction={"type": "content", "content": "x"}),
+        400,
+        "prediction",
+        ("prediction",),
+    ),
+    Case("verbosity-low", CHAT, chat(verbosity="low"), 400, "verbosity", ("verbosity",)),
+    Case(
+        "no-op-fields-ok",
+        CHAT,
+        chat(user="u", metadata={"k": "v"}, store=False, service_tier="auto"),
+        200,
+        finish="length",
+    ),
     # -- model and response_format --
     Case(
         "unknown-model",
