@@ -10,6 +10,7 @@ equals embedding it alone, up to float32 rounding.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import logging
@@ -23,7 +24,13 @@ import numpy as np
 from llm_server.engines.base import Engine
 from llm_server.pooling import EmbeddingConfig, PoolAccumulator
 from llm_server.scheduler.request import QueueFull, SchedulerClosed
-from llm_server.scheduler.scorer import MAX_SCORE_BATCH, batch_size, chunk_sizes, padded_rows
+from llm_server.scheduler.scorer import (
+    MAX_SCORE_BATCH,
+    TRACE_LIMIT,
+    batch_size,
+    chunk_sizes,
+    padded_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +110,8 @@ class Embedder:
         self._requests = 0
         self._closed = False
         self._batch: _Batch | None = None  # owned by the scheduler thread
-        self.forwards: list[tuple[int, int]] = []  # (rows, q) of recent forwards, for tests
+        # (rows, q) of recent forwards, for tests and diagnostics
+        self.forwards: collections.deque[tuple[int, int]] = collections.deque(maxlen=TRACE_LIMIT)
 
     # -- any thread ------------------------------------------------------------------
 
@@ -149,7 +157,7 @@ class Embedder:
         try:
             lo = sum(batch.chunks[: batch.done])
             q = batch.chunks[batch.done]
-            self.forwards = [*self.forwards[-255:], (batch.tokens.shape[0], q)]
+            self.forwards.append((batch.tokens.shape[0], q))
             hidden = engine.embed_chunk(batch.tokens[:, lo : lo + q])  # [rows, q, hidden]
             batch.pool.add(hidden[: len(batch.members)])  # padded rows are never read
             batch.done += 1
