@@ -98,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(batched, default) or alone while the batch pauses (lease)",
     )
     p.add_argument(
+        "--pooling",
+        choices=["last", "mean", "cls"],
+        help="/v1/embeddings pooling (default: the checkpoint's sentence-transformers "
+        "1_Pooling config, else last-token; vectors are L2-normalised unless the checkpoint's "
+        "modules.json has no Normalize module)",
+    )
+    p.add_argument(
         "--tool-parser",
         choices=["hermes", "qwen3_coder", "llama3_json", "mistral", "harmony"],
         help="the tool-call syntax to parse and constrain (default: detected from the chat "

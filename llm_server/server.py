@@ -43,6 +43,7 @@ def make_service(
     backend: str = "auto",
     constrained_mode: str = "batched",
     prefix_cache_bytes: int | None = None,
+    pooling: str | None = None,
     keep_quantized: bool = False,
     chat_template: str | None = None,
     tool_parser: str | None = None,
@@ -78,6 +79,7 @@ def make_service(
         dtype=dtype,
         default_max_tokens=default_max_tokens,
         constrained_mode=constrained_mode,
+        pooling=pooling,
         chat_template=chat_template,
         tool_parser=tool_parser,
     )
@@ -99,6 +101,7 @@ def service_from_args(
         constrained_mode=args.constrained_mode,
         backend=args.backend,
         prefix_cache_bytes=args.prefix_cache_bytes,
+        pooling=args.pooling,
         keep_quantized=args.keep_quantized,
         chat_template=args.chat_template,
         tool_parser=getattr(args, "tool_parser", None),

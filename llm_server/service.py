@@ -13,11 +13,16 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from llm_server.decoding import Decoder, LogitsConstraint, SamplingParams
 from llm_server.engines.base import Engine
 from llm_server.fingerprint import system_fingerprint
 from llm_server.generation_config import load_sampling_defaults
+from llm_server.pooling import EmbeddingConfig, EmbeddingConfigError, load_embedding_config
 from llm_server.scheduler import BatchScheduler, FinishEvent, GenerationRequest, TokenEvent
+from llm_server.scheduler.embedder import Embedder
+from llm_server.scheduler.pumps import Pumps
 from llm_server.scheduler.request import Event
 from llm_server.scheduler.scorer import ScoredPrompt, Scorer, check_prompts
 from llm_server.tokenizer import Tokenizer
@@ -37,6 +42,11 @@ class ServiceConfig:
     constrained_mode: str = "batched"  # "batched" | "lease"
     chat_template: str | None = None  # overrides the checkpoint's (--chat-template FILE)
     tool_parser: str | None = None  # --tool-parser; None: detected from the chat template
+    pooling: str | None = None  # "last" | "mean" | "cls": overrides the checkpoint's pooling
+
+
+class EmbeddingsUnavailable(RuntimeError):
+    """The served model cannot embed (its pooling files ask for what is not served)."""
 
 
 class GenerationHandle:
@@ -91,7 +101,24 @@ class ModelService:
         self.scorer = Scorer(
             wake=self.scheduler.wake, max_queued=config.concurrent_requests + config.max_queued
         )
-        self.scheduler.pump = self.scorer
+        # Embeddings run the same way, on their own session; the two pumps take turns.
+        self.embedding: EmbeddingConfig | None = None
+        self.embedding_error: str | None = None  # why embeddings are refused, if they are
+        try:
+            self.embedding = load_embedding_config(config.model_path, config.pooling)
+        except EmbeddingConfigError as exc:
+            self.embedding_error = str(exc)
+            log.warning("embeddings are off for this model: %s", exc)
+        pumps: list = [self.scorer]
+        self.embedder: Embedder | None = None
+        if self.embedding is not None:
+            self.embedder = Embedder(
+                self.embedding,
+                wake=self.scheduler.wake,
+                max_queued=config.concurrent_requests + config.max_queued,
+            )
+            pumps.append(self.embedder)
+        self.scheduler.pump = Pumps(pumps)
         self.started_at = time.time()
         self.engine: Engine | None = None
         self.fingerprint = ""
@@ -181,6 +208,18 @@ class ModelService:
         req = self.scorer.submit(prompts, top_k, generate_one)
         return await asyncio.wrap_future(req.future)
 
+    async def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        """Pooled vectors [len(inputs), hidden] float32, every input batched together.
+
+        Raises EmbeddingsUnavailable, QueueFull, SchedulerClosed, or EmbeddingError when the
+        engine failed on this request's batch. Inputs are checked by the caller (non-empty,
+        within the context).
+        """
+        if self.embedder is None:
+            raise EmbeddingsUnavailable(self.embedding_error or "embeddings are off")
+        req = self.embedder.submit(inputs)
+        return await asyncio.wrap_future(req.future)
+
     def prefix_cache_stats(self):
         """The engine's prefix cache counters (PrefixCacheStats), or None without one."""
         cache = getattr(self.engine, "prefix_cache", None)
@@ -189,6 +228,8 @@ class ModelService:
     def close(self, timeout: float | None = None) -> bool:
         closed = self.scheduler.close(timeout)
         self.scorer.close()  # fails scoring requests that can no longer run
+        if self.embedder is not None:
+            self.embedder.close()
         return closed
 
 

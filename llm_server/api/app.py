@@ -22,6 +22,7 @@ from llm_server.api.openapi import openapi_schema
 from llm_server.api.request_log import RequestLogMiddleware, RequestRecorder
 from llm_server.api.routes_chat import chat_completions
 from llm_server.api.routes_completions import completions
+from llm_server.api.routes_embeddings import embeddings
 from llm_server.api.routes_info import detokenize, health, list_models, tokenize, tokenizer_info
 from llm_server.api.security import APIKeyMiddleware, resolve_api_key
 
@@ -63,9 +64,29 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(error_body(500, "internal server error"), status_code=500)
 
 
+def _needs_lm_head(handler):
+    """Refuse generation and scoring (400) on a checkpoint without an LM head (an embedding
+    model saved as the bare transformer); it serves /v1/embeddings only."""
+
+    async def route(request: Request) -> Response:
+        service = request.app.state.llm.service
+        engine = service.engine if service is not None else None
+        if engine is not None and not getattr(engine, "has_lm_head", True):
+            raise APIError(
+                400,
+                "this model is an embedding checkpoint without a language-model head; "
+                "it serves POST /v1/embeddings only",
+                code="embeddings_only",
+            )
+        return await handler(request)
+
+    return route
+
+
 ROUTES = [
-    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/chat/completions", _needs_lm_head(chat_completions), methods=["POST"]),
+    Route("/v1/completions", _needs_lm_head(completions), methods=["POST"]),
+    Route("/v1/embeddings", embeddings, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics_endpoint, methods=["GET"]),
@@ -73,7 +94,12 @@ ROUTES = [
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
     Route("/openapi.json", _openapi, methods=["GET"], include_in_schema=False),
-    *AGENT_ROUTES,
+    *(
+        Route(r.path, _needs_lm_head(r.endpoint), methods=list(r.methods or ()))
+        if r.path in ("/v1/responses", "/v1/messages")
+        else r
+        for r in AGENT_ROUTES
+    ),
 ]
 
 

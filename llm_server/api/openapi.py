@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from llm_server.api import openapi_agents as agents
 from llm_server.api import openapi_tools as tools
+from llm_server.api.openapi_embeddings import EMBEDDING_SCHEMAS
 from llm_server.api.schemas import MAX_LOGIT_BIAS, MAX_N
 from llm_server.decoding import MAX_TOP_LOGPROBS
 
@@ -418,6 +419,12 @@ def openapi_schema() -> dict:
                 "Completion",
                 stream=True,
             ),
+            "/v1/embeddings": _post(
+                "createEmbedding",
+                "Embeddings of texts or token ids",
+                "EmbeddingRequest",
+                "EmbeddingList",
+            ),
             "/v1/models": _get(
                 "listModels", "The served model", _json("ModelList", "the served model"), "401"
             ),
@@ -441,7 +448,7 @@ def openapi_schema() -> dict:
             **agents.paths(),
         },
         "components": {
-            "schemas": {**SCHEMAS, **agents.SCHEMAS},
+            "schemas": {**SCHEMAS, **agents.SCHEMAS, **EMBEDDING_SCHEMAS},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }

@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also measure TTFT on a multi-turn workload with the prefix cache on and off")  # fmt: skip
     p.add_argument("--constrained", action="store_true",
                    help="also run the constrained-decoding benchmark (llm_server.benchmark.constrained)")  # fmt: skip
+    p.add_argument("--embeddings", action="store_true",
+                   help="run only the embeddings benchmark: --embedding-inputs inputs of 20-200 tokens, "
+                   "one batched request vs concurrent vs sequential single-input requests")  # fmt: skip
+    p.add_argument("--embedding-inputs", type=int, default=64,
+                   help="inputs in the embeddings benchmark (default 64)")  # fmt: skip
     return p
 
 
@@ -117,6 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     check_dependencies()
     settings = settings_from(args)
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    if args.embeddings:
+        _embeddings_only(settings, args.embedding_inputs)
+        return
     from llm_server.benchmark.runner import run_benchmark
 
     try:
@@ -127,3 +135,21 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.suppress(OSError):
         print(paths.markdown.read_text())
     print(f"llm-benchmark: wrote {paths.json}, {paths.markdown} and {paths.plot}", file=sys.stderr)
+
+
+def _embeddings_only(settings: Settings, count: int) -> None:
+    """--embeddings: our server alone, at the largest --concurrency value."""
+    from llm_server.benchmark.embeddings import benchmark_embeddings
+
+    if count < 1:
+        raise SystemExit("llm-benchmark: --embedding-inputs must be 1 or more")
+    concurrency = max(settings.concurrencies)
+    try:
+        result = benchmark_embeddings(
+            settings.model, settings.out, count, concurrency, repeats=1 if settings.quick else 2
+        )
+    except KeyboardInterrupt:
+        print("llm-benchmark: interrupted; all servers stopped", file=sys.stderr)
+        sys.exit(130)
+    print(result.markdown())
+    print(f"llm-benchmark: wrote {settings.out / 'embeddings.json'}", file=sys.stderr)

@@ -32,6 +32,10 @@ class EngineError(RuntimeError):
     """A forward failed; the scheduler isolates the request(s) that caused it (S8)."""
 
 
+class EmbeddingsUnsupported(EngineError):
+    """The model has no hidden-state forward to embed with (a client error: HTTP 400)."""
+
+
 class Engine(Protocol):
     name: str  # "mlx" | "coreml"
     rows: int  # batch rows of the graph

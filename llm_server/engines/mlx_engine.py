@@ -21,7 +21,8 @@ import numpy as np
 
 from llm_server import blas
 from llm_server.engines import cpu_kernels, quantized
-from llm_server.engines.base import EngineError, ScoreChunkResult
+from llm_server.engines.bare_checkpoint import model_classes
+from llm_server.engines.base import EmbeddingsUnsupported, EngineError, ScoreChunkResult
 from llm_server.engines.fused_decode import FusedDecoder
 from llm_server.engines.layout import (
     GROUPED_SCORE_MODULES,
@@ -87,7 +88,9 @@ class MLXEngine:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         config = json.loads((path / "config.json").read_text())
         check_model_type(config)
-        self.model, self.config = load_model(path, lazy=True)
+        # bare-transformer checkpoints (embedding models) load too; see bare_checkpoint
+        self.model, self.config = load_model(path, lazy=True, get_model_classes=model_classes)
+        self.has_lm_head = getattr(self.model, "has_lm_head", True)
         self.quantized = quantized.prepare(self.model, keep_quantized)  # float32 on the CPU
         cpu_kernels.install(self.model)  # numpy softmax/SiLU for big tensors on the CPU
         self.model.set_dtype(_DTYPES[dtype])
@@ -429,6 +432,43 @@ class MLXEngine:
     def score_end(self) -> None:
         self._score_cache = None
         self._score_offset = 0
+
+    # -- embedding session (its own cache: a scoring batch may be open meanwhile) ------
+
+    def embed_begin(self, batch: int) -> None:
+        """Open a fresh embedding session of `batch` rows, separate from decode and scoring."""
+        if batch < 1:
+            raise ValueError("an embedding batch needs at least one row")
+        self._embed_cache = make_cache(self.model)
+        self._embed_offset = 0
+
+    def embed_chunk(self, tokens: np.ndarray) -> np.ndarray:
+        """Final-norm hidden states [N, q, hidden] float32 of `tokens` [N, q] at the session's
+        cursor (the scoring forward without the LM head)."""
+        if getattr(self, "_embed_cache", None) is None:
+            raise RuntimeError("embed_begin() must be called before embed_chunk()")
+        q = tokens.shape[1]
+        if self._embed_offset + q > self.context_length:
+            raise ValueError(f"embedding past the context of {self.context_length} positions")
+        if self._inner is None:
+            raise EmbeddingsUnsupported(f"{self.model_type}: no decoder stack known to embed with")
+        ids = mx.array(np.asarray(tokens, dtype=np.int32))
+        try:
+            stack = getattr(self.model, self._inner)
+            hidden = stack(ids, cache=self._embed_cache).astype(mx.float32)
+            mx.eval(hidden)
+        except Exception as exc:  # noqa: BLE001
+            raise EngineError(f"embedding forward failed: {exc}") from exc
+        if hidden.ndim != 3 or hidden.shape[-1] == self.vocab_size:  # a wrapper gave logits
+            raise EmbeddingsUnsupported(
+                f"{self.model_type}: the decoder stack does not return hidden states"
+            )
+        self._embed_offset += q
+        return np.array(hidden)
+
+    def embed_end(self) -> None:
+        self._embed_cache = None
+        self._embed_offset = 0
 
     def all_position_logits(self, tokens: np.ndarray) -> np.ndarray:
         """Logits [N, q, vocab] of a padded batch on a fresh scoring cache (tests, tools)."""
