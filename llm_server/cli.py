@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from llm_server.model_source import ModelSource, ModelSourceError, resolve_model_source
+from llm_server.scheduler.batch import DEFAULT_STEP_TOKENS
 
 log = logging.getLogger("llm_server")
 
@@ -48,6 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=16,
         metavar="M",
         help="requests that may wait for a row before 429 (default 16)",
+    )
+    p.add_argument(
+        "--step-tokens",
+        type=int,
+        default=DEFAULT_STEP_TOKENS,
+        metavar="T",
+        help="positions per forward, decoding rows included: a newcomer's prompt rides in the "
+        f"decode forward in chunks of what is left (default {DEFAULT_STEP_TOKENS}; 0 runs each "
+        "prompt whole when it is admitted, stalling the running rows meanwhile)",
     )
     p.add_argument(
         "--dtype",
@@ -183,6 +193,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise SystemExit("llm-server: --concurrent-requests must be at least 1")
     if args.max_queued < 0:
         raise SystemExit("llm-server: --max-queued must be 0 or more")
+    if args.step_tokens < 0:
+        raise SystemExit("llm-server: --step-tokens must be 0 (unlimited) or more")
     if not 0 <= args.port <= 65535:
         raise SystemExit("llm-server: --port must be between 0 and 65535")
     if args.max_body_size < 1:

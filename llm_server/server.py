@@ -14,6 +14,7 @@ import uvicorn
 from llm_server.api.app import AppState, create_app
 from llm_server.api.request_log import RequestRecorder
 from llm_server.api.security import resolve_api_key
+from llm_server.scheduler.batch import DEFAULT_STEP_TOKENS
 from llm_server.service import ModelService, ServiceConfig
 from llm_server.shutdown import DrainingServer
 
@@ -45,6 +46,7 @@ def make_service(
     prefix_cache_bytes: int | None = None,
     keep_quantized: bool = False,
     chat_template: str | None = None,
+    step_tokens: int = DEFAULT_STEP_TOKENS,
 ) -> ModelService:
     """A started (loading) service for `model_path`; the engine loads on the scheduler thread."""
     from llm_server.cli import engine_rows
@@ -78,6 +80,7 @@ def make_service(
         default_max_tokens=default_max_tokens,
         constrained_mode=constrained_mode,
         chat_template=chat_template,
+        step_tokens=step_tokens,
     )
     return ModelService(config, engine_factory or factory).start()
 
@@ -99,6 +102,7 @@ def service_from_args(
         prefix_cache_bytes=args.prefix_cache_bytes,
         keep_quantized=args.keep_quantized,
         chat_template=args.chat_template,
+        step_tokens=args.step_tokens,
     )
 
 

@@ -18,6 +18,7 @@ from llm_server.engines.base import Engine
 from llm_server.fingerprint import system_fingerprint
 from llm_server.generation_config import load_sampling_defaults
 from llm_server.scheduler import BatchScheduler, FinishEvent, GenerationRequest, TokenEvent
+from llm_server.scheduler.batch import DEFAULT_STEP_TOKENS
 from llm_server.scheduler.request import Event
 from llm_server.scheduler.scorer import ScoredPrompt, Scorer, check_prompts
 from llm_server.tokenizer import Tokenizer
@@ -35,6 +36,7 @@ class ServiceConfig:
     default_max_tokens: int = 512
     constrained_mode: str = "batched"  # "batched" | "lease"
     chat_template: str | None = None  # overrides the checkpoint's (--chat-template FILE)
+    step_tokens: int = DEFAULT_STEP_TOKENS  # positions per forward (--step-tokens; 0: no limit)
 
 
 class GenerationHandle:
@@ -81,6 +83,7 @@ class ModelService:
             max_concurrent=config.concurrent_requests,
             max_queued=config.max_queued,
             on_step=on_step,
+            step_tokens=config.step_tokens,
         )
         # Scoring runs between decode steps on the engine's separate scoring session (C1).
         self.scorer = Scorer(

@@ -22,6 +22,7 @@ import numpy as np
 
 from llm_server.engines.base import EngineError, ScoreChunkResult
 from llm_server.engines.score_reduce import log_softmax, reduce_logprobs
+from llm_server.engines.step import StepPlan, StepResult, run_by_primitives
 
 MASK_HIDDEN = -30000.0  # additive mask value for hidden columns (fp16-representable)
 
@@ -122,6 +123,7 @@ class CoreMLEngine:
     dynamic_shapes = False
     padded_shapes = True  # q must be one of the enumerated sizes
     dtype = "float16"
+    serial_reason = None  # the export's row count decides batching (probe.py)
 
     def thread_exit(self) -> None:
         """Nothing is held per thread."""
@@ -152,6 +154,9 @@ class CoreMLEngine:
 
     def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         return self._driver.decode(rows, tokens)
+
+    def run(self, plan: StepPlan) -> StepResult:
+        return run_by_primitives(self, plan)  # no mixed forward: prompts prefill whole
 
     def cursor(self, row: int) -> int:
         return self._driver.cursors[row]

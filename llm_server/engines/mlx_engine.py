@@ -40,6 +40,7 @@ from llm_server.engines.row_cache import ForwardPlan, RowStore, row_mask
 from llm_server.engines.row_state import StateStore
 from llm_server.engines.score_reduce import reduce_logits_mlx, reduce_logprobs
 from llm_server.engines.selfcheck import VERIFIED_FAMILIES, row_forward_problem
+from llm_server.engines.step import PrefillChunk, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +199,17 @@ class MLXEngine:
         if self._ahead[row]:
             raise RuntimeError(f"row {row} has a decode step in flight; release it first")
         tokens = [int(t) for t in tokens]
+        reused = self._open(row, tokens)
+        logits = None
+        for start in range(reused, n, PREFILL_CHUNK):
+            chunk = tokens[start : start + PREFILL_CHUNK]
+            logits = self._forward_rows([row], [start], [chunk])
+            self._row_tokens[row].extend(chunk)
+        return logits[0]
+
+    def _open(self, row: int, tokens: list[int]) -> int:
+        """Reset `row` for a new prompt and copy in the longest prefix held elsewhere (prefix
+        cache, or a running row); returns the positions reused (the row's cursor)."""
         self._states.clear_row(row)
         if self.serial_reason is not None:
             self._serial_cache = make_cache(self.model)
@@ -212,12 +224,89 @@ class MLXEngine:
             self._store.write_prefix(row, entry.keys, entry.values, reused)
         self._row_tokens[row] = tokens[:reused]
         self.row_cached[row] = reused
-        logits = None
-        for start in range(reused, n, PREFILL_CHUNK):
-            chunk = tokens[start : start + PREFILL_CHUNK]
-            logits = self._forward_rows([row], [start], [chunk])
-            self._row_tokens[row].extend(chunk)
-        return logits[0]
+        return reused
+
+    def run(self, plan: StepPlan) -> StepResult:
+        """Execute a step plan: the decode rows and every prompt chunk in ONE forward (the
+        fused layers; separate graphs evaluated together otherwise). Rows advance only when
+        the whole forward succeeded."""
+        if not plan.prefill:
+            if not plan.decode:
+                return StepResult((), np.zeros((0, self.vocab_size), np.float32))
+            rows = [d.row for d in plan.decode]
+            return StepResult(tuple(rows), self.decode(rows, [d.token for d in plan.decode]))
+        groups: list[tuple[list[int], list[int], list[list[int]]]] = []
+        rows = [d.row for d in plan.decode]
+        for r in {*rows, *(c.row for c in plan.prefill)}:
+            self._check_row(r)
+            if self._ahead[r]:
+                raise RuntimeError(f"row {r} has a decode step in flight")
+        if rows:
+            starts = [self.cursor(r) for r in rows]
+            if max(starts) >= self.context_length:
+                raise EngineError(f"a row is full ({self.context_length} positions)")
+            groups.append((rows, starts, [[d.token] for d in plan.decode]))
+        before = self._states.snapshot([*rows, *(c.row for c in plan.prefill)])
+        cached: dict[int, int] = {}
+        segments: list[tuple[PrefillChunk, list[int]]] = []
+        try:
+            for chunk in plan.prefill:
+                prompt = [int(t) for t in chunk.prompt]
+                if chunk.fresh:
+                    if not prompt or len(prompt) > self.context_length:
+                        raise ValueError(f"a prompt of {len(prompt)} tokens cannot be run")
+                    start = cached[chunk.row] = self._open(chunk.row, prompt)
+                else:
+                    start = chunk.start
+                    if start != self.cursor(chunk.row):
+                        raise ValueError(f"row {chunk.row} is at {self.cursor(chunk.row)}")
+                seg = prompt[start : min(len(prompt), start + chunk.tokens)]
+                segments.append((chunk, seg))
+                groups.append(([chunk.row], [start], [seg]))
+            logits = self._run_groups(groups)
+        except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
+            self._states.restore(before)
+            for chunk in plan.prefill:
+                if chunk.fresh:
+                    self._row_tokens[chunk.row] = []  # opened for this step: back to empty
+            if isinstance(exc, EngineError):
+                raise
+            raise EngineError(f"forward failed: {exc}") from exc
+        for d in plan.decode:
+            self._row_tokens[d.row].append(int(d.token))
+        picked = list(range(len(rows)))
+        cursors: dict[int, int] = {}
+        for i, (chunk, seg) in enumerate(segments):
+            self._row_tokens[chunk.row].extend(int(t) for t in seg)
+            cursors[chunk.row] = self.cursor(chunk.row)
+            if cursors[chunk.row] == len(chunk.prompt):
+                picked.append(len(rows) + i)
+        out_rows = tuple(rows + [c.row for c, _ in segments if cursors[c.row] == len(c.prompt)])
+        return StepResult(out_rows, logits[picked], cursors, cached)
+
+    def _run_groups(self, groups: list[tuple[list[int], list[int], list[list[int]]]]):
+        """Logits [rows, vocab] (numpy) of each group row's last position, evaluated now."""
+        positions = sum(len(rows) * len(toks[0]) for rows, _, toks in groups)
+        split = self._split(positions)
+        with blas.threads(1) if split else nullcontext():
+            self._store.ensure(max(max(s) + len(t[0]) for _, s, t in groups))
+            if self._fused is not None:
+                parts = []
+                for rows, starts, toks in groups:
+                    ids = mx.array(np.asarray(toks, dtype=np.int32))
+                    plan = self._forward_plan(rows, starts, ids.shape[1])
+                    views = row_views(self._layout, self._store, self._states, plan)
+                    parts.append((ids, views, starts, plan.mask))
+                logits = self._fused.forward_groups(parts, split).astype(mx.float32)
+            else:
+                logits = mx.concatenate(
+                    [
+                        self._graph(rows, starts, mx.array(np.asarray(t, dtype=np.int32)), split)
+                        for rows, starts, t in groups
+                    ]
+                )
+            mx.eval(logits, *self._held())
+        return np.array(logits, copy=False)
 
     def _live_prefix(self, row: int, tokens: list[int]) -> tuple[int, int]:
         """The other row holding the longest prefix of `tokens` (all but the last) and its
@@ -369,18 +458,7 @@ class MLXEngine:
         """The (lazy) logits [B, vocab] float32 of each row's last position for ids [B, q]."""
         if self._serial_cache is not None:  # one row on mlx-lm's own caches
             return last_logits(self.model, self._inner, ids, self._serial_cache).astype(mx.float32)
-        q = ids.shape[1]
-        kv_len = max(starts) + q
-        self._store.ensure(kv_len)
-        plan = ForwardPlan(
-            rows=rows,
-            starts=starts,
-            length=q,
-            mask=row_mask(starts, q, kv_len),
-            kv_len=kv_len,
-            all_rows=rows == list(range(self.rows)),
-            group_axis=self._grouped_scores,
-        )
+        plan = self._forward_plan(rows, starts, ids.shape[1])
         views = row_views(self._layout, self._store, self._states, plan)
         if self._fused is not None:
             logits = self._fused.logits(ids, views, split=split)
@@ -390,6 +468,19 @@ class MLXEngine:
         else:  # the model's own head: soft-capping, scaled or tied embeddings...
             logits = last_logits(self.model, self._inner, ids, views)
         return logits.astype(mx.float32)
+
+    def _forward_plan(self, rows: list[int], starts: list[int], q: int) -> ForwardPlan:
+        kv_len = max(starts) + q
+        self._store.ensure(kv_len)
+        return ForwardPlan(
+            rows=rows,
+            starts=starts,
+            length=q,
+            mask=row_mask(starts, q, kv_len),
+            kv_len=kv_len,
+            all_rows=rows == list(range(self.rows)),
+            group_axis=self._grouped_scores,
+        )
 
     # -- scoring session -------------------------------------------------------------
 

@@ -13,7 +13,7 @@ An idle scheduler sleeps on a condition variable, so a lone request starts at on
 from __future__ import annotations
 
 import collections
-import heapq
+import dataclasses
 import logging
 import threading
 import time
@@ -23,18 +23,23 @@ from typing import Any, Protocol
 
 from llm_server.decoding import FinishReason
 from llm_server.engines.base import Engine
+from llm_server.engines.step import StepPlan, StepResult
 from llm_server.scheduler.lease import Lease
 from llm_server.scheduler.pipelining import Pipeline
+from llm_server.scheduler.planner import plan
 from llm_server.scheduler.request import (
     FinishEvent,
     GenerationRequest,
     QueueFull,
-    RequestState,
     SchedulerClosed,
     TokenEvent,
 )
 
 log = logging.getLogger(__name__)
+
+# the default --step-tokens: positions per forward (decode rows + prompt chunks); measured on
+# SmolLM2 (docs/ARCHITECTURE.md "Step budget")
+DEFAULT_STEP_TOKENS = 256
 
 
 class Pump(Protocol):
@@ -65,6 +70,7 @@ class BatchScheduler:
         max_queued: int = 16,
         retry_after: float = 1.0,
         on_step: Callable[[float, int], None] | None = None,
+        step_tokens: int = DEFAULT_STEP_TOKENS,
     ) -> None:
         if max_concurrent < 1:
             raise ValueError("max_concurrent must be >= 1")
@@ -75,6 +81,8 @@ class BatchScheduler:
         self.max_queued = max_queued
         self.retry_after = retry_after
         self.on_step = on_step
+        # positions per forward, decode rows included (0: whole prompts, as before issue 17)
+        self.step_tokens = step_tokens
         self.engine: Engine | None = None
         self.pump: Pump | None = None
         self._cond = threading.Condition()
@@ -92,7 +100,6 @@ class BatchScheduler:
         # the latest request seq numbers in admission order (tests check FIFO); bounded so a
         # daemon running for days does not grow it
         self.admitted: collections.deque[int] = collections.deque(maxlen=4096)
-        self.step_trace: list[tuple[int, ...]] | None = None  # set to [] to record each step's seqs
         self._pipeline = Pipeline()  # the next decode step, started early (pipelined engines)
 
     # -- lifecycle -------------------------------------------------------------------
@@ -191,7 +198,7 @@ class BatchScheduler:
             self.engine = self._factory()
             rows = min(self.max_concurrent, self.engine.rows)
             if rows < self.max_concurrent:
-                reason = getattr(self.engine, "serial_reason", None)  # S1: one warning, why
+                reason = self.engine.serial_reason  # S1: one warning, saying why
                 log.warning(
                     "serving %d request(s) at a time instead of %d: %s",
                     rows,
@@ -208,11 +215,11 @@ class BatchScheduler:
         try:
             while self._wait_for_work():
                 self._serve_leases()
-                self._retire_cancelled()
-                self._admit()
-                if self._running:
-                    self._decode_step()
-                if self.pump is not None and self.pump.pending() and not self._leases:
+                step = self._plan()
+                self._apply(step)
+                if step.forward:
+                    self._execute(step)
+                if step.score and self.pump is not None:
                     self._pipeline.drop(self.engine)
                     self.pump.run_batch(self.engine)
         finally:
@@ -263,97 +270,129 @@ class BatchScheduler:
                 if not lease.calls:
                     self._cond.wait(timeout=1.0)
 
-    def _retire_cancelled(self) -> None:
-        for req in [r for r in self._running.values() if r.cancelled.is_set()]:
-            self._retire(req, FinishReason.CANCELLED, "")
+    def _plan(self) -> StepPlan:
+        """The next step (planner.plan) on a consistent view of the queue and the rows."""
+        in_flight = self._pipeline.pending_for(self._running, self.engine)
         with self._cond:
-            dropped = [r for r in self._queue if r.cancelled.is_set()]
-            if dropped:
-                self._queue = collections.deque(r for r in self._queue if not r.cancelled.is_set())
-        for req in dropped:
-            self._finish(req, FinishReason.CANCELLED, "")
+            return plan(
+                self._queue,
+                self._running,
+                self._free,
+                self.step_tokens,
+                admit=not in_flight,  # the step in flight is for the current rows
+                score=self.pump is not None and self.pump.pending() and not self._leases,
+            )
 
-    def _admit(self) -> None:
-        if self._pipeline.pending_for(self._running, self.engine):
-            return  # the step in flight is for the current rows; newcomers join after it
-        while True:
+    def _apply(self, step: StepPlan) -> None:
+        """The plan's bookkeeping before its forward: retire, drop, admit (S2, S3, S5)."""
+        for row in step.retire:
+            self._retire(self._running[row], FinishReason.CANCELLED)
+        gone = {*step.drop, *(a.seq for a in step.admit)}
+        with self._cond:
+            taken = {r.seq: r for r in self._queue if r.seq in gone}
+            self._queue = collections.deque(r for r in self._queue if r.seq not in gone)
+        for seq in step.drop:
+            self._finish(taken[seq], FinishReason.CANCELLED)
+        for adm in step.admit:
+            req = taken[adm.seq]
             with self._cond:
-                if not self._free or not self._queue:
-                    return
-                req = self._queue.popleft()
-                skipped = req.cancelled.is_set()
-                if not skipped:
-                    row = heapq.heappop(self._free)
-                    req.row, req.state = row, RequestState.RUNNING
-                    self._running[row] = req
-                    self.max_rows_busy = max(self.max_rows_busy, len(self._running))
-                    self.admitted.append(req.seq)
-            if skipped:
-                self._finish(req, FinishReason.CANCELLED, "")
-                continue
+                self._free.remove(adm.row)
+                req.row = adm.row
+                self._running[adm.row] = req
+                self.max_rows_busy = max(self.max_rows_busy, len(self._running))
+                self.admitted.append(req.seq)
             req.started_at = time.monotonic()
-            if req.exclusive:
+            if adm.exclusive:
                 self._run_exclusive(req)
-                continue
-            try:
-                logits = self.engine.prefill(row, req.prompt)
-            except Exception as exc:  # noqa: BLE001 - isolated to this request (S8)
-                self._fail(req, exc)
-                continue
-            req.cached_tokens = self.engine.cached_tokens(row)
-            self._advance(req, logits)
 
     def _run_exclusive(self, req: GenerationRequest) -> None:
         """Decode `req` alone to completion while the other rows wait (lease mode)."""
         try:
             logits = self.engine.prefill(req.row, req.prompt)
+            req.prefilled = len(req.prompt)
             req.cached_tokens = self.engine.cached_tokens(req.row)
             while self._advance(req, logits):
                 if req.cancelled.is_set():
-                    self._retire(req, FinishReason.CANCELLED, "")
+                    self._retire(req, FinishReason.CANCELLED)
                     return
                 logits = self.engine.decode([req.row], [req.last_token])[0]
         except Exception as exc:  # noqa: BLE001
             self._fail(req, exc)
 
-    def _decode_step(self) -> None:
-        reqs = list(self._running.values())
-        rows = [r.row for r in reqs]
-        if self.step_trace is not None:
-            self.step_trace.append(tuple(r.seq for r in reqs))
+    def _execute(self, step: StepPlan) -> None:
+        """Run the plan's forward and commit it; a failed forward is retried per request so
+        the error stays with the request that caused it (S8)."""
+        step = self._live(step)
+        if not step.forward:
+            return
         t0 = time.perf_counter()
         try:
-            if self.engine.pipelined:
+            if self.engine.pipelined and not step.prefill:
+                reqs = [self._running[d.row] for d in step.decode]
                 step_reqs, logits = self._pipeline.step(
                     self.engine, reqs, self._running, self._may_speculate()
                 )
+                result = StepResult(tuple(r.row for r in step_reqs), logits)
+                owners = {r.row: r for r in step_reqs}  # the step in flight may predate a retire
             else:
-                step_reqs, logits = reqs, self.engine.decode(rows, [r.last_token for r in reqs])
+                self._pipeline.drop(self.engine)  # prompt chunks never ride a speculated step
+                result, owners = self.engine.run(step), None
         except Exception as exc:  # noqa: BLE001 - retry per request so the error stays put (S8)
             self._pipeline.drop(self.engine)
             log.warning(
-                "batched decode of %d rows failed (%s); retrying per request", len(rows), exc
+                "a step of %d positions failed (%s); retrying per request", step.tokens, exc
             )
             self.last_error = str(exc)
-            for req in reqs:
+            for alone in [StepPlan(decode=(d,)) for d in step.decode] + [
+                StepPlan(prefill=(c,)) for c in step.prefill
+            ]:
                 try:
-                    row_logits = self.engine.decode([req.row], [req.last_token])[0]
+                    self._commit(alone, self.engine.run(alone))
                 except Exception as row_exc:  # noqa: BLE001
-                    self._fail(req, row_exc)
-                    continue
-                self._advance(req, row_logits)
+                    self._fail(self._running[(alone.decode or alone.prefill)[0].row], row_exc)
         else:
-            for req, row_logits in zip(step_reqs, logits, strict=True):
-                if self._running.get(req.row) is req:  # not retired since the step started
-                    self._advance(req, row_logits)
+            self._commit(step, result, owners)
             self._pipeline.check(self._running, self.engine)
         self.decode_steps += 1
         if self.on_step is not None:
-            self.on_step(time.perf_counter() - t0, len(rows))
+            self.on_step(time.perf_counter() - t0, len(step.decode) + len(step.prefill))
+
+    def _live(self, step: StepPlan) -> StepPlan:
+        """`step` without the rows an exclusive admission or a retirement has since freed."""
+        decode = tuple(d for d in step.decode if d.row in self._running)
+        chunks = tuple(
+            c for c in step.prefill if getattr(self._running.get(c.row), "seq", None) == c.seq
+        )
+        if decode == step.decode and chunks == step.prefill:
+            return step
+        return dataclasses.replace(step, decode=decode, prefill=chunks)
+
+    def _commit(
+        self,
+        step: StepPlan,
+        result: StepResult,
+        owners: dict[int, GenerationRequest] | None = None,
+    ) -> None:
+        """Note where prompts stand, sample each row's token, emit, retire the finished."""
+        for chunk in step.prefill:
+            req = self._running[chunk.row]
+            req.prefilled = result.cursors.get(chunk.row, len(req.prompt))
+            if chunk.fresh:
+                req.cached_tokens = result.cached.get(chunk.row, 0)
+        reqs = owners or {r: self._running[r] for r in (*step.decode_rows, *step.chunk_rows)}
+        for row, row_logits in zip(result.rows, result.logits, strict=True):
+            req = reqs[row]
+            if self._running.get(row) is req:  # not retired since the step started
+                self._advance(req, row_logits)
 
     def _may_speculate(self) -> bool:
-        """Nothing to admit, lease or score at the next step boundary."""
-        return not (self._queue or self._leases or (self.pump is not None and self.pump.pending()))
+        """Nothing to admit, prefill, lease or score at the next step boundary."""
+        return not (
+            self._queue
+            or self._leases
+            or (self.pump is not None and self.pump.pending())
+            or any(r.prefilled < len(r.prompt) for r in self._running.values())
+        )
 
     @property
     def speculated_steps(self) -> int:
@@ -377,16 +416,16 @@ class BatchScheduler:
         req.emit(TokenEvent(out.token_id, out.text, out.logprob))
         if out.finish is None:
             return True
-        self._retire(req, out.finish, "")
+        self._retire(req, out.finish)
         return False
 
     def _fail(self, req: GenerationRequest, exc: BaseException) -> None:
         log.error("request %d failed: %s", req.seq, exc)
         self.last_error = str(exc)
-        self._retire(req, FinishReason.ERROR, "", error=str(exc))
+        self._retire(req, FinishReason.ERROR, error=str(exc))
 
     def _retire(
-        self, req: GenerationRequest, reason: FinishReason, text: str, error: str | None = None
+        self, req: GenerationRequest, reason: FinishReason, error: str | None = None
     ) -> None:
         row = req.row
         if row is not None and self._running.get(row) is req:
@@ -395,17 +434,16 @@ class BatchScheduler:
             finally:
                 with self._cond:
                     del self._running[row]
-                    heapq.heappush(self._free, row)
-        self._finish(req, reason, text, error)
+                    self._free.append(row)
+        self._finish(req, reason, error)
 
     def _finish(
-        self, req: GenerationRequest, reason: FinishReason, text: str, error: str | None = None
+        self, req: GenerationRequest, reason: FinishReason, error: str | None = None
     ) -> None:
-        req.state = RequestState.FINISHED
         req.emit(
             FinishEvent(
                 reason=reason,
-                text=text,
+                text="",
                 prompt_tokens=len(req.prompt),
                 completion_tokens=len(req.decoder.tokens),
                 timings=req.timings(),
