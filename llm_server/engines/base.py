@@ -42,6 +42,9 @@ class Engine(Protocol):
     dtype: str  # "float32" | "float16" | "bfloat16"
     supports_batching: bool  # attn_mask input and rows > 1
     serial_reason: str | None  # why the engine serves one row although more were asked (S1)
+    # a fresh row copies a prompt prefix of at least this many tokens from another row that
+    # holds it (0: never); the planner holds a newcomer back a step to let it (planner.py)
+    shared_prefix_min: int
     dynamic_shapes: bool  # True when any batch size / query length can be fed (MLX)
     # True when a new input shape costs a compile or an allocation (Core ML, compiled graphs):
     # the scorer then pads the last chunk to SCORE_BUCKETS and rows to a power of two (C4).

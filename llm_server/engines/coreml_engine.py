@@ -124,6 +124,7 @@ class CoreMLEngine:
     padded_shapes = True  # q must be one of the enumerated sizes
     dtype = "float16"
     serial_reason = None  # the export's row count decides batching (probe.py)
+    shared_prefix_min = 0  # no prefix reuse on Core ML states
 
     def thread_exit(self) -> None:
         """Nothing is held per thread."""

@@ -207,6 +207,11 @@ class MLXEngine:
             self._row_tokens[row].extend(chunk)
         return logits[0]
 
+    @property
+    def shared_prefix_min(self) -> int:
+        """The shortest prefix a fresh row copies from another row (0: no prefix reuse)."""
+        return self.prefix_cache.min_tokens if self.prefix_cache.enabled else 0
+
     def _open(self, row: int, tokens: list[int]) -> int:
         """Reset `row` for a new prompt and copy in the longest prefix held elsewhere (prefix
         cache, or a running row); returns the positions reused (the row's cursor)."""

@@ -195,18 +195,7 @@ class BatchScheduler:
 
     def _main(self) -> None:
         try:
-            self.engine = self._factory()
-            rows = min(self.max_concurrent, self.engine.rows)
-            if rows < self.max_concurrent:
-                reason = self.engine.serial_reason  # S1: one warning, saying why
-                log.warning(
-                    "serving %d request(s) at a time instead of %d: %s",
-                    rows,
-                    self.max_concurrent,
-                    reason or f"the model has {self.engine.rows} row(s)",
-                )
-                self.max_concurrent = rows
-            self._free = list(range(rows))
+            self.load()
         except BaseException as exc:  # noqa: BLE001 - reported through wait_ready/health
             self.load_error = exc
             self.ready.set()
@@ -214,17 +203,38 @@ class BatchScheduler:
         self.ready.set()
         try:
             while self._wait_for_work():
-                self._serve_leases()
-                step = self._plan()
-                self._apply(step)
-                if step.forward:
-                    self._execute(step)
-                if step.score and self.pump is not None:
-                    self._pipeline.drop(self.engine)
-                    self.pump.run_batch(self.engine)
+                self.step()
         finally:
             self._pipeline.drop(self.engine)  # leave nothing computing when the thread ends
             self.engine.thread_exit()
+
+    def load(self) -> None:
+        """Make the engine and decide the row count (S1: fewer rows than asked, one warning)."""
+        self.engine = self._factory()
+        rows = min(self.max_concurrent, self.engine.rows)
+        if rows < self.max_concurrent:
+            log.warning(
+                "serving %d request(s) at a time instead of %d: %s",
+                rows,
+                self.max_concurrent,
+                self.engine.serial_reason or f"the model has {self.engine.rows} row(s)",
+            )
+            self.max_concurrent = rows
+        self._free = list(range(rows))
+
+    def step(self) -> StepPlan:
+        """One step boundary on the calling thread (the scheduler thread; tests drive it
+        directly): serve leases (S6), plan, apply the plan's bookkeeping, run its forward and
+        commit it, then let the scorer run (C1). Returns the plan it executed."""
+        self._serve_leases()
+        step = self._plan()
+        self._apply(step)
+        if step.forward:
+            self._execute(step)
+        if step.score and self.pump is not None:
+            self._pipeline.drop(self.engine)
+            self.pump.run_batch(self.engine)
+        return step
 
     def _has_work(self) -> bool:
         return bool(
@@ -281,6 +291,7 @@ class BatchScheduler:
                 self.step_tokens,
                 admit=not in_flight,  # the step in flight is for the current rows
                 score=self.pump is not None and self.pump.pending() and not self._leases,
+                share_min=self.engine.shared_prefix_min,
             )
 
     def _apply(self, step: StepPlan) -> None:
@@ -353,7 +364,8 @@ class BatchScheduler:
         else:
             self._commit(step, result, owners)
             self._pipeline.check(self._running, self.engine)
-        self.decode_steps += 1
+        if step.decode:
+            self.decode_steps += 1
         if self.on_step is not None:
             self.on_step(time.perf_counter() - t0, len(step.decode) + len(step.prefill))
 

@@ -10,7 +10,10 @@ MLX (tests/scheduler/test_plan.py). The rules, in order:
   3. rows still in their prompt get the next chunk first, oldest request first, so a long prompt
      advances every step and is never overtaken by a newcomer;
   4. then queued requests take free rows in FIFO order (S3) while budget is left; a request
-     that cannot get a chunk this step stays at the head of the queue (no skipping);
+     that cannot get a chunk this step stays at the head of the queue (no skipping). A request
+     whose prompt shares at least `share_min` tokens with a prompt that is not computed that
+     far yet waits a step too, so it copies the prefix from that row instead of computing it
+     again (the engine copies only what a row holds when the step starts);
   5. the scorer runs after the forward when it has work and no lease waits (C1, S6).
 
 `budget` is `--step-tokens`: positions per forward, decode rows included (0: unlimited, every
@@ -34,10 +37,12 @@ def plan(
     *,
     admit: bool = True,
     score: bool = False,
+    share_min: int = 0,
 ) -> StepPlan:
     """The next step. `running`: row -> request; `free`: rows nobody holds; `admit`: False
     while a pipelined step for the current rows is in flight (newcomers join after it);
-    `score`: the scorer has work and no lease waits."""
+    `score`: the scorer has work and no lease waits; `share_min`: the shortest prompt prefix
+    the engine copies from another row (0: it never does)."""
     live = {row: req for row, req in running.items() if not req.cancelled.is_set()}
     retire = tuple(sorted(row for row in running if row not in live))
     queued = list(queue)
@@ -68,6 +73,8 @@ def plan(
                 break
             if req.cancelled.is_set():
                 continue
+            if share_min and _wait_for_prefix(req, live.values(), chunks, share_min):
+                break
             row = rows.pop(0)
             admissions.append(Admission(req.seq, row, req.exclusive))
             if req.exclusive:
@@ -90,3 +97,26 @@ def plan(
 def _chunk(req: GenerationRequest, row: int, start: int, left: int | None) -> PrefillChunk:
     end = len(req.prompt) if left is None else min(len(req.prompt), start + left)
     return PrefillChunk(req.seq, row, req.prompt, start, end)
+
+
+def _wait_for_prefix(
+    req: GenerationRequest,
+    running: Iterable[GenerationRequest],
+    chunks: list[PrefillChunk],
+    share_min: int,
+) -> bool:
+    """Whether a prompt prefilled in this step would give `req` a longer prefix next step than
+    the rows hold now."""
+    ready = max((min(_common(req.prompt, r.prompt), r.prefilled) for r in running), default=0)
+    wanted = max((_common(req.prompt, c.prompt) for c in chunks), default=0)
+    return wanted >= share_min and wanted > ready
+
+
+def _common(prompt: list[int], other) -> int:
+    """Length of the common prefix of prompt[:-1] (what a row may copy) and `other`."""
+    n = 0
+    for a, b in zip(prompt[:-1], other, strict=False):
+        if a != b:
+            break
+        n += 1
+    return n
