@@ -100,6 +100,7 @@ class BatchScheduler:
         # the latest request seq numbers in admission order (tests check FIFO); bounded so a
         # daemon running for days does not grow it
         self.admitted: collections.deque[int] = collections.deque(maxlen=4096)
+        self.step_trace: list[tuple[int, ...]] | None = None  # [] records each forward's seqs
         self._pipeline = Pipeline()  # the next decode step, started early (pipelined engines)
 
     # -- lifecycle -------------------------------------------------------------------
@@ -336,6 +337,9 @@ class BatchScheduler:
         step = self._live(step)
         if not step.forward:
             return
+        if self.step_trace is not None:
+            rows = (*step.decode_rows, *step.chunk_rows)
+            self.step_trace.append(tuple(self._running[r].seq for r in rows))
         t0 = time.perf_counter()
         try:
             if self.engine.pipelined and not step.prefill:
