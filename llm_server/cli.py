@@ -219,23 +219,6 @@ def _source(model: str | None) -> ModelSource:
         raise SystemExit(2) from None
 
 
-def engine_rows(model_path: Path, concurrent: int) -> int:
-    """Rows to serve with (S1): N when the graph supports batching, else 1 with a warning."""
-    if concurrent <= 1:
-        return 1
-    from llm_server.engines.probe import supports_batching
-
-    if supports_batching(model_path):
-        return concurrent
-    log.warning(
-        "--concurrent-requests %d: the model at %s does not support batching "
-        "(no attn_mask input or a batch dimension of 1); serving one request at a time",
-        concurrent,
-        model_path,
-    )
-    return 1
-
-
 def _bind(args: argparse.Namespace) -> tuple[socket.socket, str]:
     if args.uds:
         with contextlib.suppress(FileNotFoundError):

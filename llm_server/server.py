@@ -49,9 +49,7 @@ def make_service(
     step_tokens: int = DEFAULT_STEP_TOKENS,
 ) -> ModelService:
     """A started (loading) service for `model_path`; the engine loads on the scheduler thread."""
-    from llm_server.cli import engine_rows
-
-    rows = engine_rows(model_path, concurrent)
+    rows = concurrent  # the engine may serve fewer; BatchScheduler.load decides (S1)
     chosen = pick_backend(model_path, backend)
 
     def factory():
@@ -138,7 +136,6 @@ async def run_server(
             log.error("failed to load %s: %s", model_path, exc)
             server.should_exit = True
             return
-        state.loading = False
         log.info(
             "serving %s (%s, rows=%d)",
             model_id,

@@ -24,40 +24,6 @@ class Collected:
     finish: FinishEvent | None = None
 
 
-async def collect(handle: GenerationHandle, request: Request | None = None) -> Collected:
-    """Gather all events; a client disconnect cancels the request (S5)."""
-    out = Collected()
-
-    async def gather() -> None:
-        async for ev in handle.events():
-            if isinstance(ev, TokenEvent):
-                out.text += ev.text
-                out.token_ids.append(ev.token_id)
-                if ev.logprob is not None:
-                    out.logprobs.append(ev.logprob)
-            else:
-                out.text += ev.text
-                out.finish = ev
-
-    task = asyncio.ensure_future(gather())
-    watcher = asyncio.ensure_future(wait_disconnect(request)) if request is not None else None
-    try:
-        if watcher is None:
-            await task
-        else:
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():
-                handle.cancel()
-                await task
-    finally:
-        if watcher is not None:
-            watcher.cancel()
-        if not task.done():
-            task.cancel()
-            handle.cancel()
-    return out
-
-
 async def collect_many(
     handles: list[GenerationHandle], request: Request | None = None
 ) -> list[Collected]:
@@ -66,7 +32,7 @@ async def collect_many(
 
     async def gather(handle: GenerationHandle, out: Collected) -> None:
         async for ev in handle.events():
-            out.text += ev.text
+            out.text += ev.text  # a FinishEvent's text is always empty (a flushed delta: none)
             if isinstance(ev, TokenEvent):
                 out.token_ids.append(ev.token_id)
                 if ev.logprob is not None:

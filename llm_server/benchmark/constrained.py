@@ -98,7 +98,7 @@ def measure_step_times(model: Path, tokens: int) -> StepTimes:
     """Median step time of 4 plain rows vs 3 plain + 1 schema row (batched mode)."""
     svc = _service(model, 4, "batched")
     steps: list[tuple[float, int]] = []
-    svc.scheduler.on_step = lambda dt, rows: steps.append((dt, rows))
+    svc.scheduler.add_step_listener(lambda dt, rows: steps.append((dt, rows)))
     fmt = {"type": "json_schema", "json_schema": {"name": "words", "schema": LONG_SCHEMA}}
 
     async def phase(n_schema: int) -> JsonConstraint | None:

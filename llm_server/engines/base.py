@@ -40,7 +40,6 @@ class Engine(Protocol):
     context_length: int  # max positions per row
     vocab_size: int
     dtype: str  # "float32" | "float16" | "bfloat16"
-    supports_batching: bool  # attn_mask input and rows > 1
     serial_reason: str | None  # why the engine serves one row although more were asked (S1)
     # a fresh row copies a prompt prefix of at least this many tokens from another row that
     # holds it (0: never); the planner holds a newcomer back a step to let it (planner.py)

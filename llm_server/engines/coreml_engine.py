@@ -140,7 +140,6 @@ class CoreMLEngine:
         self.rows = int(manifest["rows"])
         self.context_length = int(manifest["context_length"])
         self.vocab_size = int(manifest["vocab_size"])
-        self.supports_batching = self.rows > 1
         self._states = {"decode": self.model.make_state(), "score": None}
         self._driver = RowDriver(self.rows, self.context_length, manifest["q_sizes"], self._forward)
 

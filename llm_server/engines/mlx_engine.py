@@ -36,6 +36,7 @@ from llm_server.engines.layout import (
     row_views,
 )
 from llm_server.engines.prefix_cache import PrefixCache
+from llm_server.engines.probe import supports_batching
 from llm_server.engines.row_cache import ForwardPlan, RowStore, row_mask
 from llm_server.engines.row_state import StateStore
 from llm_server.engines.score_reduce import reduce_logits_mlx, reduce_logprobs
@@ -84,6 +85,8 @@ class MLXEngine:
             raise FileNotFoundError(f"{path} is not a model folder (no config.json)")
         if rows < 1:
             raise ValueError(f"rows must be >= 1, got {rows}")
+        if rows > 1 and not supports_batching(path):
+            rows = 1  # an export with one row or no attn_mask (the scheduler warns, S1)
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         config = json.loads((path / "config.json").read_text())
@@ -139,7 +142,6 @@ class MLXEngine:
         """Empty rows (`rows` of them, 1 when serving serially) and the prefix cache."""
         serial = self.serial_reason is not None
         self.rows = 1 if serial else rows
-        self.supports_batching = self.rows > 1
         # a recurrent state cannot be rewound: a step is never started before the last one
         # finished (a cancelled early step would have advanced it), and no prefix is reused
         rewindable = not (self._layout.stateful or serial)

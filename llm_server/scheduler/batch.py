@@ -80,7 +80,8 @@ class BatchScheduler:
         self.max_concurrent = max_concurrent
         self.max_queued = max_queued
         self.retry_after = retry_after
-        self.on_step = on_step
+        # called after every forward with (seconds, rows in it), on the scheduler thread
+        self._step_listeners: list[Callable[[float, int], None]] = [on_step] if on_step else []
         # positions per forward, decode rows included (0: whole prompts, as before issue 17)
         self.step_tokens = step_tokens
         self.engine: Engine | None = None
@@ -159,6 +160,11 @@ class BatchScheduler:
         with self._cond:
             self._cond.notify_all()
 
+    def add_step_listener(self, listener: Callable[[float, int], None]) -> None:
+        """Call `listener(seconds, rows)` after every forward (metrics, benchmarks); it runs on
+        the scheduler thread and must not block."""
+        self._step_listeners.append(listener)
+
     def lease(self) -> Lease:
         """Queue an exclusive lease; wait on `lease.granted` (FIFO among holders)."""
         lease = Lease(self.wake)
@@ -218,7 +224,8 @@ class BatchScheduler:
                 "serving %d request(s) at a time instead of %d: %s",
                 rows,
                 self.max_concurrent,
-                self.engine.serial_reason or f"the model has {self.engine.rows} row(s)",
+                self.engine.serial_reason
+                or f"the model does not support batching ({self.engine.rows} row(s) in its graph)",
             )
             self.max_concurrent = rows
         self._free = list(range(rows))
@@ -370,8 +377,9 @@ class BatchScheduler:
             self._pipeline.check(self._running, self.engine)
         if step.decode:
             self.decode_steps += 1
-        if self.on_step is not None:
-            self.on_step(time.perf_counter() - t0, len(step.decode) + len(step.prefill))
+        seconds, rows = time.perf_counter() - t0, len(step.decode) + len(step.prefill)
+        for listener in self._step_listeners:
+            listener(seconds, rows)
 
     def _live(self, step: StepPlan) -> StepPlan:
         """`step` without the rows an exclusive admission or a retirement has since freed."""

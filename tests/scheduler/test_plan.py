@@ -25,7 +25,6 @@ class FakeEngine:
     dynamic_shapes = True
     padded_shapes = False
     pipelined = False
-    supports_batching = True
     serial_reason = None
     dtype = "float32"
     vocab_size = VOCAB
