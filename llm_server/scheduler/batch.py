@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 # the default --step-tokens: positions per forward (decode rows + prompt chunks); measured on
 # SmolLM2 (docs/ARCHITECTURE.md "Step budget")
-DEFAULT_STEP_TOKENS = 256
+DEFAULT_STEP_TOKENS = 128
 
 
 class Pump(Protocol):
