@@ -146,8 +146,6 @@ async def _chat_stream(
             yield sse(error_body(500, "the model failed while generating this request"))
             break
         finishes[i] = ev
-        if ev.text:
-            yield chunk(i, {"content": ev.text})
         yield chunk(i, {}, finish=finish_reason(ev))
     if chat.include_usage and all(f is not None for f in finishes):
         first = finishes[0]

@@ -32,8 +32,8 @@ async def collect_many(
 
     async def gather(handle: GenerationHandle, out: Collected) -> None:
         async for ev in handle.events():
-            out.text += ev.text  # a FinishEvent's text is always empty (a flushed delta: none)
             if isinstance(ev, TokenEvent):
+                out.text += ev.text
                 out.token_ids.append(ev.token_id)
                 if ev.logprob is not None:
                     out.logprobs.append(ev.logprob)

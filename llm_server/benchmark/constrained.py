@@ -19,6 +19,7 @@ from pathlib import Path
 
 from llm_server.constrained import JsonConstraint, build_constraint
 from llm_server.decoding import SamplingParams
+from llm_server.scheduler import TokenEvent
 from llm_server.service import ModelService
 
 PLAIN_PROMPTS = [
@@ -89,7 +90,8 @@ async def _request(svc: ModelService, content: str, max_tokens: int, fmt: dict |
     handle = svc.start_generation(prompt, params, constraint)
     text = ""
     async for ev in handle.events():
-        text += ev.text
+        if isinstance(ev, TokenEvent):
+            text += ev.text
     fin = handle.finish
     return text, fin.completion_tokens, fin.reason.value, time.perf_counter() - t0, constraint
 

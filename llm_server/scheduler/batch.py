@@ -467,7 +467,6 @@ class BatchScheduler:
         req.emit(
             FinishEvent(
                 reason=reason,
-                text="",
                 prompt_tokens=len(req.prompt),
                 completion_tokens=len(req.decoder.tokens),
                 timings=req.timings(),

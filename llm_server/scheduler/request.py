@@ -48,7 +48,6 @@ class FinishEvent:
     """The last event of every request, whatever happened to it."""
 
     reason: FinishReason
-    text: str  # last text delta (flushed)
     prompt_tokens: int
     completion_tokens: int
     timings: Timings

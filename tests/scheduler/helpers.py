@@ -27,7 +27,6 @@ class Outcome:
             self.tokens.append(ev.token_id)
             self.text += ev.text
         else:
-            self.text += ev.text
             self.finish = ev
             self.done.set()
 
