@@ -35,13 +35,13 @@ from llm_server.engines.layout import (
     model_family,
     row_views,
 )
+from llm_server.engines.mlx_steps import StepRunner
 from llm_server.engines.prefix_cache import PrefixCache
 from llm_server.engines.probe import supports_batching
 from llm_server.engines.row_cache import ForwardPlan, RowStore, row_mask
 from llm_server.engines.row_state import StateStore
 from llm_server.engines.score_reduce import reduce_logits_mlx, reduce_logprobs
 from llm_server.engines.selfcheck import VERIFIED_FAMILIES, row_forward_problem
-from llm_server.engines.step import PrefillChunk, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ PREFILL_CHUNK = 512  # prompt positions per prefill forward (bounds activation m
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
-class MLXEngine:
+class MLXEngine(StepRunner):
     """Engine protocol implementation on MLX (Metal on a Mac, the CPU on Linux)."""
 
     name = "mlx"
@@ -232,88 +232,6 @@ class MLXEngine:
         self._row_tokens[row] = tokens[:reused]
         self.row_cached[row] = reused
         return reused
-
-    def run(self, plan: StepPlan) -> StepResult:
-        """Execute a step plan: the decode rows and every prompt chunk in ONE forward (the
-        fused layers; separate graphs evaluated together otherwise). Rows advance only when
-        the whole forward succeeded."""
-        if not plan.prefill:
-            if not plan.decode:
-                return StepResult((), np.zeros((0, self.vocab_size), np.float32))
-            rows = [d.row for d in plan.decode]
-            return StepResult(tuple(rows), self.decode(rows, [d.token for d in plan.decode]))
-        groups: list[tuple[list[int], list[int], list[list[int]]]] = []
-        rows = [d.row for d in plan.decode]
-        for r in {*rows, *(c.row for c in plan.prefill)}:
-            self._check_row(r)
-            if self._ahead[r]:
-                raise RuntimeError(f"row {r} has a decode step in flight")
-        if rows:
-            starts = [self.cursor(r) for r in rows]
-            if max(starts) >= self.context_length:
-                raise EngineError(f"a row is full ({self.context_length} positions)")
-            groups.append((rows, starts, [[d.token] for d in plan.decode]))
-        before = self._states.snapshot([*rows, *(c.row for c in plan.prefill)])
-        cached: dict[int, int] = {}
-        segments: list[tuple[PrefillChunk, list[int]]] = []
-        try:
-            for chunk in plan.prefill:
-                prompt = [int(t) for t in chunk.prompt]
-                if chunk.fresh:
-                    if not prompt or len(prompt) > self.context_length:
-                        raise ValueError(f"a prompt of {len(prompt)} tokens cannot be run")
-                    start = cached[chunk.row] = self._open(chunk.row, prompt)
-                else:
-                    start = chunk.start
-                    if start != self.cursor(chunk.row):
-                        raise ValueError(f"row {chunk.row} is at {self.cursor(chunk.row)}")
-                seg = prompt[start : min(len(prompt), start + chunk.tokens)]
-                segments.append((chunk, seg))
-                groups.append(([chunk.row], [start], [seg]))
-            logits = self._run_groups(groups)
-        except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
-            self._states.restore(before)
-            for chunk in plan.prefill:
-                if chunk.fresh:
-                    self._row_tokens[chunk.row] = []  # opened for this step: back to empty
-            if isinstance(exc, EngineError):
-                raise
-            raise EngineError(f"forward failed: {exc}") from exc
-        for d in plan.decode:
-            self._row_tokens[d.row].append(int(d.token))
-        picked = list(range(len(rows)))
-        cursors: dict[int, int] = {}
-        for i, (chunk, seg) in enumerate(segments):
-            self._row_tokens[chunk.row].extend(int(t) for t in seg)
-            cursors[chunk.row] = self.cursor(chunk.row)
-            if cursors[chunk.row] == len(chunk.prompt):
-                picked.append(len(rows) + i)
-        out_rows = tuple(rows + [c.row for c, _ in segments if cursors[c.row] == len(c.prompt)])
-        return StepResult(out_rows, logits[picked], cursors, cached)
-
-    def _run_groups(self, groups: list[tuple[list[int], list[int], list[list[int]]]]):
-        """Logits [rows, vocab] (numpy) of each group row's last position, evaluated now."""
-        positions = sum(len(rows) * len(toks[0]) for rows, _, toks in groups)
-        split = self._split(positions)
-        with blas.threads(1) if split else nullcontext():
-            self._store.ensure(max(max(s) + len(t[0]) for _, s, t in groups))
-            if self._fused is not None:
-                parts = []
-                for rows, starts, toks in groups:
-                    ids = mx.array(np.asarray(toks, dtype=np.int32))
-                    plan = self._forward_plan(rows, starts, ids.shape[1])
-                    views = row_views(self._layout, self._store, self._states, plan)
-                    parts.append((ids, views, starts, plan.mask))
-                logits = self._fused.forward_groups(parts, split).astype(mx.float32)
-            else:
-                logits = mx.concatenate(
-                    [
-                        self._graph(rows, starts, mx.array(np.asarray(t, dtype=np.int32)), split)
-                        for rows, starts, t in groups
-                    ]
-                )
-            mx.eval(logits, *self._held())
-        return np.array(logits, copy=False)
 
     def _live_prefix(self, row: int, tokens: list[int]) -> tuple[int, int]:
         """The other row holding the longest prefix of `tokens` (all but the last) and its

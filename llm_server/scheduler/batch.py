@@ -1,19 +1,20 @@
 """The batch scheduler: one thread owns the engine and advances every running row together.
 
-Algorithm, once per step boundary:
-  1. serve exclusive leases (the batch is paused while one is held);
-  2. retire cancelled rows and skip cancelled queued requests;
-  3. admit queued requests into free rows in FIFO order: prefill, sample the first token;
-  4. one batched decode forward for all running rows, each at its own cursor; sample per row;
-     rows that hit EOS, a stop sequence or their limit retire and free their slot;
-  5. let the scorer run one padded scoring batch on its own session (C1).
+Once per step boundary (`step()`):
+  1. serve exclusive leases (the batch is paused while one is held, S6);
+  2. plan the step (planner.plan, pure): rows to retire, queued requests to drop or admit (FIFO),
+     decode rows, prompt chunks under the `--step-tokens` budget, whether the scorer runs;
+  3. apply its bookkeeping: retire, drop, give admitted requests their rows;
+  4. run its forward (`engine.run`, or the pipeline for greedy decode-only steps) and commit:
+     sample per row, emit, retire rows that hit EOS, a stop sequence or their limit
+     (executor.py);
+  5. let the scorer run one padded scoring chunk on its own session (C1).
 An idle scheduler sleeps on a condition variable, so a lone request starts at once (S7).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import threading
 import time
@@ -23,7 +24,8 @@ from typing import Any, Protocol
 
 from llm_server.decoding import FinishReason
 from llm_server.engines.base import Engine
-from llm_server.engines.step import StepPlan, StepResult
+from llm_server.engines.step import StepPlan
+from llm_server.scheduler.executor import PlanExecutor
 from llm_server.scheduler.lease import Lease
 from llm_server.scheduler.pipelining import Pipeline
 from llm_server.scheduler.planner import plan
@@ -60,7 +62,7 @@ class SchedulerStats:
     last_error: str | None
 
 
-class BatchScheduler:
+class BatchScheduler(PlanExecutor):
     """Serves generation requests on `max_concurrent` rows of one engine (S1-S8)."""
 
     def __init__(
@@ -323,108 +325,6 @@ class BatchScheduler:
             req.started_at = time.monotonic()
             if adm.exclusive:
                 self._run_exclusive(req)
-
-    def _run_exclusive(self, req: GenerationRequest) -> None:
-        """Decode `req` alone to completion while the other rows wait (lease mode)."""
-        try:
-            logits = self.engine.prefill(req.row, req.prompt)
-            req.prefilled = len(req.prompt)
-            req.cached_tokens = self.engine.cached_tokens(req.row)
-            while self._advance(req, logits):
-                if req.cancelled.is_set():
-                    self._retire(req, FinishReason.CANCELLED)
-                    return
-                logits = self.engine.decode([req.row], [req.last_token])[0]
-        except Exception as exc:  # noqa: BLE001
-            self._fail(req, exc)
-
-    def _execute(self, step: StepPlan) -> None:
-        """Run the plan's forward and commit it; a failed forward is retried per request so
-        the error stays with the request that caused it (S8)."""
-        step = self._live(step)
-        if not step.forward:
-            return
-        if self.step_trace is not None:
-            rows = (*step.decode_rows, *step.chunk_rows)
-            self.step_trace.append(tuple(self._running[r].seq for r in rows))
-        t0 = time.perf_counter()
-        try:
-            if self.engine.pipelined and not step.prefill:
-                reqs = [self._running[d.row] for d in step.decode]
-                step_reqs, logits = self._pipeline.step(
-                    self.engine, reqs, self._running, self._may_speculate()
-                )
-                result = StepResult(tuple(r.row for r in step_reqs), logits)
-                owners = {r.row: r for r in step_reqs}  # the step in flight may predate a retire
-            else:
-                self._pipeline.drop(self.engine)  # prompt chunks never ride a speculated step
-                result, owners = self.engine.run(step), None
-        except Exception as exc:  # noqa: BLE001 - retry per request so the error stays put (S8)
-            self._pipeline.drop(self.engine)
-            log.warning(
-                "a step of %d positions failed (%s); retrying per request", step.tokens, exc
-            )
-            self.last_error = str(exc)
-            for alone in [StepPlan(decode=(d,)) for d in step.decode] + [
-                StepPlan(prefill=(c,)) for c in step.prefill
-            ]:
-                try:
-                    self._commit(alone, self.engine.run(alone))
-                except Exception as row_exc:  # noqa: BLE001
-                    self._fail(self._running[(alone.decode or alone.prefill)[0].row], row_exc)
-        else:
-            self._commit(step, result, owners)
-            self._pipeline.check(self._running, self.engine)
-        if step.decode:
-            self.decode_steps += 1
-        seconds, rows = time.perf_counter() - t0, len(step.decode) + len(step.prefill)
-        for listener in self._step_listeners:
-            listener(seconds, rows)
-
-    def _live(self, step: StepPlan) -> StepPlan:
-        """`step` without the rows an exclusive admission or a retirement has since freed."""
-        decode = tuple(d for d in step.decode if d.row in self._running)
-        chunks = tuple(
-            c for c in step.prefill if getattr(self._running.get(c.row), "seq", None) == c.seq
-        )
-        if decode == step.decode and chunks == step.prefill:
-            return step
-        return dataclasses.replace(step, decode=decode, prefill=chunks)
-
-    def _commit(
-        self,
-        step: StepPlan,
-        result: StepResult,
-        owners: dict[int, GenerationRequest] | None = None,
-    ) -> None:
-        """Note where prompts stand, sample each row's token, emit, retire the finished."""
-        for chunk in step.prefill:
-            req = self._running[chunk.row]
-            req.prefilled = result.cursors.get(chunk.row, len(req.prompt))
-            if chunk.fresh:
-                req.cached_tokens = result.cached.get(chunk.row, 0)
-        reqs = owners or {r: self._running[r] for r in (*step.decode_rows, *step.chunk_rows)}
-        for row, row_logits in zip(result.rows, result.logits, strict=True):
-            req = reqs[row]
-            if self._running.get(row) is req:  # not retired since the step started
-                self._advance(req, row_logits)
-
-    def _may_speculate(self) -> bool:
-        """Nothing to admit, prefill, lease or score at the next step boundary."""
-        return not (
-            self._queue
-            or self._leases
-            or (self.pump is not None and self.pump.pending())
-            or any(r.prefilled < len(r.prompt) for r in self._running.values())
-        )
-
-    @property
-    def speculated_steps(self) -> int:
-        return self._pipeline.used
-
-    @property
-    def dropped_speculations(self) -> int:
-        return self._pipeline.dropped
 
     def _advance(self, req: GenerationRequest, logits: Any) -> bool:
         """Sample from one row's logits and emit; returns True while the request continues."""
