@@ -14,6 +14,7 @@ import uvicorn
 from llm_server.api.app import AppState, create_app
 from llm_server.api.request_log import RequestRecorder
 from llm_server.api.security import resolve_api_key
+from llm_server.scheduler.batch import DEFAULT_STEP_TOKENS
 from llm_server.service import ModelService, ServiceConfig
 from llm_server.shutdown import DrainingServer
 
@@ -47,11 +48,10 @@ def make_service(
     keep_quantized: bool = False,
     chat_template: str | None = None,
     tool_parser: str | None = None,
+    step_tokens: int = DEFAULT_STEP_TOKENS,
 ) -> ModelService:
     """A started (loading) service for `model_path`; the engine loads on the scheduler thread."""
-    from llm_server.cli import engine_rows
-
-    rows = engine_rows(model_path, concurrent)
+    rows = concurrent  # the engine may serve fewer; BatchScheduler.load decides (S1)
     chosen = pick_backend(model_path, backend)
 
     def factory():
@@ -82,6 +82,7 @@ def make_service(
         pooling=pooling,
         chat_template=chat_template,
         tool_parser=tool_parser,
+        step_tokens=step_tokens,
     )
     return ModelService(config, engine_factory or factory).start()
 
@@ -105,6 +106,7 @@ def service_from_args(
         keep_quantized=args.keep_quantized,
         chat_template=args.chat_template,
         tool_parser=getattr(args, "tool_parser", None),
+        step_tokens=args.step_tokens,
     )
 
 
@@ -140,7 +142,6 @@ async def run_server(
             log.error("failed to load %s: %s", model_path, exc)
             server.should_exit = True
             return
-        state.loading = False
         log.info(
             "serving %s (%s, rows=%d)",
             model_id,

@@ -21,6 +21,7 @@ from llm_server.fingerprint import system_fingerprint
 from llm_server.generation_config import load_sampling_defaults
 from llm_server.pooling import EmbeddingConfig, EmbeddingConfigError, load_embedding_config
 from llm_server.scheduler import BatchScheduler, FinishEvent, GenerationRequest, TokenEvent
+from llm_server.scheduler.batch import DEFAULT_STEP_TOKENS
 from llm_server.scheduler.embedder import Embedder
 from llm_server.scheduler.pumps import Pumps
 from llm_server.scheduler.request import Event
@@ -43,6 +44,7 @@ class ServiceConfig:
     chat_template: str | None = None  # overrides the checkpoint's (--chat-template FILE)
     tool_parser: str | None = None  # --tool-parser; None: detected from the chat template
     pooling: str | None = None  # "last" | "mean" | "cls": overrides the checkpoint's pooling
+    step_tokens: int = DEFAULT_STEP_TOKENS  # positions per forward (--step-tokens; 0: no limit)
 
 
 class EmbeddingsUnavailable(RuntimeError):
@@ -96,6 +98,7 @@ class ModelService:
             max_concurrent=config.concurrent_requests,
             max_queued=config.max_queued,
             on_step=on_step,
+            step_tokens=config.step_tokens,
         )
         # Scoring runs between decode steps on the engine's separate scoring session (C1).
         self.scorer = Scorer(

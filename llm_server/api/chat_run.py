@@ -51,7 +51,6 @@ def assemble(plan: ChatPlan, out: Collected) -> ChatOutput:
     answer = plan.output()
     for piece in out.pieces:
         answer.feed(piece)
-    answer.feed(out.finish.text if out.finish is not None else "", tokens=0)
     answer.finish()
     return answer
 
@@ -84,7 +83,7 @@ async def answer_deltas(
             return
         record_finish(request, ev)
         if ev.reason != FinishReason.ERROR:
-            for delta in answer.feed(ev.text, tokens=0) + answer.finish():
+            for delta in answer.finish():
                 yield delta
         yield Finished(ev, answer, tuple(tail))
         return

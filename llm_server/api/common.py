@@ -25,7 +25,6 @@ class AppState:
         self._service = service
         self._listeners: list[Callable[[ModelService], None]] = []
         self.model_id = model_id
-        self.loading = service is None or not service.ready
         self.draining = False
 
     @property

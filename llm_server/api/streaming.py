@@ -33,7 +33,6 @@ def _fold(out: Collected, ev: TokenEvent | FinishEvent) -> None:
         if ev.logprob is not None:
             out.logprobs.append(ev.logprob)
     else:
-        out.text += ev.text
         out.finish = ev
 
 

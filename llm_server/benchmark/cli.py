@@ -31,6 +31,7 @@ class Settings:
     scoring: bool
     constrained: bool
     prefix_cache: bool = False
+    step_tokens: int | None = None  # our server's --step-tokens (None: its default)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--scoring-prompts", type=int,
                    help=f"prompts in the scoring benchmark (default {FULL['scoring_prompts']}; 0 skips it)")  # fmt: skip
+    p.add_argument("--step-tokens", type=int,
+                   help="our server's --step-tokens (default: the server's; 0 runs each prompt whole "
+                   "when admitted, the admission of before issue 17)")  # fmt: skip
     p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx_lm.server comparison")
     p.add_argument("--prefix-cache", action="store_true",
                    help="also measure TTFT on a multi-turn workload with the prefix cache on and off")  # fmt: skip
@@ -82,6 +86,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
     requests = args.requests if args.requests is not None else base["requests"]
     max_tokens = args.max_tokens if args.max_tokens is not None else base["max_tokens"]
     scoring = args.scoring_prompts if args.scoring_prompts is not None else base["scoring_prompts"]
+    if args.step_tokens is not None and args.step_tokens < 0:
+        raise SystemExit("llm-benchmark: --step-tokens must be 0 or more")
     if requests < 1 or max_tokens < 1 or scoring < 0:
         raise SystemExit(
             "llm-benchmark: --requests and --max-tokens must be 1 or more, --scoring-prompts 0 or more"
@@ -95,7 +101,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         concurrencies=_concurrencies(args.concurrency or base["concurrency"]),
         requests=requests, max_tokens=max_tokens, scoring_prompts=scoring,
         mlx_lm=not args.no_mlx_lm, scoring=scoring > 0, constrained=args.constrained,
-        prefix_cache=args.prefix_cache,
+        prefix_cache=args.prefix_cache, step_tokens=args.step_tokens,
     )  # fmt: skip
 
 

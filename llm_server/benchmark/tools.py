@@ -15,6 +15,7 @@ from pathlib import Path
 
 from llm_server.api.chat_plan import plan_chat
 from llm_server.api.schemas import parse_chat
+from llm_server.scheduler import TokenEvent
 from llm_server.service import ModelService
 
 TOOLS = [
@@ -60,7 +61,8 @@ async def _round(
 
     async def drain(i: int) -> None:
         async for ev in handles[i].events():
-            texts[i] += ev.text
+            if isinstance(ev, TokenEvent):
+                texts[i] += ev.text
 
     t0 = time.perf_counter()
     await asyncio.gather(*(drain(i) for i in range(len(handles))))

@@ -238,6 +238,55 @@ class FusedDecoder:
             x = x + layer.down(act, split)
         return self.lm_head(inner.norm(x[:, -1, :] if last_only else x), split)
 
+    def forward_groups(self, groups: list[tuple[mx.array, list, list[int], object]], split: bool):
+        """Several row groups in ONE forward -> logits [rows, vocab] at each row's last position.
+
+        Each group is (ids [b, q], caches, starts, mask) as for `forward`: the decoding rows (q=1)
+        and each prompt chunk (one row, q=chunk length) are separate groups. Their positions are
+        packed into one sequence for the products (each weight is read once per step); attention
+        runs per group, each against its own rows' keys, so every row sees only its own history
+        and the result per row is the same as running it alone.
+        """
+        inner = self.model.model
+        sizes = [ids.shape[0] * ids.shape[1] for ids, *_ in groups]
+        x = mx.concatenate(
+            [
+                inner.embed_tokens(ids).reshape(1, n, -1)
+                for (ids, *_), n in zip(groups, sizes, strict=True)
+            ],
+            axis=1,
+        )  # [1, T, dim]
+        tables = [self._cos_sin(starts, ids.shape[1]) for ids, _, starts, _ in groups]
+        total = sum(sizes)
+        silu_mul = cpu_kernels.swiglu if total > 1 and cpu_kernels.on_cpu() else _silu_mul
+        for i, layer in enumerate(self.layers):
+            h = layer.norm_in(x)
+            outs, off = [], 0
+            for (ids, caches, _, mask), n, cos_sin in zip(groups, sizes, tables, strict=True):
+                hg = h[:, off : off + n].reshape(ids.shape[0], ids.shape[1], -1)
+                out = self._attention(layer, hg, caches[i], mask, cos_sin, split)
+                outs.append(out.reshape(1, n, -1))
+                off += n
+            x = x + (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1))
+            gu = layer.gate_up(layer.norm_post(x), split)
+            act = silu_mul(gu[..., : layer.inter], gu[..., layer.inter :])
+            x = x + layer.down(act, split)
+        last, off = [], 0
+        for (ids, *_), n in zip(groups, sizes, strict=True):
+            q = ids.shape[1]
+            last += range(off + q - 1, off + n, q)
+            off += n
+        return self.lm_head(inner.norm(x[0, mx.array(last)]), split)
+
+    def _cos_sin(self, starts: list[int], q: int):
+        """The rotary cos/sin of positions starts[b] + 0..q-1, [B, 1, q, Dh/2] each (None: the
+        layers' rope modules rotate instead)."""
+        if self.table is None:
+            return None
+        pos = mx.array(starts)[:, None] + mx.arange(q)[None, :]  # [B, q]
+        at = self.table[pos][:, None]  # [B, 1, q, Dh]
+        return at[..., : self.half], at[..., self.half :]
+
     def _attention(self, layer: _Layer, h, cache, mask, cos_sin, split: bool):
         hd, nh, nkv = layer.head_dim, layer.heads, layer.kv_heads
         b, q, _ = h.shape

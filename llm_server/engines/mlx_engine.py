@@ -36,7 +36,9 @@ from llm_server.engines.layout import (
     model_family,
     row_views,
 )
+from llm_server.engines.mlx_steps import StepRunner
 from llm_server.engines.prefix_cache import PrefixCache
+from llm_server.engines.probe import supports_batching
 from llm_server.engines.row_cache import ForwardPlan, RowStore, row_mask
 from llm_server.engines.row_state import StateStore
 from llm_server.engines.score_reduce import reduce_logits_mlx, reduce_logprobs
@@ -49,7 +51,7 @@ PREFILL_CHUNK = 512  # prompt positions per prefill forward (bounds activation m
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
-class MLXEngine:
+class MLXEngine(StepRunner):
     """Engine protocol implementation on MLX (Metal on a Mac, the CPU on Linux)."""
 
     name = "mlx"
@@ -84,6 +86,8 @@ class MLXEngine:
             raise FileNotFoundError(f"{path} is not a model folder (no config.json)")
         if rows < 1:
             raise ValueError(f"rows must be >= 1, got {rows}")
+        if rows > 1 and not supports_batching(path):
+            rows = 1  # an export with one row or no attn_mask (the scheduler warns, S1)
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         config = json.loads((path / "config.json").read_text())
@@ -141,7 +145,6 @@ class MLXEngine:
         """Empty rows (`rows` of them, 1 when serving serially) and the prefix cache."""
         serial = self.serial_reason is not None
         self.rows = 1 if serial else rows
-        self.supports_batching = self.rows > 1
         # a recurrent state cannot be rewound: a step is never started before the last one
         # finished (a cancelled early step would have advanced it), and no prefix is reused
         rewindable = not (self._layout.stateful or serial)
@@ -201,6 +204,22 @@ class MLXEngine:
         if self._ahead[row]:
             raise RuntimeError(f"row {row} has a decode step in flight; release it first")
         tokens = [int(t) for t in tokens]
+        reused = self._open(row, tokens)
+        logits = None
+        for start in range(reused, n, PREFILL_CHUNK):
+            chunk = tokens[start : start + PREFILL_CHUNK]
+            logits = self._forward_rows([row], [start], [chunk])
+            self._row_tokens[row].extend(chunk)
+        return logits[0]
+
+    @property
+    def shared_prefix_min(self) -> int:
+        """The shortest prefix a fresh row copies from another row (0: no prefix reuse)."""
+        return self.prefix_cache.min_tokens if self.prefix_cache.enabled else 0
+
+    def _open(self, row: int, tokens: list[int]) -> int:
+        """Reset `row` for a new prompt and copy in the longest prefix held elsewhere (prefix
+        cache, or a running row); returns the positions reused (the row's cursor)."""
         self._states.clear_row(row)
         if self.serial_reason is not None:
             self._serial_cache = make_cache(self.model)
@@ -215,12 +234,7 @@ class MLXEngine:
             self._store.write_prefix(row, entry.keys, entry.values, reused)
         self._row_tokens[row] = tokens[:reused]
         self.row_cached[row] = reused
-        logits = None
-        for start in range(reused, n, PREFILL_CHUNK):
-            chunk = tokens[start : start + PREFILL_CHUNK]
-            logits = self._forward_rows([row], [start], [chunk])
-            self._row_tokens[row].extend(chunk)
-        return logits[0]
+        return reused
 
     def _live_prefix(self, row: int, tokens: list[int]) -> tuple[int, int]:
         """The other row holding the longest prefix of `tokens` (all but the last) and its
@@ -372,18 +386,7 @@ class MLXEngine:
         """The (lazy) logits [B, vocab] float32 of each row's last position for ids [B, q]."""
         if self._serial_cache is not None:  # one row on mlx-lm's own caches
             return last_logits(self.model, self._inner, ids, self._serial_cache).astype(mx.float32)
-        q = ids.shape[1]
-        kv_len = max(starts) + q
-        self._store.ensure(kv_len)
-        plan = ForwardPlan(
-            rows=rows,
-            starts=starts,
-            length=q,
-            mask=row_mask(starts, q, kv_len),
-            kv_len=kv_len,
-            all_rows=rows == list(range(self.rows)),
-            group_axis=self._grouped_scores,
-        )
+        plan = self._forward_plan(rows, starts, ids.shape[1])
         views = row_views(self._layout, self._store, self._states, plan)
         if self._fused is not None:
             logits = self._fused.logits(ids, views, split=split)
@@ -393,6 +396,19 @@ class MLXEngine:
         else:  # the model's own head: soft-capping, scaled or tied embeddings...
             logits = last_logits(self.model, self._inner, ids, views)
         return logits.astype(mx.float32)
+
+    def _forward_plan(self, rows: list[int], starts: list[int], q: int) -> ForwardPlan:
+        kv_len = max(starts) + q
+        self._store.ensure(kv_len)
+        return ForwardPlan(
+            rows=rows,
+            starts=starts,
+            length=q,
+            mask=row_mask(starts, q, kv_len),
+            kv_len=kv_len,
+            all_rows=rows == list(range(self.rows)),
+            group_axis=self._grouped_scores,
+        )
 
     # -- scoring session -------------------------------------------------------------
 

@@ -80,6 +80,11 @@ class RecordingEngine:
         self.events.append("decode")
         return self._inner.decode(rows, tokens)
 
+    def run(self, plan):  # the scheduler's step: decode rows (and prompt chunks) in one forward
+        if plan.decode:
+            self.events.append("decode")
+        return self._inner.run(plan)
+
     def decode_start(self, rows, tokens):
         self.events.append("decode")
         return self._inner.decode_start(rows, tokens)
