@@ -238,8 +238,15 @@ class FusedDecoder:
             x = x + layer.down(act, split)
         return self.lm_head(inner.norm(x[:, -1, :] if last_only else x), split)
 
-    def forward_groups(self, groups: list[tuple[mx.array, list, list[int], object]], split: bool):
-        """Several row groups in ONE forward -> logits [rows, vocab] at each row's last position.
+    def forward_groups(
+        self,
+        groups: list[tuple[mx.array, list, list[int], object]],
+        split: bool,
+        every: frozenset[int] = frozenset(),
+    ):
+        """Several row groups in ONE forward -> logits [rows, vocab] at each row's last position
+        (every position, in order, of the one-row groups whose index is in `every`: a
+        speculative draft being verified).
 
         Each group is (ids [b, q], caches, starts, mask) as for `forward`: the decoding rows (q=1)
         and each prompt chunk (one row, q=chunk length) are separate groups. Their positions are
@@ -272,9 +279,9 @@ class FusedDecoder:
             act = silu_mul(gu[..., : layer.inter], gu[..., layer.inter :])
             x = x + layer.down(act, split)
         last, off = [], 0
-        for (ids, *_), n in zip(groups, sizes, strict=True):
+        for g, ((ids, *_), n) in enumerate(zip(groups, sizes, strict=True)):
             q = ids.shape[1]
-            last += range(off + q - 1, off + n, q)
+            last += range(off, off + n) if g in every else range(off + q - 1, off + n, q)
             off += n
         return self.lm_head(inner.norm(x[0, mx.array(last)]), split)
 

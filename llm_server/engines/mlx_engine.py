@@ -149,6 +149,8 @@ class MLXEngine(StepRunner):
         # finished (a cancelled early step would have advanced it), and no prefix is reused
         rewindable = not (self._layout.stateful or serial)
         self.pipelined = self._pipeline and rewindable
+        # drafts can be verified (logits at every position) and rejected positions dropped
+        self.speculative = rewindable and (self._fused is not None or self._plain_head)
         self._store = RowStore(self.num_layers, self.rows, self.context_length)
         states = [(i, c.size) for i, c in enumerate(self._layout.leaves) if c.kind != KV]
         self._states = StateStore([i for i, _ in states], self.rows, [n for _, n in states])
@@ -382,8 +384,16 @@ class MLXEngine(StepRunner):
                 raise EngineError(f"forward failed: {exc}") from exc
         return np.array(logits, copy=False)
 
-    def _graph(self, rows: list[int], starts: list[int], ids: mx.array, split: bool) -> mx.array:
-        """The (lazy) logits [B, vocab] float32 of each row's last position for ids [B, q]."""
+    def _graph(
+        self, rows: list[int], starts: list[int], ids: mx.array, split: bool, every: bool = False
+    ) -> mx.array:
+        """The (lazy) logits [B, vocab] float32 of each row's last position for ids [B, q]
+        (`every`: of each position of the one row, [q, vocab]; see `speculative`)."""
+        if every:
+            plan = self._forward_plan(rows, starts, ids.shape[1])
+            views = row_views(self._layout, self._store, self._states, plan)
+            hidden = self.model.model(ids, cache=views)[0]
+            return cpu_kernels.lm_head(self.model, hidden).astype(mx.float32)
         if self._serial_cache is not None:  # one row on mlx-lm's own caches
             return last_logits(self.model, self._inner, ids, self._serial_cache).astype(mx.float32)
         plan = self._forward_plan(rows, starts, ids.shape[1])

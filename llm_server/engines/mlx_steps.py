@@ -32,22 +32,38 @@ class StepRunner:
         """Execute a step plan: the decode rows and every prompt chunk in ONE forward (the
         fused layers; separate graphs evaluated together otherwise). Rows advance only when
         the whole forward succeeded."""
-        if not plan.prefill:
+        drafted = any(d.draft for d in plan.decode)
+        if not plan.prefill and not drafted:
             if not plan.decode:
                 return StepResult((), np.zeros((0, self.vocab_size), np.float32))
             rows = [d.row for d in plan.decode]
             return StepResult(tuple(rows), self.decode(rows, [d.token for d in plan.decode]))
+        if drafted and not self.speculative:
+            raise EngineError(f"{self.model_type}: drafts cannot be verified on this model")
         groups: list[tuple[list[int], list[int], list[list[int]]]] = []
         rows = [d.row for d in plan.decode]
         for r in {*rows, *(c.row for c in plan.prefill)}:
             self._check_row(r)
             if self._ahead[r]:
                 raise RuntimeError(f"row {r} has a decode step in flight")
-        if rows:
-            starts = [self.cursor(r) for r in rows]
+        # a drafted row is its own group: its pending token and draft, logits at every position
+        # (the draft is cut to the positions the row has left)
+        drafts = {
+            d.row: list(d.draft[: max(self.context_length - self.cursor(d.row) - 1, 0)])
+            for d in plan.decode
+            if d.draft and self.cursor(d.row) + 1 < self.context_length
+        }
+        plain = [d for d in plan.decode if d.row not in drafts]
+        if plain:
+            starts = [self.cursor(d.row) for d in plain]
             if max(starts) >= self.context_length:
                 raise EngineError(f"a row is full ({self.context_length} positions)")
-            groups.append((rows, starts, [[d.token] for d in plan.decode]))
+            groups.append(([d.row for d in plain], starts, [[d.token] for d in plain]))
+        every: set[int] = set()
+        for d in plan.decode:
+            if d.row in drafts:
+                every.add(len(groups))
+                groups.append(([d.row], [self.cursor(d.row)], [[d.token, *drafts[d.row]]]))
         before = self._states.snapshot([*rows, *(c.row for c in plan.prefill)])
         cached: dict[int, int] = {}
         segments: list[tuple[PrefillChunk, list[int]]] = []
@@ -65,7 +81,7 @@ class StepRunner:
                 seg = prompt[start : min(len(prompt), start + chunk.tokens)]
                 segments.append((chunk, seg))
                 groups.append(([chunk.row], [start], [seg]))
-            logits = self._run_groups(groups)
+            logits = self._run_groups(groups, frozenset(every))
         except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
             self._states.restore(before)
             for chunk in plan.prefill:
@@ -74,20 +90,46 @@ class StepRunner:
             if isinstance(exc, EngineError):
                 raise
             raise EngineError(f"forward failed: {exc}") from exc
+        # where each decode row's logits are: the plain rows first, then each drafted row's
+        # positions (the first predicts after the pending token, the rest after each draft id)
+        at = {d.row: i for i, d in enumerate(plain)}
+        off, verified = len(plain), {}
         for d in plan.decode:
             self._row_tokens[d.row].append(int(d.token))
-        picked = list(range(len(rows)))
+            if d.row in drafts:
+                n = len(drafts[d.row])
+                at[d.row] = off
+                verified[d.row] = logits[off + 1 : off + 1 + n]
+                self._row_tokens[d.row].extend(drafts[d.row])  # until `rewind` drops rejects
+                off += n + 1
+        picked = [at[r] for r in rows]
         cursors: dict[int, int] = {}
         for i, (chunk, seg) in enumerate(segments):
             self._row_tokens[chunk.row].extend(int(t) for t in seg)
             cursors[chunk.row] = self.cursor(chunk.row)
             if cursors[chunk.row] == len(chunk.prompt):
-                picked.append(len(rows) + i)
+                picked.append(off + i)
         out_rows = tuple(rows + [c.row for c, _ in segments if cursors[c.row] == len(c.prompt)])
-        return StepResult(out_rows, logits[picked], cursors, cached)
+        return StepResult(out_rows, logits[picked], cursors, cached, verified)
 
-    def _run_groups(self: MLXEngine, groups: list[tuple[list[int], list[int], list[list[int]]]]):
-        """Logits [rows, vocab] (numpy) of each group row's last position, evaluated now."""
+    def rewind(self: MLXEngine, row: int, cursor: int) -> None:
+        """Drop `row`'s positions from `cursor` on (a draft's rejected tokens): the row's token
+        list, hence what the prefix cache gets, holds only accepted tokens; the KV stored there
+        is overwritten by the next forward."""
+        self._check_row(row)
+        if not self.speculative:
+            raise EngineError(f"{self.model_type}: a row cannot be rewound")
+        if not 0 <= cursor <= self.cursor(row):
+            raise ValueError(f"row {row} holds {self.cursor(row)} positions, not {cursor}")
+        del self._row_tokens[row][cursor:]
+
+    def _run_groups(
+        self: MLXEngine,
+        groups: list[tuple[list[int], list[int], list[list[int]]]],
+        every: frozenset[int] = frozenset(),
+    ):
+        """Logits [rows, vocab] (numpy) of each group row's last position (every position of
+        the one-row groups in `every`), evaluated now."""
         positions = sum(len(rows) * len(toks[0]) for rows, _, toks in groups)
         split = self._split(positions)
         with blas.threads(1) if split else nullcontext():
@@ -99,12 +141,15 @@ class StepRunner:
                     plan = self._forward_plan(rows, starts, ids.shape[1])
                     views = row_views(self._layout, self._store, self._states, plan)
                     parts.append((ids, views, starts, plan.mask))
-                logits = self._fused.forward_groups(parts, split).astype(mx.float32)
+                args = (parts, split, every) if every else (parts, split)
+                logits = self._fused.forward_groups(*args).astype(mx.float32)
             else:
                 logits = mx.concatenate(
                     [
-                        self._graph(rows, starts, mx.array(np.asarray(t, dtype=np.int32)), split)
-                        for rows, starts, t in groups
+                        self._graph(
+                            rows, starts, mx.array(np.asarray(t, dtype=np.int32)), split, g in every
+                        )
+                        for g, (rows, starts, t) in enumerate(groups)
                     ]
                 )
             mx.eval(logits, *self._held())

@@ -23,7 +23,8 @@ class DecodeRow:
 
     row: int  # engine row
     token: int  # the input id: the row's last sampled token, written at the row's cursor
-    # speculative tokens would ride here later (draft ids verified in the same forward)
+    # drafted ids verified in the same forward (speculative decoding, scheduler/drafting.py):
+    # the row runs token + draft as its query and gets logits at every one of those positions
     draft: tuple[int, ...] = ()
 
 
@@ -73,7 +74,7 @@ class StepPlan:
     @property
     def tokens(self) -> int:
         """Positions the forward runs: one per decode row plus each chunk's length."""
-        return len(self.decode) + sum(c.tokens for c in self.prefill)
+        return sum(1 + len(d.draft) for d in self.decode) + sum(c.tokens for c in self.prefill)
 
     @property
     def decode_rows(self) -> tuple[int, ...]:
@@ -97,6 +98,9 @@ class StepResult:
     logits: np.ndarray  # [len(rows), vocab] float32: each row's last-position logits
     cursors: Mapping[int, int] = field(default_factory=dict)  # chunk row -> its new cursor
     cached: Mapping[int, int] = field(default_factory=dict)  # fresh row -> prefix tokens reused
+    # drafted row -> logits [n, vocab] after each of its first n draft ids (n <= its draft: cut
+    # where the row is full); the row's cursor moved past all n until the scheduler rewinds it
+    verified: Mapping[int, np.ndarray] = field(default_factory=dict)
 
 
 def run_by_primitives(engine: Engine, plan: StepPlan) -> StepResult:

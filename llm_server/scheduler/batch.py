@@ -22,10 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from llm_server.decoding import FinishReason
+from llm_server.decoding import FinishReason, StepOutput
 from llm_server.engines.base import Engine
 from llm_server.engines.step import StepPlan
 from llm_server.scheduler.executor import PlanExecutor
+from llm_server.scheduler.drafting import DraftState, eligible, propose
 from llm_server.scheduler.lease import Lease
 from llm_server.scheduler.pipelining import Pipeline
 from llm_server.scheduler.planner import plan
@@ -42,6 +43,9 @@ log = logging.getLogger(__name__)
 # the default --step-tokens: positions per forward (decode rows + prompt chunks); measured on
 # SmolLM2 (docs/ARCHITECTURE.md "Step budget")
 DEFAULT_STEP_TOKENS = 128
+# --speculative / --spec-tokens defaults (scheduler/drafting.py; measured in README)
+DEFAULT_SPECULATIVE = "off"
+DEFAULT_SPEC_TOKENS = 4
 
 
 class Pump(Protocol):
@@ -73,6 +77,8 @@ class BatchScheduler(PlanExecutor):
         retry_after: float = 1.0,
         on_step: Callable[[float, int], None] | None = None,
         step_tokens: int = DEFAULT_STEP_TOKENS,
+        speculative: str = DEFAULT_SPECULATIVE,
+        spec_tokens: int = DEFAULT_SPEC_TOKENS,
     ) -> None:
         if max_concurrent < 1:
             raise ValueError("max_concurrent must be >= 1")
@@ -86,6 +92,17 @@ class BatchScheduler(PlanExecutor):
         self._step_listeners: list[Callable[[float, int], None]] = [on_step] if on_step else []
         # positions per forward, decode rows included (0: whole prompts, as before issue 17)
         self.step_tokens = step_tokens
+        if speculative not in ("ngram", "off"):
+            raise ValueError("speculative must be 'ngram' or 'off'")
+        if spec_tokens < 0:
+            raise ValueError("spec_tokens must be >= 0")
+        # prompt-lookup drafts of up to spec_tokens ids per greedy row (drafting.py)
+        self.speculative = speculative
+        self.spec_tokens = spec_tokens
+        # tests: request -> the draft to verify (replaces prompt lookup and its back-off)
+        self.draft_hook: Callable[[GenerationRequest], tuple[int, ...]] | None = None
+        self.drafted_tokens = 0  # draft ids verified
+        self.accepted_tokens = 0  # draft ids kept
         self.engine: Engine | None = None
         self.pump: Pump | None = None
         self._cond = threading.Condition()
@@ -293,6 +310,7 @@ class BatchScheduler(PlanExecutor):
     def _plan(self) -> StepPlan:
         """The next step (planner.plan) on a consistent view of the queue and the rows."""
         in_flight = self._pipeline.pending_for(self._running, self.engine)
+        drafts = {} if in_flight else self._drafts()
         with self._cond:
             return plan(
                 self._queue,
@@ -302,7 +320,36 @@ class BatchScheduler(PlanExecutor):
                 admit=not in_flight,  # the step in flight is for the current rows
                 score=self.pump is not None and self.pump.pending() and not self._leases,
                 share_min=self.engine.shared_prefix_min,
+                drafts=drafts,
             )
+
+    def _drafts(self) -> dict[int, tuple[int, ...]]:
+        """Each decoding greedy row's draft for the next step (drafting.py); {} when off."""
+        if self.spec_tokens <= 0 or not getattr(self.engine, "speculative", False):
+            return {}
+        if self.speculative == "off" and self.draft_hook is None:
+            return {}
+        out: dict[int, tuple[int, ...]] = {}
+        for row, req in self._running.items():
+            if req.prefilled < len(req.prompt) or req.last_token is None:
+                continue
+            if req.cancelled.is_set() or not eligible(req):
+                continue
+            # the pending token and the draft must fit in max_tokens
+            room = min(self.spec_tokens, req.decoder.params.max_tokens - len(req.decoder.tokens))
+            if room <= 0:
+                continue
+            if req.draft is None:
+                req.draft = DraftState()
+            if self.draft_hook is not None:
+                draft = tuple(int(t) for t in self.draft_hook(req))[:room]
+            elif req.draft.wants():
+                draft = propose([*req.prompt, *req.decoder.tokens], room)
+            else:
+                continue
+            if draft:
+                out[row] = draft
+        return out
 
     def _apply(self, step: StepPlan) -> None:
         """The plan's bookkeeping before its forward: retire, drop, admit (S2, S3, S5)."""
@@ -334,6 +381,10 @@ class BatchScheduler(PlanExecutor):
         except Exception as exc:  # noqa: BLE001 - a decoding bug must not kill the thread
             self._fail(req, exc)
             return False
+        return self._emit(req, out)
+
+    def _emit(self, req: GenerationRequest, out: StepOutput) -> bool:
+        """Emit one sampled token; retire the request when it finished. True: it continues."""
         req.last_token = out.token_id
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()

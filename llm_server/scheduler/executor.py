@@ -52,7 +52,8 @@ class PlanExecutor:
             self.step_trace.append(tuple(self._running[r].seq for r in rows))
         t0 = time.perf_counter()
         try:
-            if self.engine.pipelined and not step.prefill:
+            drafted = any(d.draft for d in step.decode)
+            if self.engine.pipelined and not step.prefill and not drafted:
                 reqs = [self._running[d.row] for d in step.decode]
                 step_reqs, logits = self._pipeline.step(
                     self.engine, reqs, self._running, self._may_speculate()
@@ -107,10 +108,43 @@ class PlanExecutor:
             if chunk.fresh:
                 req.cached_tokens = result.cached.get(chunk.row, 0)
         reqs = owners or {r: self._running[r] for r in (*step.decode_rows, *step.chunk_rows)}
+        drafts = {d.row: d.draft for d in step.decode if d.draft}
         for row, row_logits in zip(result.rows, result.logits, strict=True):
             req = reqs[row]
-            if self._running.get(row) is req:  # not retired since the step started
+            if self._running.get(row) is not req:  # retired since the step started
+                continue
+            if row in result.verified:
+                self._accept(req, row_logits, drafts[row], result.verified[row])
+            else:
                 self._advance(req, row_logits)
+
+    def _accept(self: BatchScheduler, req: GenerationRequest, first, draft, verified) -> None:
+        """Commit a verified draft: sample position by position exactly as plain decoding
+        would (stop sequences, EOS and max_tokens end it where they fall), keep the draft ids
+        the choices matched plus one token, and rewind the row past the rejected ones (before
+        any retirement hands the row's tokens to the prefix cache)."""
+        n = len(verified)
+        base = self.engine.cursor(req.row) - n  # the cursor plain decoding would have now
+        outs, accepted, error = [], 0, None
+        try:
+            for i, logits in enumerate([first, *verified]):
+                out = req.decoder.step(logits, self.engine.context_length - base - i)
+                outs.append(out)
+                if out.finish is not None or i == n or out.token_id != draft[i]:
+                    break
+                accepted += 1
+        except Exception as exc:  # noqa: BLE001 - a decoding bug must not kill the thread
+            error = exc
+        self.engine.rewind(req.row, base + accepted)
+        self.drafted_tokens += n
+        self.accepted_tokens += accepted
+        if req.draft is not None:
+            req.draft.note(n, accepted)
+        for out in outs:
+            if not self._emit(req, out):
+                return
+        if error is not None:
+            self._fail(req, error)
 
     def _may_speculate(self: BatchScheduler) -> bool:
         """Nothing to admit, prefill, lease or score at the next step boundary."""

@@ -6,7 +6,8 @@ MLX (tests/scheduler/test_plan.py). The rules, in order:
 
   1. cancelled running rows retire and cancelled queued requests are dropped (S5);
   2. every running row whose prompt is complete decodes one token (S2); each costs one position
-     of the step budget;
+     of the step budget, plus one per id of the draft the scheduler gave it (`drafts`,
+     speculative decoding: scheduler/drafting.py), verified in the same forward;
   3. rows still in their prompt get the next chunk first, oldest request first, so a long prompt
      advances every step and is never overtaken by a newcomer;
   4. then queued requests take free rows in FIFO order (S3) while budget is left; a request
@@ -38,22 +39,26 @@ def plan(
     admit: bool = True,
     score: bool = False,
     share_min: int = 0,
+    drafts: Mapping[int, tuple[int, ...]] | None = None,
 ) -> StepPlan:
     """The next step. `running`: row -> request; `free`: rows nobody holds; `admit`: False
     while a pipelined step for the current rows is in flight (newcomers join after it);
     `score`: the scorer has work and no lease waits; `share_min`: the shortest prompt prefix
-    the engine copies from another row (0: it never does)."""
+    the engine copies from another row (0: it never does); `drafts`: row -> draft ids to
+    verify after its pending token."""
     live = {row: req for row, req in running.items() if not req.cancelled.is_set()}
     retire = tuple(sorted(row for row in running if row not in live))
     queued = list(queue)
     drop = tuple(req.seq for req in queued if req.cancelled.is_set())
 
+    drafts = drafts or {}
     decode = tuple(
-        DecodeRow(row, req.last_token)
+        DecodeRow(row, req.last_token, tuple(drafts.get(row, ())))
         for row, req in sorted(live.items())
         if req.prefilled >= len(req.prompt) and req.last_token is not None
     )
-    left = None if budget <= 0 else max(budget - len(decode), 1)
+    used = sum(1 + len(d.draft) for d in decode)
+    left = None if budget <= 0 else max(budget - used, 1)
 
     chunks: list[PrefillChunk] = []
     for req in sorted(

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llm_server.decoding import Decoder, FinishReason, TokenLogprob
+from llm_server.scheduler.drafting import DraftState
 
 
 class QueueFull(Exception):
@@ -78,6 +79,7 @@ class GenerationRequest:
     submitted_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     first_token_at: float | None = None
+    draft: DraftState | None = None  # speculative drafting record (None: never drafted)
     _wake: Callable[[], None] | None = None
 
     def cancel(self) -> None:
