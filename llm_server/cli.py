@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from llm_server.model_source import ModelSource, ModelSourceError, resolve_model_source
-from llm_server.scheduler.batch import DEFAULT_STEP_TOKENS
+from llm_server.scheduler.batch import DEFAULT_SPEC_TOKENS, DEFAULT_SPECULATIVE, DEFAULT_STEP_TOKENS
 
 log = logging.getLogger("llm_server")
 
@@ -58,6 +58,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="positions per forward, decoding rows included: a newcomer's prompt rides in the "
         f"decode forward in chunks of what is left (default {DEFAULT_STEP_TOKENS}; 0 runs each "
         "prompt whole when it is admitted, stalling the running rows meanwhile)",
+    )
+    p.add_argument(
+        "--speculative",
+        default=DEFAULT_SPECULATIVE,
+        choices=["ngram", "off"],
+        help="speculative decoding for greedy requests: 'ngram' drafts up to --spec-tokens ids "
+        "by prompt lookup (the row's last tokens matched in its prompt and output) and verifies "
+        "them in the batched forward; output is unchanged (default %(default)s)",
+    )
+    p.add_argument(
+        "--spec-tokens",
+        type=int,
+        default=DEFAULT_SPEC_TOKENS,
+        metavar="K",
+        help=f"most draft ids a row verifies per step (default {DEFAULT_SPEC_TOKENS})",
     )
     p.add_argument(
         "--dtype",
@@ -208,6 +223,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise SystemExit("llm-server: --max-queued must be 0 or more")
     if args.step_tokens < 0:
         raise SystemExit("llm-server: --step-tokens must be 0 (unlimited) or more")
+    if args.spec_tokens < 0:
+        raise SystemExit("llm-server: --spec-tokens must be 0 or more")
     if not 0 <= args.port <= 65535:
         raise SystemExit("llm-server: --port must be between 0 and 65535")
     if args.max_body_size < 1:

@@ -14,7 +14,7 @@ import uvicorn
 from llm_server.api.app import AppState, create_app
 from llm_server.api.request_log import RequestRecorder
 from llm_server.api.security import resolve_api_key
-from llm_server.scheduler.batch import DEFAULT_STEP_TOKENS
+from llm_server.scheduler.batch import DEFAULT_SPEC_TOKENS, DEFAULT_SPECULATIVE, DEFAULT_STEP_TOKENS
 from llm_server.service import ModelService, ServiceConfig
 from llm_server.shutdown import DrainingServer
 
@@ -49,6 +49,8 @@ def make_service(
     chat_template: str | None = None,
     tool_parser: str | None = None,
     step_tokens: int = DEFAULT_STEP_TOKENS,
+    speculative: str = DEFAULT_SPECULATIVE,
+    spec_tokens: int = DEFAULT_SPEC_TOKENS,
 ) -> ModelService:
     """A started (loading) service for `model_path`; the engine loads on the scheduler thread."""
     rows = concurrent  # the engine may serve fewer; BatchScheduler.load decides (S1)
@@ -83,6 +85,8 @@ def make_service(
         chat_template=chat_template,
         tool_parser=tool_parser,
         step_tokens=step_tokens,
+        speculative=speculative,
+        spec_tokens=spec_tokens,
     )
     return ModelService(config, engine_factory or factory).start()
 
@@ -107,6 +111,8 @@ def service_from_args(
         chat_template=args.chat_template,
         tool_parser=getattr(args, "tool_parser", None),
         step_tokens=args.step_tokens,
+        speculative=getattr(args, "speculative", DEFAULT_SPECULATIVE),
+        spec_tokens=getattr(args, "spec_tokens", DEFAULT_SPEC_TOKENS),
     )
 
 

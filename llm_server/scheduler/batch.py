@@ -25,8 +25,8 @@ from typing import Any, Protocol
 from llm_server.decoding import FinishReason, StepOutput
 from llm_server.engines.base import Engine
 from llm_server.engines.step import StepPlan
-from llm_server.scheduler.executor import PlanExecutor
 from llm_server.scheduler.drafting import DraftState, eligible, propose
+from llm_server.scheduler.executor import PlanExecutor
 from llm_server.scheduler.lease import Lease
 from llm_server.scheduler.pipelining import Pipeline
 from llm_server.scheduler.planner import plan
@@ -335,8 +335,9 @@ class BatchScheduler(PlanExecutor):
                 continue
             if req.cancelled.is_set() or not eligible(req):
                 continue
-            # the pending token and the draft must fit in max_tokens
-            room = min(self.spec_tokens, req.decoder.params.max_tokens - len(req.decoder.tokens))
+            # the step gives at most 1 + len(draft) tokens: no more than max_tokens allows
+            left = req.decoder.params.max_tokens - len(req.decoder.tokens)
+            room = min(self.spec_tokens, left - 1)
             if room <= 0:
                 continue
             if req.draft is None:

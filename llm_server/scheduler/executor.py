@@ -125,21 +125,24 @@ class PlanExecutor:
         any retirement hands the row's tokens to the prefix cache)."""
         n = len(verified)
         base = self.engine.cursor(req.row) - n  # the cursor plain decoding would have now
-        outs, accepted, error = [], 0, None
+        outs, kept, matched, error = [], 0, 0, None
         try:
             for i, logits in enumerate([first, *verified]):
                 out = req.decoder.step(logits, self.engine.context_length - base - i)
                 outs.append(out)
-                if out.finish is not None or i == n or out.token_id != draft[i]:
+                hit = i < n and out.token_id == draft[i]
+                matched += hit
+                if out.finish is not None or not hit:
                     break
-                accepted += 1
+                kept += 1  # its position holds the right token: the row keeps it
         except Exception as exc:  # noqa: BLE001 - a decoding bug must not kill the thread
             error = exc
-        self.engine.rewind(req.row, base + accepted)
+        # a finishing token is never fed back, as in plain decoding
+        self.engine.rewind(req.row, base + kept)
         self.drafted_tokens += n
-        self.accepted_tokens += accepted
+        self.accepted_tokens += matched
         if req.draft is not None:
-            req.draft.note(n, accepted)
+            req.draft.note(n, matched)
         for out in outs:
             if not self._emit(req, out):
                 return
