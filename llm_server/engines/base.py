@@ -55,6 +55,10 @@ class Engine(Protocol):
     # True when decode_start/decode_finish/decode_cancel exist: a step can be started on the
     # lazy greedy ids of a step still in flight (the scheduler pipelines greedy decoding)
     pipelined: bool
+    # True when `run` verifies decode rows' drafts (DecodeRow.draft: logits at every position,
+    # StepResult.verified) and `rewind(row, cursor)` drops rejected positions (MLX, rows
+    # without recurrent state); absent or False: the scheduler never drafts
+    speculative: bool
 
     def prefill(self, row: int, tokens: Sequence[int]) -> np.ndarray:
         """Reset `row`, run `tokens` through it (chunked); its cursor becomes len(tokens).
