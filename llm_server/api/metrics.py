@@ -34,6 +34,14 @@ class _SchedulerCollector(Collector):
             ),
             "llm_server_queue_length": ("requests waiting for a row", stats.queued if stats else 0),
             "llm_server_ready": ("1 once the model is loaded", 1 if stats else 0),
+            "llm_server_draft_tokens": (
+                "speculative draft tokens verified since start",
+                stats.drafted_tokens if stats else 0,
+            ),
+            "llm_server_draft_accepted_tokens": (
+                "speculative draft tokens accepted since start",
+                stats.accepted_tokens if stats else 0,
+            ),
         }
         cache = svc.prefix_cache_stats() if stats else None
         if cache is not None:

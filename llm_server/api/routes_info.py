@@ -42,6 +42,14 @@ async def health(request: Request) -> Response:
                 "context_length": svc.context_length,
                 "system_fingerprint": svc.fingerprint,
                 "last_error": stats.last_error,
+                "speculative": {
+                    "mode": svc.scheduler.speculative
+                    if getattr(svc.engine, "speculative", False)
+                    else "off",
+                    "spec_tokens": svc.scheduler.spec_tokens,
+                    "drafted_tokens": stats.drafted_tokens,
+                    "accepted_tokens": stats.accepted_tokens,
+                },
             }
         )
         cache = svc.prefix_cache_stats()

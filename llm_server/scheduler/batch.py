@@ -64,6 +64,8 @@ class SchedulerStats:
     decode_steps: int
     max_rows_busy: int  # high-water mark since start
     last_error: str | None
+    drafted_tokens: int = 0  # speculative draft ids verified since start
+    accepted_tokens: int = 0  # of those, the ones that matched the greedy choice
 
 
 class BatchScheduler(PlanExecutor):
@@ -211,6 +213,8 @@ class BatchScheduler(PlanExecutor):
                 decode_steps=self.decode_steps,
                 max_rows_busy=self.max_rows_busy,
                 last_error=self.last_error,
+                drafted_tokens=self.drafted_tokens,
+                accepted_tokens=self.accepted_tokens,
             )
 
     def idle(self) -> bool:

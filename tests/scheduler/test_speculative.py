@@ -269,3 +269,32 @@ def test_smollm2_repetitive_prompt_equals_off(default_model_path) -> None:
     _same(got, want)
     assert sched.accepted_tokens > 0
     _rows_hold_only_real_tokens(engine, [prompt], got)
+
+
+# -- over HTTP ------------------------------------------------------------------------
+
+
+def test_health_and_metrics_count_drafts_over_http(tiny_model_path, live_server) -> None:
+    import httpx
+    import openai
+
+    answers = {}
+    for mode in ("off", "ngram"):
+        srv = live_server(tiny_model_path, concurrent=2, speculative=mode, spec_tokens=K)
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x")
+        done = client.completions.create(
+            model=tiny_model_path.name,
+            prompt="abc abc abc abc abc abc abc abc abc abc",
+            max_tokens=24,
+            temperature=0,
+        )
+        answers[mode] = (done.choices[0].text, done.choices[0].finish_reason, done.usage)
+    assert answers["ngram"] == answers["off"]  # text, finish reason and usage alike
+    health = httpx.get(f"{srv.url}/health").json()["speculative"]
+    assert health["mode"] == "ngram" and health["spec_tokens"] == K
+    assert (
+        health["drafted_tokens"] > 0 and 0 <= health["accepted_tokens"] <= health["drafted_tokens"]
+    )
+    metrics = httpx.get(f"{srv.url}/metrics").text
+    assert f"llm_server_draft_tokens {float(health['drafted_tokens'])}" in metrics
+    assert f"llm_server_draft_accepted_tokens {float(health['accepted_tokens'])}" in metrics
