@@ -32,6 +32,8 @@ class Settings:
     constrained: bool
     prefix_cache: bool = False
     step_tokens: int | None = None  # our server's --step-tokens (None: its default)
+    workload: str = "chat"  # "chat": prompts.json; "edit": reproduce a passage with one change
+    speculative: str | None = None  # our server's --speculative (None: its default)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-tokens", type=int,
                    help="our server's --step-tokens (default: the server's; 0 runs each prompt whole "
                    "when admitted, the admission of before issue 17)")  # fmt: skip
+    p.add_argument("--workload", choices=["chat", "edit"], default="chat",
+                   help="chat: the 32 fixed chat prompts (default); edit: prompts asking to "
+                   "reproduce a given passage of code or text with one change (speculative decoding)")  # fmt: skip
+    p.add_argument("--speculative", choices=["ngram", "off"],
+                   help="our server's --speculative (default: the server's)")  # fmt: skip
     p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx_lm.server comparison")
     p.add_argument("--prefix-cache", action="store_true",
                    help="also measure TTFT on a multi-turn workload with the prefix cache on and off")  # fmt: skip
@@ -102,6 +109,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         requests=requests, max_tokens=max_tokens, scoring_prompts=scoring,
         mlx_lm=not args.no_mlx_lm, scoring=scoring > 0, constrained=args.constrained,
         prefix_cache=args.prefix_cache, step_tokens=args.step_tokens,
+        workload=args.workload, speculative=args.speculative,
     )  # fmt: skip
 
 

@@ -52,8 +52,13 @@ class OutputPaths:
     plot: Path
 
 
-def load_prompts() -> list[load.Prompt]:
-    """The 32 fixed chat prompts shipped with the package."""
+def load_prompts(workload: str = "chat") -> list[load.Prompt]:
+    """The 32 fixed chat prompts shipped with the package, or the edit prompts (reproduce a
+    passage with one change: speculative.EDIT_PASSAGES)."""
+    if workload == "edit":
+        from llm_server.benchmark.speculative import edit_messages
+
+        return [load.Prompt(f"edit-{i}", m) for i, m in enumerate(edit_messages())]
     text = resources.files("llm_server.benchmark").joinpath("prompts.json").read_text()
     return [load.Prompt(p["id"], p["messages"]) for p in json.loads(text)["prompts"]]
 
@@ -114,6 +119,8 @@ def _meta(s: Settings, prompts: list[load.Prompt]) -> dict:
         "requests": s.requests,
         "max_tokens": s.max_tokens,
         "step_tokens": s.step_tokens,
+        "workload": s.workload,
+        "speculative": s.speculative,
         "prompt_count": len(prompts),
         "blas_preload": servers.server_env().get("LD_PRELOAD"),
         "versions": {p: version(p) for p in ("llm-server", "mlx", "mlx-lm", "numpy")},
@@ -199,7 +206,11 @@ class _Progress:
 def _one_server(
     s: Settings, kind: str, c: int, count, prompts, progress: _Progress, state: dict
 ) -> None:
-    extra = () if s.step_tokens is None or kind != "ours" else ("--step-tokens", str(s.step_tokens))
+    extra: tuple[str, ...] = ()
+    if kind == "ours" and s.step_tokens is not None:
+        extra += ("--step-tokens", str(s.step_tokens))
+    if kind == "ours" and s.speculative is not None:
+        extra += ("--speculative", s.speculative)
     spec = servers.ServerSpec(kind, s.model, c, max_queued=max(s.requests, c), extra_args=extra)
     progress.phase(f"{kind} c={c}: starting")
     with servers.running(spec, s.out / "logs" / f"{kind}-c{c}.log") as srv:
@@ -243,7 +254,7 @@ def _constrained(s: Settings) -> dict:
 def run_benchmark(s: Settings) -> OutputPaths:
     """Everything, in order; servers are always stopped, also on errors and interrupts."""
     s.out.mkdir(parents=True, exist_ok=True)
-    prompts = load_prompts()
+    prompts = load_prompts(s.workload)
     tok = _tokenizer(s.model)
 
     def encode(text: str) -> list[int]:
