@@ -298,3 +298,33 @@ def test_health_and_metrics_count_drafts_over_http(tiny_model_path, live_server)
     metrics = httpx.get(f"{srv.url}/metrics").text
     assert f"llm_server_draft_tokens {float(health['drafted_tokens'])}" in metrics
     assert f"llm_server_draft_accepted_tokens {float(health['accepted_tokens'])}" in metrics
+
+
+# -- families -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("family", "speculates"),
+    [("smollm3", True), ("mistral", True), ("qwen3_next", False), ("gemma3_text", False)],
+)
+def test_families_speculate_only_where_rows_rewind(tmp_path, family, speculates) -> None:
+    """smollm3 (a layer without rotary) and mistral (sliding windows: every position is kept,
+    the window is a mask; not fused) verify drafts, exact with injected all-right drafts past
+    the window; recurrent state (qwen3_next) and a model's own head (gemma3_text: logits only
+    at the last position) never draft."""
+    from llm_server.testing.families import build_family_checkpoint
+
+    model = build_family_checkpoint(tmp_path / family, family)
+    ftok = Tokenizer(model)
+    prompts = PLAIN[:2]
+    want = _serve(model, ftok, prompts, 12, 2)[0]
+    refs = {tuple(p): w.tokens for p, w in zip(prompts, want, strict=True)}
+
+    def hook(req):
+        ref = refs[tuple(req.prompt)]
+        return ref[len(req.decoder.tokens) : len(req.decoder.tokens) + K]
+
+    got, sched, engine = _serve(model, ftok, prompts, 12, 2, hook=hook)
+    _same(got, want)
+    assert engine.speculative is speculates
+    assert (sched.accepted_tokens > 0) is speculates
