@@ -271,6 +271,19 @@ def test_smollm2_repetitive_prompt_equals_off(default_model_path) -> None:
     _rows_hold_only_real_tokens(engine, [prompt], got)
 
 
+@pytest.mark.slow
+def test_smollm2_four_rows_edit_and_chat_equal_off(default_model_path) -> None:
+    from llm_server.benchmark.speculative import chat_messages, edit_messages
+
+    smol_tok = Tokenizer(default_model_path)
+    prompts = [smol_tok.apply_chat_template(m) for m in edit_messages()[:2] + chat_messages(2)]
+    want = _serve(default_model_path, smol_tok, prompts, 32, 4)[0]
+    got, sched, engine = _serve(default_model_path, smol_tok, prompts, 32, 4, "ngram")
+    _same(got, want)
+    assert sched.accepted_tokens > 0
+    _rows_hold_only_real_tokens(engine, prompts, got)
+
+
 # -- over HTTP ------------------------------------------------------------------------
 
 
