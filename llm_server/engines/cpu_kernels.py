@@ -89,6 +89,11 @@ def _two_streams() -> tuple:
     return streams
 
 
+def split_streams() -> tuple:
+    """This thread's two CPU streams for split products (made on first use)."""
+    return _two_streams()
+
+
 def release_streams() -> None:
     """Finish and destroy this thread's split streams; call before the thread ends.
 

@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from llm_server.engines import cpu_kernels
+from llm_server.engines.compiled_step import CompiledSteps
 from llm_server.engines.layout import PLAIN_HEAD_MODULES, model_family
 from llm_server.engines.row_cache import RowView
 
@@ -159,6 +160,8 @@ class FusedDecoder:
         self.lm_head = lm_head
         self.table = table  # [positions, Dh] cos | sin, shared by every layer
         self.half = layers[0].head_dim // 2
+        # compiled decode steps (None: every step builds its graph eagerly)
+        self.compiled: CompiledSteps | None = CompiledSteps(self)
 
     @classmethod
     def build(cls, model, positions: int) -> FusedDecoder | None:
@@ -208,8 +211,22 @@ class FusedDecoder:
         return cls(model, layers, lm_head, table)
 
     def logits(self, ids: mx.array, views: list[RowView], split: bool) -> mx.array:
-        """ids [B, q] on the engine's rows -> logits [B, vocab] at each row's last position."""
+        """ids [B, q] on the engine's rows -> logits [B, vocab] at each row's last position.
+
+        A decode step (q = 1) on a store that holds every layer runs the compiled graph of its
+        shape (see compiled_step); the store's arrays are then replaced by the step's outputs.
+        """
         plan = views[0].plan
+        store = views[0].store
+        if (
+            self.compiled is not None
+            and plan.length == 1
+            and all(k is not None for k in store.keys)
+        ):
+            logits, store.keys, store.values = self.compiled.run(
+                ids, plan.rows, plan.starts, store.keys, store.values, split
+            )
+            return logits
         return self.forward(ids, views, plan.starts, plan.mask, split, last_only=True)
 
     def forward(
@@ -223,22 +240,69 @@ class FusedDecoder:
         """
         inner = self.model.model
         x = inner.embed_tokens(ids)  # [B, q, dim]
-        b, q = ids.shape
-        cos_sin = None
-        if self.table is not None:
-            pos = mx.array(starts)[:, None] + mx.arange(q)[None, :]  # [B, q]
-            at = self.table[pos][:, None]  # [B, 1, q, Dh]
-            cos_sin = (at[..., : self.half], at[..., self.half :])
+        q = ids.shape[1]
+        pos = mx.array(starts)[:, None] + mx.arange(q)[None, :]  # [B, q]
+        cos_sin = self._cos_sin(pos)
         # prompts on the CPU: numpy's SIMD sigmoid for large inputs (cpu_kernels.swiglu)
         silu_mul = cpu_kernels.swiglu if q > 1 and cpu_kernels.on_cpu() else _silu_mul
         for layer, cache in zip(self.layers, caches, strict=True):
-            x = x + self._attention(layer, layer.norm_in(x), cache, mask, cos_sin, split)
-            gu = layer.gate_up(layer.norm_post(x), split)
-            act = silu_mul(gu[..., : layer.inter], gu[..., layer.inter :])
-            x = x + layer.down(act, split)
+            queries, keys, values = self._qkv(layer, layer.norm_in(x), cache.offset, cos_sin, split)
+            keys, values = cache.update_and_fetch(keys, values)
+            x = x + self._attend(layer, queries, keys, values, mask, split)
+            x = x + self._mlp(layer, x, silu_mul, split)
         return self.lm_head(inner.norm(x[:, -1, :] if last_only else x), split)
 
-    def _attention(self, layer: _Layer, h, cache, mask, cos_sin, split: bool):
+    def compiled_body(self, ids, pos, mask, keys, values, write, read, split: bool):
+        """The decode step as `compiled_step` traces it: ids [B, 1], pos [B] int32, mask
+        [B, 1, 1, capacity] bool; `write(store, new)` puts a layer's new entries into its store
+        array, `read(store)` returns the step's rows of it. Returns (logits [B, vocab] float32,
+        the updated keys and values per layer).
+
+        Activations stay 2-D, [B, features] (one position per row): a product is then one
+        plain matmul, without the broadcast/flatten views a [B, 1, features] input adds.
+        """
+        inner = self.model.model
+        b = ids.shape[0]
+        x = inner.embed_tokens(ids.reshape(b))  # [B, dim]
+        cos_sin = self._cos_sin(pos[:, None])  # [B, 1, 1, Dh/2] each
+        new_keys, new_values = [], []
+        for i, layer in enumerate(self.layers):
+            hd, nh, nkv = layer.head_dim, layer.heads, layer.kv_heads
+            qkv = layer.qkv(layer.norm_in(x), split)  # [B, (H + 2 KV) * Dh]
+            queries = qkv[:, : nh * hd].reshape(b, nh, 1, hd)
+            k = qkv[:, nh * hd : (nh + nkv) * hd].reshape(b, nkv, 1, hd)
+            v = qkv[:, (nh + nkv) * hd :].reshape(b, nkv, 1, hd)
+            if layer.q_norm is not None:
+                queries, k = layer.q_norm(queries), layer.k_norm(k)
+            if cos_sin is None:
+                queries, k = layer.rope(queries, offset=pos), layer.rope(k, offset=pos)
+            else:
+                queries, k = _rotate(queries, *cos_sin), _rotate(k, *cos_sin)
+            new_keys.append(write(keys[i], k))
+            new_values.append(write(values[i], v))
+            out = mx.fast.scaled_dot_product_attention(
+                queries, read(new_keys[i]), read(new_values[i]), scale=layer.scale, mask=mask
+            )
+            x = x + layer.o(out.reshape(b, nh * hd), split)
+            gu = layer.gate_up(layer.norm_post(x), split)
+            x = x + layer.down(_silu_mul(gu[:, : layer.inter], gu[:, layer.inter :]), split)
+        logits = self.lm_head(inner.norm(x), split).astype(mx.float32)
+        return logits, new_keys, new_values
+
+    def _cos_sin(self, pos: mx.array) -> tuple[mx.array, mx.array] | None:
+        """pos [B, q] -> cos, sin [B, 1, q, Dh/2] from the table (None: no table)."""
+        if self.table is None:
+            return None
+        at = self.table[pos][:, None]  # [B, 1, q, Dh]
+        return at[..., : self.half], at[..., self.half :]
+
+    def _mlp(self, layer: _Layer, x: mx.array, silu_mul, split: bool) -> mx.array:
+        gu = layer.gate_up(layer.norm_post(x), split)
+        act = silu_mul(gu[..., : layer.inter], gu[..., layer.inter :])
+        return layer.down(act, split)
+
+    def _qkv(self, layer: _Layer, h: mx.array, offset, cos_sin, split: bool):
+        """h [B, q, dim] -> rotated queries [B, H, q, Dh], keys and values [B, KV, q, Dh]."""
         hd, nh, nkv = layer.head_dim, layer.heads, layer.kv_heads
         b, q, _ = h.shape
         qkv = layer.qkv(h, split)  # [B, q, (H + 2 KV) * Dh]
@@ -249,13 +313,17 @@ class FusedDecoder:
             queries, keys = layer.q_norm(queries), layer.k_norm(keys)
         queries, keys, values = (t.transpose(0, 2, 1, 3) for t in (queries, keys, values))
         if cos_sin is None:
-            queries = layer.rope(queries, offset=cache.offset)
-            keys = layer.rope(keys, offset=cache.offset)
+            queries = layer.rope(queries, offset=offset)
+            keys = layer.rope(keys, offset=offset)
         elif q == 1:
             queries, keys = _rotate(queries, *cos_sin), _rotate(keys, *cos_sin)
         else:  # not compiled: one compile per prompt length would pile up
             queries, keys = _rotate_eager(queries, *cos_sin), _rotate_eager(keys, *cos_sin)
-        keys, values = cache.update_and_fetch(keys, values)
+        return queries, keys, values
+
+    def _attend(self, layer: _Layer, queries, keys, values, mask, split: bool) -> mx.array:
+        """queries [B, H, q, Dh] over keys/values [B, KV, S, Dh] -> o_proj output [B, q, dim]."""
+        b, nh, q, hd = queries.shape
         if (
             q > 1
             and cpu_kernels.on_cpu()

@@ -1,0 +1,140 @@
+"""The fused decode step (one new token per row) as a compiled MLX graph, built once per shape.
+
+An eager decode step rebuilds its graph in Python every token (~2,800 ops on SmolLM2, ~4 ms
+of Python on 2 CPU cores). Here the step is traced once per (rows, KV capacity) with
+`mx.compile` and replayed from C++ after that; elementwise chains also fuse into single
+kernels. Everything that changes from step to step is an input array: the token ids, each
+row's position, the store rows, and the KV store itself (returned updated, so the compiled
+function stays pure). Attention reads a fixed span of each row's store (the longest history
+rounded up to SPAN positions) with a per-row mask, so a graph serves SPAN tokens of the longest
+row; the store's capacity (grown in `row_cache.GROW` steps) is part of the shape too.
+
+Masked positions get probability exactly 0, so each row's logits are the same sums as the
+eager forward's, in a longer (zero-padded) summation: equal within float32 rounding (the tests
+hold them to 1e-5) and the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from llm_server.engines import cpu_kernels
+
+MAX_GRAPHS = 48  # compiled graphs kept (each is a small tape of ops; weights are shared)
+# attention reads each row's first `span` store positions, span = the step's longest history
+# rounded up to this: softmax's exp costs ~12 ns per position on the CPU, so reading the whole
+# capacity (up to GROW - 1 masked positions) costs more than a new graph every SPAN tokens
+# (a trace takes ~15 ms, once per SPAN tokens of the longest row)
+SPAN = 64
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a compiled step is specialised to."""
+
+    batch: int  # rows in the step (B)
+    capacity: int  # KV positions per store row (the store's current capacity)
+    span: int  # positions attention reads per row (<= capacity)
+    store_rows: int  # rows of the store
+    all_rows: bool  # the step's rows are exactly range(store_rows): no gather
+    split: bool  # products split across two CPU streams
+    streams: tuple[str, ...]  # the split streams (thread-local: a new thread retraces)
+
+
+class CompiledSteps:
+    """Compiled decode steps of one `FusedDecoder`, keyed by `StepShape` (least recently used
+    dropped past MAX_GRAPHS)."""
+
+    def __init__(self, decoder) -> None:
+        self.decoder = decoder
+        self._graphs: OrderedDict[StepShape, Callable] = OrderedDict()
+        self._lock = threading.Lock()
+        self.traces = 0  # graphs built (tests and benchmarks read it)
+
+    def run(
+        self,
+        ids: mx.array,
+        rows: list[int],
+        starts: list[int],
+        keys: list[mx.array],
+        values: list[mx.array],
+        split: bool,
+    ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
+        """One token per row: ids [B, 1] -> (logits [B, vocab], updated keys, updated values).
+
+        `keys`/`values`: the store's arrays per layer, [store_rows, KV, capacity, Dh].
+        """
+        store_rows, _, capacity, _ = keys[0].shape
+        streams = tuple(repr(s) for s in cpu_kernels.split_streams()) if split else ()
+        shape = StepShape(
+            batch=len(rows),
+            capacity=capacity,
+            span=min(capacity, -(-(max(starts) + 1) // SPAN) * SPAN),
+            store_rows=store_rows,
+            all_rows=rows == list(range(store_rows)),
+            split=split,
+            streams=streams,
+        )
+        fn = self._graph(shape)
+        pos = mx.array(starts, dtype=mx.int32)
+        row_ids = mx.array(rows, dtype=mx.int32)
+        out = fn(ids, pos, row_ids, *keys, *values)
+        n = len(keys)
+        return out[0], list(out[1 : 1 + n]), list(out[1 + n :])
+
+    def _graph(self, shape: StepShape) -> Callable:
+        with self._lock:
+            fn = self._graphs.get(shape)
+            if fn is not None:
+                self._graphs.move_to_end(shape)
+                return fn
+            fn = mx.compile(self._step_fn(shape))
+            self._graphs[shape] = fn
+            self.traces += 1
+            while len(self._graphs) > MAX_GRAPHS:
+                self._graphs.popitem(last=False)
+            return fn
+
+    def _step_fn(self, shape: StepShape) -> Callable:
+        decoder = self.decoder
+        layers = len(decoder.layers)
+
+        def step(ids, pos, row_ids, *kv):
+            keys, values = list(kv[:layers]), list(kv[layers:])
+            # [B, 1, 1, span]: row b attends to positions 0..pos[b]
+            mask = (mx.arange(shape.span)[None, :] <= pos[:, None])[:, None, None, :]
+            write = _writer(shape, pos, row_ids)
+            read = _reader(shape, row_ids)
+            logits, new_keys, new_values = decoder.compiled_body(
+                ids, pos, mask, keys, values, write, read, shape.split
+            )
+            return (logits, *new_keys, *new_values)
+
+        return step
+
+
+def _writer(shape: StepShape, pos: mx.array, row_ids: mx.array) -> Callable:
+    """store [R, KV, cap, Dh], new [B, KV, 1, Dh] -> store with each row's new entry written."""
+
+    def write(store: mx.array, new: mx.array) -> mx.array:
+        for b in range(shape.batch):
+            at = mx.stack([row_ids[b], pos[b]])
+            store = mx.slice_update(store, new[b : b + 1], at, axes=(0, 2))
+        return store
+
+    return write
+
+
+def _reader(shape: StepShape, row_ids: mx.array) -> Callable:
+    """store [R, KV, cap, Dh] -> the step's rows [B, KV, span, Dh]."""
+
+    def read(store: mx.array) -> mx.array:
+        rows = store if shape.all_rows else mx.take(store, row_ids, axis=0)
+        return rows if shape.span == shape.capacity else rows[:, :, : shape.span]
+
+    return read
