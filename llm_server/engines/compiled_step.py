@@ -52,6 +52,7 @@ class CompiledSteps:
 
     def __init__(self, decoder) -> None:
         self.decoder = decoder
+        self.rotation = _Rotation.of(decoder.table, decoder.layers[0].head_dim)
         self._graphs: OrderedDict[StepShape, Callable] = OrderedDict()
         self._lock = threading.Lock()
         self.traces = 0  # graphs built (tests and benchmarks read it)
@@ -101,7 +102,7 @@ class CompiledSteps:
             return fn
 
     def _step_fn(self, shape: StepShape) -> Callable:
-        decoder = self.decoder
+        decoder, rotation = self.decoder, self.rotation
         layers = len(decoder.layers)
 
         def step(ids, pos, row_ids, *kv):
@@ -110,12 +111,91 @@ class CompiledSteps:
             mask = (mx.arange(shape.span)[None, :] <= pos[:, None])[:, None, None, :]
             write = _writer(shape, pos, row_ids)
             read = _reader(shape, row_ids)
-            logits, new_keys, new_values = decoder.compiled_body(
-                ids, pos, mask, keys, values, write, read, shape.split
+            logits, new_keys, new_values = _body(
+                decoder, rotation, ids, pos, mask, keys, values, write, read, shape.split
             )
             return (logits, *new_keys, *new_values)
 
         return step
+
+
+@dataclass(frozen=True)
+class _Rotation:
+    """Rotary embedding as x * cos2 + (x @ swap) * sin2: one product and one fused kernel per
+    layer for queries and keys together (the half-split form takes two slices, two kernels
+    and a concatenation for each)."""
+
+    cos2: mx.array  # [positions, Dh] = [cos | cos]
+    sin2: mx.array  # [positions, Dh] = [-sin | sin]
+    swap: mx.array  # [Dh, Dh] permutation: x @ swap = [x2 | x1]
+
+    @classmethod
+    def of(cls, table: mx.array | None, head_dim: int) -> _Rotation | None:
+        if table is None:
+            return None
+        half = head_dim // 2
+        cos, sin = table[:, :half], table[:, half:]
+        idx = mx.arange(head_dim)
+        swap = (idx[:, None] == ((idx[None, :] + half) % head_dim)).astype(table.dtype)
+        out = cls(mx.concatenate([cos, cos], -1), mx.concatenate([-sin, sin], -1), swap)
+        mx.eval(out.cos2, out.sin2, out.swap)
+        return out
+
+
+@mx.compile
+def _rotate(x: mx.array, swapped: mx.array, cos2: mx.array, sin2: mx.array) -> mx.array:
+    return x * cos2 + swapped * sin2
+
+
+@mx.compile
+def _silu_mul(gate: mx.array, up: mx.array) -> mx.array:
+    return gate * mx.sigmoid(gate) * up
+
+
+@mx.compile
+def _masked_scores(scores: mx.array, mask: mx.array, scale: mx.array) -> mx.array:
+    return mx.where(mask, scores * scale, mx.array(-float("inf"), scores.dtype))
+
+
+def _body(decoder, rotation, ids, pos, mask, keys, values, write, read, split: bool):
+    """One token per row through every layer: ids [B, 1], pos [B] int32, mask [B, 1, 1, span]
+    bool; `write(store, new)` puts a layer's new entries into its store array, `read(store)`
+    returns the step's rows of it [B, KV, span, Dh]. Returns (logits [B, vocab] float32, the
+    updated keys and values per layer).
+
+    Activations stay 2-D, [B, features] (one position per row): a product is then one plain
+    matmul, without the broadcast/flatten views a [B, 1, features] input adds.
+    """
+    inner = decoder.model.model
+    b = ids.shape[0]
+    x = inner.embed_tokens(ids.reshape(b))  # [B, dim]
+    if rotation is not None:
+        cos2, sin2 = rotation.cos2[pos][:, None], rotation.sin2[pos][:, None]  # [B, 1, Dh]
+    new_keys, new_values = [], []
+    for i, layer in enumerate(decoder.layers):
+        hd, nh, nkv = layer.head_dim, layer.heads, layer.kv_heads
+        qkv = layer.qkv(layer.norm_in(x), split)  # [B, (H + 2 KV) * Dh]
+        qk = qkv[:, : (nh + nkv) * hd].reshape(b, nh + nkv, hd)
+        v = qkv[:, (nh + nkv) * hd :].reshape(b, nkv, 1, hd)
+        if layer.q_norm is not None:
+            qk = mx.concatenate([layer.q_norm(qk[:, :nh]), layer.k_norm(qk[:, nh:])], axis=1)
+        if rotation is None:
+            qk = layer.rope(qk[:, :, None], offset=pos)[:, :, 0]
+        else:
+            swapped = (qk.reshape(b * (nh + nkv), hd) @ rotation.swap).reshape(qk.shape)
+            qk = _rotate(qk, swapped, cos2, sin2)
+        queries = qk[:, :nh].reshape(b, nkv, nh // nkv, hd)  # query heads grouped per KV head
+        new_keys.append(write(keys[i], qk[:, nh:, None]))
+        new_values.append(write(values[i], v))
+        scores = queries @ read(new_keys[i]).swapaxes(-1, -2)  # [B, KV, H / KV, span]
+        scale = mx.array(layer.scale, scores.dtype)
+        probs = mx.softmax(_masked_scores(scores, mask, scale), axis=-1, precise=True)
+        out = probs @ read(new_values[i])  # [B, KV, H / KV, Dh]
+        x = x + layer.o(out.reshape(b, nh * hd), split)
+        gate, up = layer.gate_up.pair(layer.norm_post(x), split)
+        x = x + layer.down(_silu_mul(gate, up), split)
+    logits = decoder.lm_head(inner.norm(x), split).astype(mx.float32)
+    return logits, new_keys, new_values
 
 
 def _writer(shape: StepShape, pos: mx.array, row_ids: mx.array) -> Callable:

@@ -122,10 +122,13 @@ def split_matmul(x: mx.array, weight: mx.array) -> mx.array:
 
 def split_matmul_halves(x: mx.array, halves: tuple[mx.array, mx.array]) -> mx.array:
     """x @ concat(halves, axis=1) with each half [in, out/2] on its own CPU stream."""
+    return mx.concatenate(split_matmuls(x, halves), axis=-1)
+
+
+def split_matmuls(x: mx.array, halves: tuple[mx.array, mx.array]) -> tuple[mx.array, mx.array]:
+    """(x @ halves[0], x @ halves[1]), each product on its own CPU stream."""
     s1, s2 = _two_streams()
-    a = mx.matmul(x, halves[0], stream=s1)
-    b = mx.matmul(x, halves[1], stream=s2)
-    return mx.concatenate([a, b], axis=-1)
+    return mx.matmul(x, halves[0], stream=s1), mx.matmul(x, halves[1], stream=s2)
 
 
 def _rows(x: mx.array) -> int:

@@ -68,6 +68,15 @@ class _Linear:
         out = cpu_kernels.split_matmul_halves(x, self.halves) if split else x @ self.wt
         return out if self.bias is None else out + self.bias
 
+    def pair(self, x: mx.array, split: bool) -> tuple[mx.array, mx.array]:
+        """The two halves of the output (gate and up of a stacked gate/up), each computed on
+        its own stream when `split`: no concatenation and no slicing of a joint output."""
+        if self.bias is not None or not split:
+            out = self(x, split)
+            half = out.shape[-1] // 2
+            return out[..., :half], out[..., half:]
+        return cpu_kernels.split_matmuls(x, self.halves)
+
 
 @dataclass
 class _Layer:
@@ -251,43 +260,6 @@ class FusedDecoder:
             x = x + self._attend(layer, queries, keys, values, mask, split)
             x = x + self._mlp(layer, x, silu_mul, split)
         return self.lm_head(inner.norm(x[:, -1, :] if last_only else x), split)
-
-    def compiled_body(self, ids, pos, mask, keys, values, write, read, split: bool):
-        """The decode step as `compiled_step` traces it: ids [B, 1], pos [B] int32, mask
-        [B, 1, 1, capacity] bool; `write(store, new)` puts a layer's new entries into its store
-        array, `read(store)` returns the step's rows of it. Returns (logits [B, vocab] float32,
-        the updated keys and values per layer).
-
-        Activations stay 2-D, [B, features] (one position per row): a product is then one
-        plain matmul, without the broadcast/flatten views a [B, 1, features] input adds.
-        """
-        inner = self.model.model
-        b = ids.shape[0]
-        x = inner.embed_tokens(ids.reshape(b))  # [B, dim]
-        cos_sin = self._cos_sin(pos[:, None])  # [B, 1, 1, Dh/2] each
-        new_keys, new_values = [], []
-        for i, layer in enumerate(self.layers):
-            hd, nh, nkv = layer.head_dim, layer.heads, layer.kv_heads
-            qkv = layer.qkv(layer.norm_in(x), split)  # [B, (H + 2 KV) * Dh]
-            queries = qkv[:, : nh * hd].reshape(b, nh, 1, hd)
-            k = qkv[:, nh * hd : (nh + nkv) * hd].reshape(b, nkv, 1, hd)
-            v = qkv[:, (nh + nkv) * hd :].reshape(b, nkv, 1, hd)
-            if layer.q_norm is not None:
-                queries, k = layer.q_norm(queries), layer.k_norm(k)
-            if cos_sin is None:
-                queries, k = layer.rope(queries, offset=pos), layer.rope(k, offset=pos)
-            else:
-                queries, k = _rotate(queries, *cos_sin), _rotate(k, *cos_sin)
-            new_keys.append(write(keys[i], k))
-            new_values.append(write(values[i], v))
-            out = mx.fast.scaled_dot_product_attention(
-                queries, read(new_keys[i]), read(new_values[i]), scale=layer.scale, mask=mask
-            )
-            x = x + layer.o(out.reshape(b, nh * hd), split)
-            gu = layer.gate_up(layer.norm_post(x), split)
-            x = x + layer.down(_silu_mul(gu[:, : layer.inter], gu[:, layer.inter :]), split)
-        logits = self.lm_head(inner.norm(x), split).astype(mx.float32)
-        return logits, new_keys, new_values
 
     def _cos_sin(self, pos: mx.array) -> tuple[mx.array, mx.array] | None:
         """pos [B, q] -> cos, sin [B, 1, q, Dh/2] from the table (None: no table)."""
