@@ -126,3 +126,18 @@ def test_smollm2_compiled_greedy_equals_eager(default_model_path):
         last[row] = int(np.argmax(a))
     worst = _run_steps(compiled, eager, [[0, 1], [1]], last, steps=40)
     assert worst < TOLERANCE
+
+
+def test_unsplit_steps_equal_eager(tiny_model_path):
+    """Steps whose products are not split (BLIS threading, as without the thread setter) take
+    the other attention form; the same result."""
+    compiled, eager = _pair(tiny_model_path, rows=3)
+    for engine in (compiled, eager):
+        engine._split = lambda positions: False
+    rng = np.random.default_rng(4)
+    last = {}
+    for row, n in enumerate((SPAN + 5, 9, 30)):
+        prompt = rng.integers(3, 380, n).tolist()
+        last[row] = int(np.argmax(compiled.prefill(row, prompt)))
+        eager.prefill(row, prompt)
+    _run_steps(compiled, eager, [[0, 1, 2], [2, 0]], last, steps=6)
