@@ -22,6 +22,8 @@ class StepTimes:
     eager_ms: list[float]
     compiled_build_ms: list[float]  # building the step's graph (no evaluation)
     eager_build_ms: list[float]
+    compiled_cpu_ms: list[float]  # process CPU time per step (less sensitive to other load)
+    eager_cpu_ms: list[float]
     max_abs_diff: float  # largest |compiled - eager| logit over all steps
     same_tokens: bool  # every step's greedy tokens equal
 
@@ -61,23 +63,27 @@ def measure(model: str, rows: int, steps: int, prompt_len: int) -> StepTimes:
         for r in ids:  # rows at different cursors
             engine.prefill(r, [(7 * i + 3 * r) % 1000 + 10 for i in range(prompt_len + 5 * r)])
     tokens = [5] * rows
-    times: dict[str, list[float]] = {"c": [], "e": [], "cb": [], "eb": []}
+    times: dict[str, list[float]] = {k: [] for k in ("c", "e", "cb", "eb", "cc", "ec")}
     diff, same = 0.0, True
     for i in range(steps + 3):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         a = compiled.decode(ids, tokens)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         b = eager.decode(ids, tokens)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         if i >= 3:  # the first steps trace and warm up
             times["c"].append((t1 - t0) * 1e3)
             times["e"].append((t2 - t1) * 1e3)
+            times["cc"].append((c1 - c0) * 1e3)
+            times["ec"].append((c2 - c1) * 1e3)
             times["cb"].append(_build_ms(compiled, ids, tokens))
             times["eb"].append(_build_ms(eager, ids, tokens))
         diff = max(diff, float(np.abs(a - b).max()))
         same = same and a.argmax(-1).tolist() == b.argmax(-1).tolist()
         tokens = a.argmax(-1).tolist()
-    return StepTimes(rows, times["c"], times["e"], times["cb"], times["eb"], diff, same)
+    return StepTimes(
+        rows, times["c"], times["e"], times["cb"], times["eb"], times["cc"], times["ec"], diff, same
+    )
 
 
 def _row(t: StepTimes) -> str:
@@ -86,6 +92,7 @@ def _row(t: StepTimes) -> str:
     return (
         f"| {t.rows} | {e:.1f} | {c:.1f} | {e / c:.2f}x | {best(t.eager_ms):.1f} | "
         f"{best(t.compiled_ms):.1f} | {med(t.eager_build_ms):.2f} | {med(t.compiled_build_ms):.2f} "
+        f"| {med(t.eager_cpu_ms):.1f} | {med(t.compiled_cpu_ms):.1f} "
         f"| {t.max_abs_diff:.1e} | {t.same_tokens} |"
     )
 
@@ -102,9 +109,10 @@ def main(argv: list[str] | None = None) -> None:
     model = str(resolve_model(args.model))
     print(
         "| rows | eager ms (median) | compiled ms (median) | speed-up | eager best | "
-        "compiled best | eager build ms | compiled build ms | max logit diff | same tokens |"
+        "compiled best | eager build ms | compiled build ms | eager CPU ms | compiled CPU ms | "
+        "max logit diff | same tokens |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for rows in [int(r) for r in args.rows.split(",")]:
         print(_row(measure(model, rows, args.steps, args.prompt)), flush=True)
 
