@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+PEERS = {"llama-server": "llama_server"}  # --peer name -> the report's server kind
 FULL = {"concurrency": "1,2,4,8", "requests": 32, "max_tokens": 64, "scoring_prompts": 32}
 QUICK = {"concurrency": "1,2", "requests": 4, "max_tokens": 8, "scoring_prompts": 4}
 
@@ -31,6 +32,8 @@ class Settings:
     scoring: bool
     constrained: bool
     prefix_cache: bool = False
+    peer: str | None = None  # report kind of a peer server (PEERS), started from peer_cmd
+    peer_cmd: str | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scoring-prompts", type=int,
                    help=f"prompts in the scoring benchmark (default {FULL['scoring_prompts']}; 0 skips it)")  # fmt: skip
     p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx_lm.server comparison")
+    p.add_argument("--peer", choices=sorted(PEERS),
+                   help="also run this server (from --peer-cmd) on the same load, e.g. llama.cpp's llama-server")  # fmt: skip
+    p.add_argument("--peer-cmd", metavar="CMD",
+                   help="the peer's command; {port} (required), {concurrency} and {host} are filled in, e.g. "
+                   "'llama-server -m smollm2-f32.gguf -t 2 --host {host} --port {port} -np {concurrency} -c 8192'")  # fmt: skip
     p.add_argument("--prefix-cache", action="store_true",
                    help="also measure TTFT on a multi-turn workload with the prefix cache on and off")  # fmt: skip
     p.add_argument("--constrained", action="store_true",
@@ -81,6 +89,15 @@ def settings_from(args: argparse.Namespace) -> Settings:
         raise SystemExit(
             "llm-benchmark: --requests and --max-tokens must be 1 or more, --scoring-prompts 0 or more"
         )
+    if (args.peer is None) != (args.peer_cmd is None):
+        raise SystemExit("llm-benchmark: --peer and --peer-cmd go together")
+    if args.peer_cmd is not None:
+        from llm_server.benchmark.servers import peer_command
+
+        try:
+            peer_command(args.peer_cmd, 0, 1)
+        except ValueError as exc:
+            raise SystemExit(f"llm-benchmark: {exc}") from None
     from llm_server.cli import resolve_model
 
     model = resolve_model(args.model)  # exits with a message when the folder is unusable
@@ -91,6 +108,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         requests=requests, max_tokens=max_tokens, scoring_prompts=scoring,
         mlx_lm=not args.no_mlx_lm, scoring=scoring > 0, constrained=args.constrained,
         prefix_cache=args.prefix_cache,
+        peer=None if args.peer is None else PEERS[args.peer], peer_cmd=args.peer_cmd,
     )  # fmt: skip
 
 
