@@ -222,10 +222,10 @@ def _writer(shape: StepShape, pos: mx.array, row_ids: mx.array) -> Callable:
     """store [R, KV, cap, Dh], new [B, KV, 1, Dh] -> store with each row's new entry written."""
 
     def write(store: mx.array, new: mx.array) -> mx.array:
-        for b in range(shape.batch):
-            at = mx.stack([row_ids[b], pos[b]])
-            store = mx.slice_update(store, new[b : b + 1], at, axes=(0, 2))
-        return store
+        if shape.batch > 1:  # one scatter for every row (in place, as the slice update)
+            store[row_ids, :, pos] = new[:, :, 0]
+            return store
+        return mx.slice_update(store, new, mx.stack([row_ids[0], pos[0]]), axes=(0, 2))
 
     return write
 
