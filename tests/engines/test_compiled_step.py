@@ -141,3 +141,21 @@ def test_unsplit_steps_equal_eager(tiny_model_path):
         last[row] = int(np.argmax(compiled.prefill(row, prompt)))
         eager.prefill(row, prompt)
     _run_steps(compiled, eager, [[0, 1, 2], [2, 0]], last, steps=6)
+
+
+def test_steps_without_a_rope_table_equal_eager(tiny_model_path):
+    """Metal has no cos/sin table (its rope kernel is fast): the compiled step then rotates
+    with the model's rope module at per-row offsets; the same result."""
+    from llm_server.engines.compiled_step import CompiledSteps
+
+    compiled, eager = _pair(tiny_model_path, rows=2)
+    compiled._fused.table = eager._fused.table = None
+    compiled._fused.compiled = CompiledSteps(compiled._fused)
+    assert compiled._fused.compiled.rotation is None
+    rng = np.random.default_rng(6)
+    last = {}
+    for row, n in enumerate((12, 70)):
+        prompt = rng.integers(3, 380, n).tolist()
+        last[row] = int(np.argmax(compiled.prefill(row, prompt)))
+        eager.prefill(row, prompt)
+    _run_steps(compiled, eager, [[0, 1], [1]], last, steps=4)
