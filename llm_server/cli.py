@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from llm_server.model_source import ModelSource, ModelSourceError, resolve_model_source
+from llm_server.scheduler.batch import DEFAULT_STEP_TOKENS
 
 log = logging.getLogger("llm_server")
 
@@ -48,6 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=16,
         metavar="M",
         help="requests that may wait for a row before 429 (default 16)",
+    )
+    p.add_argument(
+        "--step-tokens",
+        type=int,
+        default=DEFAULT_STEP_TOKENS,
+        metavar="T",
+        help="positions per forward, decoding rows included: a newcomer's prompt rides in the "
+        f"decode forward in chunks of what is left (default {DEFAULT_STEP_TOKENS}; 0 runs each "
+        "prompt whole when it is admitted, stalling the running rows meanwhile)",
     )
     p.add_argument(
         "--dtype",
@@ -96,6 +106,19 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["batched", "lease"],
         help="response_format requests: decode inside the batch with a per-row mask "
         "(batched, default) or alone while the batch pauses (lease)",
+    )
+    p.add_argument(
+        "--pooling",
+        choices=["last", "mean", "cls"],
+        help="/v1/embeddings pooling (default: the checkpoint's sentence-transformers "
+        "1_Pooling config, else last-token; vectors are L2-normalised unless the checkpoint's "
+        "modules.json has no Normalize module)",
+    )
+    p.add_argument(
+        "--tool-parser",
+        choices=["hermes", "qwen3_coder", "llama3_json", "mistral", "harmony"],
+        help="the tool-call syntax to parse and constrain (default: detected from the chat "
+        "template)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
@@ -183,6 +206,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise SystemExit("llm-server: --concurrent-requests must be at least 1")
     if args.max_queued < 0:
         raise SystemExit("llm-server: --max-queued must be 0 or more")
+    if args.step_tokens < 0:
+        raise SystemExit("llm-server: --step-tokens must be 0 (unlimited) or more")
     if not 0 <= args.port <= 65535:
         raise SystemExit("llm-server: --port must be between 0 and 65535")
     if args.max_body_size < 1:
@@ -205,23 +230,6 @@ def _source(model: str | None) -> ModelSource:
     except ModelSourceError as exc:
         print(f"llm-server: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-
-
-def engine_rows(model_path: Path, concurrent: int) -> int:
-    """Rows to serve with (S1): N when the graph supports batching, else 1 with a warning."""
-    if concurrent <= 1:
-        return 1
-    from llm_server.engines.probe import supports_batching
-
-    if supports_batching(model_path):
-        return concurrent
-    log.warning(
-        "--concurrent-requests %d: the model at %s does not support batching "
-        "(no attn_mask input or a batch dimension of 1); serving one request at a time",
-        concurrent,
-        model_path,
-    )
-    return 1
 
 
 def _bind(args: argparse.Namespace) -> tuple[socket.socket, str]:

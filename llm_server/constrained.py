@@ -152,3 +152,20 @@ def build_constraint(response_format: dict, tokenizer, vocab_size: int) -> Logit
     schema = schema_for(response_format)
     matcher = compile_grammar(schema, ll_tokenizer(tokenizer, vocab_size))
     return JsonConstraint(matcher, vocab_size)
+
+
+def build_lark_constraint(lark: str, tokenizer, vocab_size: int) -> LogitsConstraint:
+    """A fresh per-request constraint for a lark grammar (tool calls, answers after thinking).
+
+    Raises ConstraintError when llguidance cannot compile it (a schema it does not support).
+    """
+    from llguidance import LLMatcher
+
+    try:
+        grammar = LLMatcher.grammar_from_lark(lark)
+    except (ValueError, TypeError) as exc:
+        raise ConstraintError(f"the grammar cannot be compiled: {exc}") from exc
+    matcher = LLMatcher(ll_tokenizer(tokenizer, vocab_size), grammar, log_level=0)
+    if matcher.is_error():
+        raise ConstraintError(f"the grammar cannot be used: {matcher.get_error()}")
+    return JsonConstraint(matcher, vocab_size)

@@ -14,6 +14,7 @@ import uvicorn
 from llm_server.api.app import AppState, create_app
 from llm_server.api.request_log import RequestRecorder
 from llm_server.api.security import resolve_api_key
+from llm_server.scheduler.batch import DEFAULT_STEP_TOKENS
 from llm_server.service import ModelService, ServiceConfig
 from llm_server.shutdown import DrainingServer
 
@@ -43,13 +44,14 @@ def make_service(
     backend: str = "auto",
     constrained_mode: str = "batched",
     prefix_cache_bytes: int | None = None,
+    pooling: str | None = None,
     keep_quantized: bool = False,
     chat_template: str | None = None,
+    tool_parser: str | None = None,
+    step_tokens: int = DEFAULT_STEP_TOKENS,
 ) -> ModelService:
     """A started (loading) service for `model_path`; the engine loads on the scheduler thread."""
-    from llm_server.cli import engine_rows
-
-    rows = engine_rows(model_path, concurrent)
+    rows = concurrent  # the engine may serve fewer; BatchScheduler.load decides (S1)
     chosen = pick_backend(model_path, backend)
 
     def factory():
@@ -77,7 +79,10 @@ def make_service(
         dtype=dtype,
         default_max_tokens=default_max_tokens,
         constrained_mode=constrained_mode,
+        pooling=pooling,
         chat_template=chat_template,
+        tool_parser=tool_parser,
+        step_tokens=step_tokens,
     )
     return ModelService(config, engine_factory or factory).start()
 
@@ -97,8 +102,11 @@ def service_from_args(
         constrained_mode=args.constrained_mode,
         backend=args.backend,
         prefix_cache_bytes=args.prefix_cache_bytes,
+        pooling=args.pooling,
         keep_quantized=args.keep_quantized,
         chat_template=args.chat_template,
+        tool_parser=getattr(args, "tool_parser", None),
+        step_tokens=args.step_tokens,
     )
 
 
@@ -134,7 +142,6 @@ async def run_server(
             log.error("failed to load %s: %s", model_path, exc)
             server.should_exit = True
             return
-        state.loading = False
         log.info(
             "serving %s (%s, rows=%d)",
             model_id,

@@ -13,14 +13,21 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from llm_server.decoding import Decoder, LogitsConstraint, SamplingParams
 from llm_server.engines.base import Engine
 from llm_server.fingerprint import system_fingerprint
 from llm_server.generation_config import load_sampling_defaults
+from llm_server.pooling import EmbeddingConfig, EmbeddingConfigError, load_embedding_config
 from llm_server.scheduler import BatchScheduler, FinishEvent, GenerationRequest, TokenEvent
+from llm_server.scheduler.batch import DEFAULT_STEP_TOKENS
+from llm_server.scheduler.embedder import Embedder
+from llm_server.scheduler.pumps import Pumps
 from llm_server.scheduler.request import Event
 from llm_server.scheduler.scorer import ScoredPrompt, Scorer, check_prompts
 from llm_server.tokenizer import Tokenizer
+from llm_server.tools.detect import model_syntax
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +42,13 @@ class ServiceConfig:
     default_max_tokens: int = 512
     constrained_mode: str = "batched"  # "batched" | "lease"
     chat_template: str | None = None  # overrides the checkpoint's (--chat-template FILE)
+    tool_parser: str | None = None  # --tool-parser; None: detected from the chat template
+    pooling: str | None = None  # "last" | "mean" | "cls": overrides the checkpoint's pooling
+    step_tokens: int = DEFAULT_STEP_TOKENS  # positions per forward (--step-tokens; 0: no limit)
+
+
+class EmbeddingsUnavailable(RuntimeError):
+    """The served model cannot embed (its pooling files ask for what is not served)."""
 
 
 class GenerationHandle:
@@ -76,17 +90,38 @@ class ModelService:
         self.tokenizer = Tokenizer(config.model_path, chat_template=config.chat_template)
         # what a request that omits temperature/top_p gets (the checkpoint's generation_config)
         self.sampling_defaults = load_sampling_defaults(config.model_path)
+        self.syntax = model_syntax(
+            self.tokenizer.template_source, self.tokenizer.hf.get_vocab(), config.tool_parser
+        )
         self.scheduler = BatchScheduler(
             engine_factory,
             max_concurrent=config.concurrent_requests,
             max_queued=config.max_queued,
             on_step=on_step,
+            step_tokens=config.step_tokens,
         )
         # Scoring runs between decode steps on the engine's separate scoring session (C1).
         self.scorer = Scorer(
             wake=self.scheduler.wake, max_queued=config.concurrent_requests + config.max_queued
         )
-        self.scheduler.pump = self.scorer
+        # Embeddings run the same way, on their own session; the two pumps take turns.
+        self.embedding: EmbeddingConfig | None = None
+        self.embedding_error: str | None = None  # why embeddings are refused, if they are
+        try:
+            self.embedding = load_embedding_config(config.model_path, config.pooling)
+        except EmbeddingConfigError as exc:
+            self.embedding_error = str(exc)
+            log.warning("embeddings are off for this model: %s", exc)
+        pumps: list = [self.scorer]
+        self.embedder: Embedder | None = None
+        if self.embedding is not None:
+            self.embedder = Embedder(
+                self.embedding,
+                wake=self.scheduler.wake,
+                max_queued=config.concurrent_requests + config.max_queued,
+            )
+            pumps.append(self.embedder)
+        self.scheduler.pump = Pumps(pumps)
         self.started_at = time.time()
         self.engine: Engine | None = None
         self.fingerprint = ""
@@ -118,25 +153,32 @@ class ModelService:
         prompt: list[int],
         params: SamplingParams,
         constraint: LogitsConstraint | None = None,
+        keep_tokens: frozenset[int] = frozenset(),
     ) -> GenerationHandle:
-        """Admit a request now (raises QueueFull/SchedulerClosed) and return its handle."""
-        return self.start_generations([prompt], [params], [constraint])[0]
+        """Admit a request now (raises QueueFull/SchedulerClosed) and return its handle.
+
+        `keep_tokens`: special tokens to keep in the text (tool-call markers such as
+        [TOOL_CALLS]); every other special token is skipped.
+        """
+        return self.start_generations([prompt], [params], [constraint], keep_tokens)[0]
 
     def start_generations(
         self,
         prompts: list[list[int]],
         params: list[SamplingParams],
         constraints: list[LogitsConstraint | None] | None = None,
+        keep_tokens: frozenset[int] = frozenset(),
     ) -> list[GenerationHandle]:
         """Admit one generation per prompt, all or none (QueueFull/SchedulerClosed); one
         handle per prompt, in order. `params[i]` and `constraints[i]` go with `prompts[i]`."""
         loop = asyncio.get_running_loop()
         eos = self.tokenizer.eos_token_ids
         constraints = constraints or [None] * len(prompts)
+        detokenize = self.tokenizer.decoder_keeping(keep_tokens)
         reqs, handles = [], []
         for prompt, sp, constraint in zip(prompts, params, constraints, strict=True):
             queue: asyncio.Queue[Event] = asyncio.Queue()
-            decoder = Decoder(sp, eos, self.tokenizer.decode, constraint, prompt)
+            decoder = Decoder(sp, eos, detokenize, constraint, prompt)
             exclusive = constraint is not None and self.config.constrained_mode == "lease"
             req = GenerationRequest(
                 prompt=prompt, decoder=decoder, emit=_emitter(loop, queue), exclusive=exclusive
@@ -169,6 +211,18 @@ class ModelService:
         req = self.scorer.submit(prompts, top_k, generate_one)
         return await asyncio.wrap_future(req.future)
 
+    async def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        """Pooled vectors [len(inputs), hidden] float32, every input batched together.
+
+        Raises EmbeddingsUnavailable, QueueFull, SchedulerClosed, or EmbeddingError when the
+        engine failed on this request's batch. Inputs are checked by the caller (non-empty,
+        within the context).
+        """
+        if self.embedder is None:
+            raise EmbeddingsUnavailable(self.embedding_error or "embeddings are off")
+        req = self.embedder.submit(inputs)
+        return await asyncio.wrap_future(req.future)
+
     def prefix_cache_stats(self):
         """The engine's prefix cache counters (PrefixCacheStats), or None without one."""
         cache = getattr(self.engine, "prefix_cache", None)
@@ -177,6 +231,8 @@ class ModelService:
     def close(self, timeout: float | None = None) -> bool:
         closed = self.scheduler.close(timeout)
         self.scorer.close()  # fails scoring requests that can no longer run
+        if self.embedder is not None:
+            self.embedder.close()
         return closed
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -47,20 +47,59 @@ class Tokenizer:
         """Each id decoded on its own (how OpenAI reports `tokens` in logprobs)."""
         return [self._tok.decode([i], skip_special_tokens=False) for i in ids]
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Render `messages` with the generation prompt and tokenize them."""
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
+    ) -> list[int]:
+        """Render `messages` (and `tools`) with the generation prompt and tokenize them."""
+        text = self.render_chat(messages, tools, template_kwargs)
+        return self.encode(text, add_special_tokens=not self.has_chat_template)
+
+    def render_chat(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
+    ) -> str:
+        """The prompt text: the chat template's `tools=` and extra variables (enable_thinking)."""
         if not self.has_chat_template:
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-            return self.encode(text)
+            if tools:
+                raise ChatTemplateError("this model has no chat template to show it 'tools'")
+            return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         try:
-            out = self._tok.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            return self._tok.apply_chat_template(
+                messages,
+                tools=tools or None,
+                add_generation_prompt=True,
+                tokenize=False,
+                **(template_kwargs or {}),
             )
         except Exception as exc:  # jinja errors: a template that rejects these messages
             raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc
-        if isinstance(out, dict) or hasattr(out, "input_ids"):
-            out = out["input_ids"]
-        return list(out)
+
+    @property
+    def template_source(self) -> str:
+        """The chat template's jinja source ('' without one)."""
+        tpl = getattr(self._tok, "chat_template", None) or ""
+        return tpl if isinstance(tpl, str) else " ".join(str(v) for v in dict(tpl).values())
+
+    def special_token_id(self, text: str) -> int | None:
+        """The id of `text` when it is one added (special or control) token, else None."""
+        added = self._tok.get_added_vocab()
+        return added.get(text)
+
+    def decoder_keeping(self, keep: frozenset[int]) -> Callable[[Sequence[int]], str]:
+        """A decode function that skips special tokens except `keep` (tool-call markers)."""
+        if not keep:
+            return self.decode
+        special = frozenset(self._tok.all_special_ids) - keep
+
+        def decode(ids: Sequence[int]) -> str:
+            return self._tok.decode([i for i in ids if i not in special], skip_special_tokens=False)
+
+        return decode
 
 
 def _eos_ids(path: Path, tok) -> set[int]:

@@ -1,13 +1,15 @@
 """Is a replayed response the logged one? Compares what a user reads, reports where it first differs.
 
 Chat: each choice's message content (character index), finish_reason, logprob tokens (token
-index). Completions: each choice's text (character index), logprob tokens and values (token
+index). Responses / Messages: the kinds of the output items / content blocks, each one's text
+(calls as name and arguments), then status / stop_reason. Completions: each choice's text (character index), logprob tokens and values (token
 index; values within LOGPROB_TOLERANCE), finish_reason. Errors: status and error code. Other
 endpoints: the whole body, less the fields that change on every call.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -55,6 +57,14 @@ def compare(
         return _compare_error(logged, replayed)
     if endpoint.endswith("/chat/completions"):
         return _compare_choices(logged, replayed, _chat_choice)
+    if endpoint.endswith("/responses"):
+        return _compare_parts(
+            logged, replayed, "output", ("status",), lambda item: _item_text(item, "content")
+        )
+    if endpoint.endswith("/messages"):
+        return _compare_parts(
+            logged, replayed, "content", ("stop_reason", "stop_sequence"), _block_text
+        )
     if endpoint.endswith("/completions"):
         return _compare_choices(logged, replayed, _completion_choice)
     a = {k: v for k, v in logged.items() if k not in VOLATILE}
@@ -62,10 +72,44 @@ def compare(
     return None if a == b else Difference("body", logged=a, replayed=b)
 
 
+def _compare_parts(
+    logged: dict, replayed: dict, key: str, fields: tuple[str, ...], text
+) -> Difference | None:
+    """Responses `output` items / Messages `content` blocks: kind, then text (by character),
+    then the `fields` of the body (status, stop_reason)."""
+    a, b = logged.get(key) or [], replayed.get(key) or []
+    kinds_a, kinds_b = [p.get("type") for p in a], [p.get("type") for p in b]
+    if kinds_a != kinds_b:
+        return Difference(key, logged=kinds_a, replayed=kinds_b)
+    for i, (pa, pb) in enumerate(zip(a, b, strict=True)):
+        diff = text_difference(f"{key}[{i}]", text(pa), text(pb))
+        if diff is not None:
+            return diff
+    for f in fields:
+        diff = _same(f, logged.get(f), replayed.get(f))
+        if diff is not None:
+            return diff
+    return None
+
+
+def _item_text(item: dict, key: str) -> str:
+    """What a user reads of one Responses output item."""
+    if item.get("type") == "function_call":
+        return f"{item.get('name')}({item.get('arguments')})"
+    return "".join(p.get("text") or "" for p in item.get(key) or [] if isinstance(p, dict))
+
+
+def _block_text(block: dict) -> str:
+    """What a user reads of one Messages content block."""
+    if block.get("type") == "tool_use":
+        return f"{block.get('name')}({json.dumps(block.get('input'), sort_keys=True)})"
+    return block.get("text") or block.get("thinking") or ""
+
+
 def _compare_error(logged: dict, replayed: dict) -> Difference | None:
     a, b = logged.get("error"), replayed.get("error")
-    code_a = a.get("code") if isinstance(a, dict) else a
-    code_b = b.get("code") if isinstance(b, dict) else b
+    code_a = (a.get("code") or a.get("type")) if isinstance(a, dict) else a
+    code_b = (b.get("code") or b.get("type")) if isinstance(b, dict) else b
     return None if code_a == code_b else Difference("error", logged=code_a, replayed=code_b)
 
 

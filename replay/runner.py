@@ -83,12 +83,13 @@ async def replay_client(
     sampler = None if max_rows_busy is not None else RowsBusySampler(client)
     if sampler is not None:
         sampler.start()
+    chain = ResponseChain(log.entries)
     started = time.perf_counter()
     try:
         if concurrent:
-            answers = await asyncio.gather(*(send(client, e, headers) for e in log.entries))
+            answers = await asyncio.gather(*(send(client, e, headers, chain) for e in log.entries))
         else:
-            answers = [await send(client, e, headers) for e in log.entries]
+            answers = [await send(client, e, headers, chain) for e in log.entries]
     finally:
         wall = time.perf_counter() - started
         busy = max_rows_busy() if max_rows_busy is not None else await sampler.stop()
@@ -117,7 +118,7 @@ def result(entry: LogEntry, answer: Answer) -> RequestResult:
         difference=diff,
         latency=answer.latency,
         logged_latency=entry.timings.total,
-        completion_tokens=int(usage.get("completion_tokens") or 0),
+        completion_tokens=int(usage.get("completion_tokens") or usage.get("output_tokens") or 0),
         retries=answer.retries,
         fingerprint=fingerprint,
         logged_fingerprint=entry.fingerprint,
@@ -128,14 +129,28 @@ def result(entry: LogEntry, answer: Answer) -> RequestResult:
 def request_body(entry: LogEntry) -> dict:
     """The body to send: the logged one, with usage asked for on streams (for tokens/s)."""
     body = dict(entry.request)
-    if entry.stream:
+    if entry.stream and entry.endpoint.endswith("completions"):
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
     return body
 
 
-async def send(client, entry: LogEntry, headers: dict[str, str]) -> Answer:
+async def send(
+    client, entry: LogEntry, headers: dict[str, str], chain: ResponseChain | None = None
+) -> Answer:
     """POST one logged request; retry 429s unless the log itself recorded a 429."""
     body = request_body(entry)
+    if chain is None:
+        return await _post(client, entry, body, headers)
+    body = await chain.before(body)
+    answer = None
+    try:
+        answer = await _post(client, entry, body, headers)
+    finally:
+        chain.after(entry, answer)  # dependents wait on this, even when the send failed
+    return answer
+
+
+async def _post(client, entry: LogEntry, body: dict, headers: dict[str, str]) -> Answer:
     started = time.perf_counter()
     retries = 0
     while True:
@@ -149,6 +164,35 @@ async def send(client, entry: LogEntry, headers: dict[str, str]) -> Answer:
         await asyncio.sleep(_retry_after(resp.headers.get("retry-after")))
     latency = time.perf_counter() - started
     return Answer(resp.status_code, _body(entry, resp), latency, retries)
+
+
+class ResponseChain:
+    """Stored-response ids across a replay: a logged `previous_response_id` names a response of
+    the logged run; the replayed request names the replayed response instead (and, sent
+    concurrently, waits for it)."""
+
+    def __init__(self, entries: list[LogEntry]) -> None:
+        loop = asyncio.get_running_loop()
+        self._ids: dict[str, asyncio.Future[str | None]] = {}
+        for e in entries:
+            rid = (e.response or {}).get("id") if e.endpoint == "/v1/responses" else None
+            if isinstance(rid, str):
+                self._ids[rid] = loop.create_future()
+
+    async def before(self, body: dict) -> dict:
+        prev = body.get("previous_response_id")
+        future = self._ids.get(prev) if isinstance(prev, str) else None
+        if future is None:
+            return body
+        replayed = await future
+        return {**body, "previous_response_id": replayed or prev}
+
+    def after(self, entry: LogEntry, answer: Answer | None) -> None:
+        rid = (entry.response or {}).get("id")
+        future = self._ids.get(rid) if isinstance(rid, str) else None
+        if future is not None and not future.done():
+            new = ((answer.body if answer else None) or {}).get("id")
+            future.set_result(new if isinstance(new, str) else None)
 
 
 def _retry_after(header: str | None) -> float:

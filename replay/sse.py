@@ -1,8 +1,10 @@
 """Server-sent event streams of the OpenAI API folded into the equivalent non-stream body.
 
 Chat chunks become one `chat.completion` (message content, finish_reason, logprobs, usage);
-completion chunks become one `text_completion` (text and logprobs per choice). An error event
-inside the stream becomes the body's `error`.
+completion chunks become one `text_completion` (text and logprobs per choice); a Responses
+stream becomes the response of its last lifecycle event; an Anthropic Messages stream becomes
+one `message` (content blocks, stop_reason, usage). An error event inside the stream becomes
+the body's `error`.
 """
 
 from __future__ import annotations
@@ -35,7 +37,55 @@ def aggregate(endpoint: str, events: list[dict]) -> dict:
     """The non-stream body equivalent to the stream `events` of `endpoint`."""
     if endpoint.endswith("/chat/completions"):
         return aggregate_chat(events)
+    if endpoint.endswith("/responses"):
+        return aggregate_responses(events)
+    if endpoint.endswith("/messages"):
+        return aggregate_messages(events)
     return aggregate_completions(events)
+
+
+def aggregate_responses(events: list[dict]) -> dict:
+    """Responses events -> the response object of the last lifecycle event (completed,
+    incomplete or failed carry the whole response)."""
+    body: dict = {}
+    for e in events:
+        if isinstance(e.get("response"), dict):
+            body = dict(e["response"])
+        elif e.get("type") == "error":
+            body["error"] = {k: v for k, v in e.items() if k not in ("type", "sequence_number")}
+    return body
+
+
+def aggregate_messages(events: list[dict]) -> dict:
+    """Anthropic Messages events -> one `message` body."""
+    body: dict = {}
+    blocks: list[dict] = []
+    partial: dict[int, str] = {}
+    for e in events:
+        kind = e.get("type")
+        if kind == "message_start":
+            body = dict(e.get("message") or {})
+        elif kind == "content_block_start":
+            blocks.append(dict(e.get("content_block") or {}))
+        elif kind == "content_block_delta" and blocks:
+            delta, block = e.get("delta") or {}, blocks[-1]
+            for key in ("text", "thinking"):
+                if key in delta:
+                    block[key] = block.get(key, "") + delta[key]
+            if "partial_json" in delta:
+                partial[len(blocks) - 1] = partial.get(len(blocks) - 1, "") + delta["partial_json"]
+        elif kind == "message_delta":
+            body.update(e.get("delta") or {})
+            body["usage"] = {**(body.get("usage") or {}), **(e.get("usage") or {})}
+        elif kind == "error":
+            body["error"] = e.get("error")
+    for i, text in partial.items():
+        try:
+            blocks[i]["input"] = json.loads(text)
+        except json.JSONDecodeError:
+            blocks[i]["input"] = text
+    body["content"] = blocks
+    return body
 
 
 def _header(events: list[dict], obj: str) -> dict:

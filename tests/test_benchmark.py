@@ -94,6 +94,23 @@ def _run(tps: float, p99: float = 1.0, peak: int = 100, warm: int = 100, after: 
             "rss_after_over_warm": after / warm}  # fmt: skip
 
 
+def test_quick_run_reports_inter_token_gaps_and_the_engine_rate(quick_run):
+    report, out, _ = quick_run
+    for c, run in report["servers"]["ours"].items():
+        assert run["itl_p50_ms"] > 0 and run["itl_p99_ms"] >= run["itl_p50_ms"]
+        assert run["engine_step_ms"] > 0
+        assert run["engine_tokens_per_s"] == pytest.approx(int(c) * 1000 / run["engine_step_ms"])
+        assert run["served_over_engine"] == pytest.approx(
+            run["tokens_per_s"] / run["engine_tokens_per_s"]
+        )
+    assert (
+        "mlx_lm" not in report["servers"]
+        or "engine_step_ms" not in report["servers"]["mlx_lm"]["1"]
+    )
+    md = (out / "benchmark.md").read_text()
+    assert "| concurrency | ITL p50 ms | ITL p99 ms |" in md
+
+
 def test_targets_are_judged_exactly():
     report = {
         "servers": {
@@ -110,6 +127,8 @@ def test_targets_are_judged_exactly():
         "throughput_c4": False,  # 1.20x < 1.25
         "throughput_c8": False,  # 1.246x < 1.25
         "scaling_c4_c1": True,  # exactly 3x
+        "itl_tail": None,  # no inter-token gaps or engine rate in this report
+        "engine_share": None,
         "latency_p99": False,  # c8 is slower
         "ttft_p99": False,
         "rss_peak": False,  # c8 peak above theirs
@@ -118,6 +137,14 @@ def test_targets_are_judged_exactly():
         "scoring": False,
         "greedy_identical": False,
     }
+
+
+def test_step_targets_judge_the_highest_concurrency():
+    low, top = _run(16.0), _run(80.0)
+    low.update(concurrency=1, itl_p99_over_p50=3.0, served_over_engine=0.5)
+    top.update(concurrency=8, itl_p99_over_p50=1.5, served_over_engine=0.79)
+    met = {t["id"]: t["met"] for t in targets.evaluate({"servers": {"ours": {"1": low, "8": top}}})}
+    assert met["itl_tail"] is True and met["engine_share"] is False  # 1.5 <= 1.5; 79% < 80%
 
 
 def test_targets_without_mlx_lm_are_not_judged():

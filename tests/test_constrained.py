@@ -44,8 +44,8 @@ def _schema_format(schema: dict, name: str = "answer") -> dict:
 async def _collect(handle) -> tuple[list[int], str, FinishReason]:
     ids, text = [], ""
     async for ev in handle.events():
-        text += ev.text
         if handle.finish is None:
+            text += ev.text
             ids.append(ev.token_id)
     return ids, text, handle.finish.reason
 

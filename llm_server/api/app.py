@@ -13,6 +13,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from llm_server.api import messages_output as anthropic
+from llm_server.api.agent_routes import AGENT_ROUTES
 from llm_server.api.common import DEFAULT_MAX_BODY_BYTES, AppState
 from llm_server.api.errors import APIError, error_body
 from llm_server.api.metrics import Metrics, RequestCounter, metrics_endpoint
@@ -20,6 +22,7 @@ from llm_server.api.openapi import openapi_schema
 from llm_server.api.request_log import RequestLogMiddleware, RequestRecorder
 from llm_server.api.routes_chat import chat_completions
 from llm_server.api.routes_completions import completions
+from llm_server.api.routes_embeddings import embeddings
 from llm_server.api.routes_info import detokenize, health, list_models, tokenize, tokenizer_info
 from llm_server.api.security import APIKeyMiddleware, resolve_api_key
 
@@ -33,6 +36,8 @@ async def _openapi(request: Request) -> Response:
 
 
 async def _api_error(request: Request, exc: APIError) -> Response:
+    if anthropic.is_anthropic(request.url.path):
+        return anthropic.error_response(exc.status, exc.message, exc.headers)
     return exc.response()
 
 
@@ -43,6 +48,8 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     }
     message = messages.get(exc.status_code, str(exc.detail))
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    if anthropic.is_anthropic(request.url.path):
+        return anthropic.error_response(exc.status_code, message, exc.headers)
     return JSONResponse(
         error_body(exc.status_code, message, code=code),
         status_code=exc.status_code,
@@ -52,12 +59,34 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 async def _server_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s", request.url.path)
+    if anthropic.is_anthropic(request.url.path):
+        return anthropic.error_response(500, "internal server error")
     return JSONResponse(error_body(500, "internal server error"), status_code=500)
 
 
+def _needs_lm_head(handler):
+    """Refuse generation and scoring (400) on a checkpoint without an LM head (an embedding
+    model saved as the bare transformer); it serves /v1/embeddings only."""
+
+    async def route(request: Request) -> Response:
+        service = request.app.state.llm.service
+        engine = service.engine if service is not None else None
+        if engine is not None and not getattr(engine, "has_lm_head", True):
+            raise APIError(
+                400,
+                "this model is an embedding checkpoint without a language-model head; "
+                "it serves POST /v1/embeddings only",
+                code="embeddings_only",
+            )
+        return await handler(request)
+
+    return route
+
+
 ROUTES = [
-    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/chat/completions", _needs_lm_head(chat_completions), methods=["POST"]),
+    Route("/v1/completions", _needs_lm_head(completions), methods=["POST"]),
+    Route("/v1/embeddings", embeddings, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics_endpoint, methods=["GET"]),
@@ -65,6 +94,12 @@ ROUTES = [
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
     Route("/openapi.json", _openapi, methods=["GET"], include_in_schema=False),
+    *(
+        Route(r.path, _needs_lm_head(r.endpoint), methods=list(r.methods or ()))
+        if r.path in ("/v1/responses", "/v1/messages")
+        else r
+        for r in AGENT_ROUTES
+    ),
 ]
 
 
@@ -91,7 +126,7 @@ def create_app(
                 CORSMiddleware,
                 allow_origins=list(cors_origins),
                 allow_methods=["GET", "POST", "OPTIONS"],
-                allow_headers=["Authorization", "Content-Type"],
+                allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"],
             )
         )
     key = resolve_api_key(api_key)

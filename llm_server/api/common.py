@@ -25,7 +25,6 @@ class AppState:
         self._service = service
         self._listeners: list[Callable[[ModelService], None]] = []
         self.model_id = model_id
-        self.loading = service is None or not service.ready
         self.draining = False
 
     @property
@@ -167,9 +166,10 @@ def admit(
     prompt: list[int],
     params: SamplingParams,
     constraint: LogitsConstraint | None = None,
+    keep_tokens: frozenset[int] = frozenset(),
 ) -> GenerationHandle:
     """Admit one generation now (before any response byte, S3) or raise 429/503."""
-    return admit_all(service, [prompt], params, 1, [constraint])[0]
+    return admit_all(service, [prompt], params, 1, [constraint], keep_tokens)[0]
 
 
 def choice_params(params: SamplingParams, choice: int) -> SamplingParams:
@@ -186,11 +186,13 @@ def admit_all(
     params: SamplingParams,
     n: int = 1,
     constraints: list[LogitsConstraint | None] | None = None,
+    keep_tokens: frozenset[int] = frozenset(),
 ) -> list[GenerationHandle]:
     """Admit `n` choices of every prompt, all or none (429/503 before any response byte).
 
     Handles come prompt by prompt, choices within each: handle i is choice index i (the order
     OpenAI gives `choices[i].index`). `constraints` has one entry per handle when given.
+    `keep_tokens`: special tokens kept in the text (tool-call markers the parsers read).
     """
     total = len(prompts) * n
     if n > 1 and total > service.capacity:
@@ -202,7 +204,7 @@ def admit_all(
     ids = [p for p in prompts for _ in range(n)]
     per_choice = [choice_params(params, j) for _ in prompts for j in range(n)]
     try:
-        return service.start_generations(ids, per_choice, constraints)
+        return service.start_generations(ids, per_choice, constraints, keep_tokens)
     except (QueueFull, SchedulerClosed) as exc:
         raise scheduler_errors(exc) from None
 

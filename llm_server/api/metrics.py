@@ -82,7 +82,7 @@ class Metrics:
         self.step_rows.inc(rows)
 
     def attach(self, service: ModelService) -> None:
-        service.scheduler.on_step = self.on_step
+        service.scheduler.add_step_listener(self.on_step)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from llm_server.api import openapi_agents as agents
+from llm_server.api import openapi_tools as tools
+from llm_server.api.openapi_embeddings import EMBEDDING_SCHEMAS
 from llm_server.api.schemas import MAX_LOGIT_BIAS, MAX_N
 from llm_server.decoding import MAX_TOP_LOGPROBS
 
@@ -61,6 +64,7 @@ _USAGE = {
         "completion_tokens": _INT,
         "total_tokens": _INT,
         "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": _INT}},
+        "completion_tokens_details": tools.COMPLETION_DETAILS,
     },
 }
 _TOP_ENTRY = {
@@ -154,6 +158,7 @@ SCHEMAS: dict[str, dict] = {
                     ]
                 }
             ),
+            **tools.MESSAGE_FIELDS,
         },
     },
     "ChatCompletionRequest": {
@@ -178,6 +183,7 @@ SCHEMAS: dict[str, dict] = {
                     },
                 }
             ),
+            **tools.REQUEST_FIELDS,
         },
     },
     "ChatCompletion": {
@@ -193,15 +199,8 @@ SCHEMAS: dict[str, dict] = {
                     "required": ["index", "message", "finish_reason"],
                     "properties": {
                         "index": _INT,
-                        "message": {
-                            "type": "object",
-                            "required": ["role", "content"],
-                            "properties": {
-                                "role": {"type": "string", "enum": ["assistant"]},
-                                "content": _STR,
-                            },
-                        },
-                        "finish_reason": _FINISH,
+                        "message": tools.RESPONSE_MESSAGE,
+                        "finish_reason": tools.CHAT_FINISH,
                         "logprobs": _CHAT_LOGPROBS,
                     },
                 },
@@ -420,6 +419,12 @@ def openapi_schema() -> dict:
                 "Completion",
                 stream=True,
             ),
+            "/v1/embeddings": _post(
+                "createEmbedding",
+                "Embeddings of texts or token ids",
+                "EmbeddingRequest",
+                "EmbeddingList",
+            ),
             "/v1/models": _get(
                 "listModels", "The served model", _json("ModelList", "the served model"), "401"
             ),
@@ -440,9 +445,10 @@ def openapi_schema() -> dict:
                 _json("TokenizerInfo", "info"),
                 "503",
             ),
+            **agents.paths(),
         },
         "components": {
-            "schemas": SCHEMAS,
+            "schemas": {**SCHEMAS, **agents.SCHEMAS, **EMBEDDING_SCHEMAS},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }

@@ -26,7 +26,17 @@ from replay.sse import aggregate, sse_events
 
 log = logging.getLogger(__name__)
 
-LOGGED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"})
+LOGGED_PATHS = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/tokenize",
+        "/detokenize",
+    }
+)
 MAX_LOGGED_BODY = 16 << 20  # bytes of request or response kept; larger requests are not logged
 _STOP = object()
 

@@ -1,8 +1,7 @@
-"""POST /v1/chat/completions: parse, template, admit, then JSON or SSE."""
+"""POST /v1/chat/completions: parse, plan (template, grammar, parsers), admit, then JSON or SSE."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -10,10 +9,10 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from llm_server.api.chat_plan import ChatPlan
+from llm_server.api.chat_run import assemble, start_chat
 from llm_server.api.common import (
-    admit_all,
     check_model,
-    check_prompt,
     get_service,
     read_json,
     record_finish,
@@ -25,26 +24,12 @@ from llm_server.api.errors import error_body, invalid
 from llm_server.api.logprobs import chat_logprobs
 from llm_server.api.schemas import ChatRequest, parse_chat
 from llm_server.api.streaming import collect_many, finish_reason, merge_events, sse
-from llm_server.constrained import ConstraintError, build_constraint
-from llm_server.decoding import FinishReason, LogitsConstraint
+from llm_server.decoding import FinishReason
 from llm_server.scheduler import FinishEvent, TokenEvent
 from llm_server.service import GenerationHandle, ModelService
-from llm_server.tokenizer import ChatTemplateError
+from llm_server.tools.output import ChatOutput
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-async def _constraint(service: ModelService, chat: ChatRequest) -> LogitsConstraint | None:
-    """Compile the response_format grammar off the event loop (a big schema takes a while)."""
-    if chat.response_format is None:
-        return None
-    vocab = service.engine.vocab_size
-    try:
-        return await asyncio.to_thread(
-            build_constraint, chat.response_format, service.tokenizer, vocab
-        )
-    except ConstraintError as exc:
-        raise invalid("response_format", str(exc)) from None
 
 
 async def chat_completions(request: Request) -> Response:
@@ -54,40 +39,35 @@ async def chat_completions(request: Request) -> Response:
         body, service.config.default_max_tokens, service.token_id_limit, service.sampling_defaults
     )
     check_model(service, chat.model, served_id(request))
-    if not any(m["content"] for m in chat.messages):
+    if not any(m["content"] or m.get("tool_calls") for m in chat.messages):
         raise invalid("messages", "every message is empty; send some content")
-    constraints = [await _constraint(service, chat) for _ in range(chat.n)]  # one per row
-    try:
-        prompt = service.tokenizer.apply_chat_template(list(chat.messages))
-    except ChatTemplateError as exc:
-        raise invalid("messages", str(exc)) from None
-    check_prompt(service, len(prompt), "messages")
     # every choice admitted before any SSE byte (S3), all or none
-    handles = admit_all(service, [prompt], chat.params, chat.n, constraints)
+    started = await start_chat(service, chat)
+    plan, handles = started.plan, started.handles
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if chat.stream:
         return StreamingResponse(
-            _chat_stream(request, service, handles, chat, rid, created),
+            _chat_stream(request, service, handles, chat, plan, rid, created),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
     outs = await collect_many(handles, request)
     if (early := settle(request, [o.finish for o in outs])) is not None:
         return early
-    choices = []
+    choices, answers = [], []
     for i, out in enumerate(outs):
+        answer = assemble(plan, out)
+        answers.append(answer)
         choice = {
             "index": i,
-            "message": {"role": "assistant", "content": out.text},
-            "finish_reason": finish_reason(out.finish),
+            "message": answer.message(),
+            "finish_reason": answer.finish_reason(finish_reason(out.finish)),
             "logprobs": None,
         }
         if chat.params.logprobs:
             choice["logprobs"] = chat_logprobs(out.logprobs, service.tokenizer.token_strings)
         choices.append(choice)
-    first = outs[0].finish  # the prompt counts once, whatever n is
-    n_completion = sum(o.finish.completion_tokens for o in outs)
     return JSONResponse(
         {
             "id": rid,
@@ -96,9 +76,20 @@ async def chat_completions(request: Request) -> Response:
             "model": served_id(request),
             "system_fingerprint": service.fingerprint,
             "choices": choices,
-            "usage": usage(first.prompt_tokens, n_completion, first.cached_tokens),
+            "usage": _usage([o.finish for o in outs], answers),
         }
     )
+
+
+def _usage(finishes: list[FinishEvent], answers: list[ChatOutput]) -> dict:
+    """The prompt counts once whatever n is; completion (and reasoning) tokens add up."""
+    first = finishes[0]
+    completion = sum(f.completion_tokens for f in finishes)
+    out = usage(first.prompt_tokens, completion, first.cached_tokens)
+    if answers[0].splitter is not None:
+        reasoning = sum(a.reasoning_tokens for a in answers)
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return out
 
 
 async def _chat_stream(
@@ -106,6 +97,7 @@ async def _chat_stream(
     service: ModelService,
     handles: list[GenerationHandle],
     chat: ChatRequest,
+    plan: ChatPlan,
     rid: str,
     created: int,
 ) -> AsyncIterator[str]:
@@ -128,16 +120,23 @@ async def _chat_stream(
             body["usage"] = None
         return sse(body)
 
+    answers = [plan.output() for _ in handles]
     for i in range(len(handles)):
         yield chunk(i, {"role": "assistant", "content": ""})
     finishes: list[FinishEvent | None] = [None] * len(handles)
     async for i, ev in merge_events(handles):
+        answer = answers[i]
         if isinstance(ev, TokenEvent):
             lp = None
             if ev.logprob is not None:
                 lp = chat_logprobs([ev.logprob], service.tokenizer.token_strings)
-            if ev.text or lp is not None:
-                yield chunk(i, {"content": ev.text}, logprobs=lp)
+            deltas = answer.feed(ev.text)
+            if answer.plain:  # no parsing: one content delta per token
+                deltas = [{"content": ev.text}] if ev.text or lp is not None else []
+            for j, delta in enumerate(deltas):
+                yield chunk(i, delta, logprobs=lp if j == 0 else None)
+            if lp is not None and not deltas:
+                yield chunk(i, {}, logprobs=lp)
             continue
         if ev.reason == FinishReason.CANCELLED:
             return
@@ -146,17 +145,9 @@ async def _chat_stream(
             yield sse(error_body(500, "the model failed while generating this request"))
             break
         finishes[i] = ev
-        if ev.text:
-            yield chunk(i, {"content": ev.text})
-        yield chunk(i, {}, finish=finish_reason(ev))
+        for delta in answer.finish():
+            yield chunk(i, delta)
+        yield chunk(i, {}, finish=answer.finish_reason(finish_reason(ev)))
     if chat.include_usage and all(f is not None for f in finishes):
-        first = finishes[0]
-        n_completion = sum(f.completion_tokens for f in finishes if f is not None)
-        yield sse(
-            {
-                **base,
-                "choices": [],
-                "usage": usage(first.prompt_tokens, n_completion, first.cached_tokens),
-            }
-        )
+        yield sse({**base, "choices": [], "usage": _usage(finishes, answers)})
     yield sse("[DONE]")

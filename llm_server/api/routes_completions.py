@@ -156,7 +156,7 @@ async def _stream(
         if i % req.n == 0:  # each prompt counts once, whatever n is
             n_prompt += ev.prompt_tokens
         n_completion += ev.completion_tokens
-        yield chunk(i, ev.text, finish=finish_reason(ev))
+        yield chunk(i, "", finish=finish_reason(ev))
     if req.include_usage:
         yield sse({**base, "choices": [], "usage": usage(n_prompt, n_completion)})
     yield sse("[DONE]")

@@ -7,6 +7,7 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from llm_server.api.chat_tools import parse_template_kwargs, parse_tools
 from llm_server.api.common import AppState, check_model, get_service, read_json, served_id
 from llm_server.api.errors import invalid
 from llm_server.api.schemas import parse_messages
@@ -57,7 +58,8 @@ async def health(request: Request) -> Response:
 
 
 async def tokenize(request: Request) -> Response:
-    """`{"prompt": str, "add_special_tokens": bool}` or `{"messages": [...]}` -> token ids."""
+    """`{"prompt": str, "add_special_tokens": bool}` or `{"messages": [...]}` (with `tools`,
+    `chat_template_kwargs` as in chat requests) -> token ids."""
     service = get_service(request)
     body = await read_json(request)
     check_model(service, body.get("model"), served_id(request))
@@ -67,7 +69,9 @@ async def tokenize(request: Request) -> Response:
     tok = service.tokenizer
     if "messages" in body:
         try:
-            ids = tok.apply_chat_template(list(parse_messages(body)))
+            tools = [t.template_dict() for t in parse_tools(body).tools] or None
+            kwargs = parse_template_kwargs(body)
+            ids = tok.apply_chat_template(list(parse_messages(body)), tools, kwargs)
         except ChatTemplateError as exc:
             raise invalid("messages", str(exc)) from None
     else:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from llm_server.api.chat_tools import message_extras, parse_template_kwargs, parse_tools
 from llm_server.api.errors import invalid
 from llm_server.decoding import MAX_TOP_LOGPROBS, SamplingParams
 from llm_server.generation_config import SamplingDefaults
+from llm_server.tools.spec import ToolRequest
 
 OPENAI_DEFAULTS = SamplingDefaults()
 
@@ -19,13 +21,16 @@ ROLES = ("system", "user", "assistant", "developer", "tool")
 
 @dataclass(frozen=True)
 class ChatRequest:
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, Any], ...]
     params: SamplingParams
     stream: bool
     include_usage: bool
     response_format: dict | None
     model: str | None
     n: int = 1  # choices generated from the prompt
+    tools: ToolRequest = ToolRequest()
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
+    thinking_budget: int | None = None  # thinking tokens before </think> is forced (Messages)
 
 
 @dataclass(frozen=True)
@@ -267,7 +272,7 @@ def _content(value: Any, index: int) -> str:
     return "".join(parts)
 
 
-def parse_messages(body: dict) -> tuple[dict[str, str], ...]:
+def parse_messages(body: dict) -> tuple[dict[str, Any], ...]:
     messages = body.get("messages")
     if messages is None:
         raise invalid("messages", "'messages' is required")
@@ -284,6 +289,7 @@ def parse_messages(body: dict) -> tuple[dict[str, str], ...]:
             {
                 "role": "system" if role == "developer" else role,
                 "content": _content(m.get("content"), i),
+                **message_extras(m, i),
             }
         )
     return tuple(out)
@@ -320,6 +326,8 @@ def parse_chat(
         response_format=fmt,
         model=_get(body, "model", str),
         n=parse_n(body),
+        tools=parse_tools(body),
+        template_kwargs=parse_template_kwargs(body),
     )
 
 

@@ -1,4 +1,4 @@
-"""API-key check for /v1/* (Bearer token, constant-time compare)."""
+"""API-key check for /v1/* (Bearer token or `x-api-key`, constant-time compare)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llm_server.api.errors import APIError
+from llm_server.api.messages_output import error_response, is_anthropic
 
 API_KEY_ENV = "LLM_SERVER_API_KEY"
 PROTECTED_PREFIX = "/v1/"
@@ -20,7 +21,8 @@ def resolve_api_key(option: str | None) -> str | None:
 
 
 class APIKeyMiddleware:
-    """Answer 401 on /v1/* unless `Authorization: Bearer <key>` matches."""
+    """Answer 401 on /v1/* unless `Authorization: Bearer <key>` or `x-api-key: <key>` (as
+    Anthropic clients send it) matches."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -33,6 +35,10 @@ class APIKeyMiddleware:
         if self._authorized(scope):
             await self.app(scope, receive, send)
             return
+        if is_anthropic(scope["path"]):
+            message = "a valid API key is required: send 'x-api-key: <key>'"
+            await error_response(401, message)(scope, receive, send)
+            return
         error = APIError(
             401,
             "a valid API key is required: send 'Authorization: Bearer <key>'",
@@ -44,9 +50,10 @@ class APIKeyMiddleware:
     def _authorized(self, scope: Scope) -> bool:
         header = b""
         for name, value in scope["headers"]:
+            if name == b"x-api-key" and hmac.compare_digest(value.strip(), self._key):
+                return True
             if name == b"authorization":
                 header = value
-                break
         scheme, _, token = header.partition(b" ")
         if scheme.lower() != b"bearer":
             return False

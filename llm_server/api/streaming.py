@@ -19,43 +19,26 @@ class Collected:
     """A whole generation, gathered from its events."""
 
     text: str = ""
+    pieces: list[str] = field(default_factory=list)  # each token's text, in order
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish: FinishEvent | None = None
 
 
+def _fold(out: Collected, ev: TokenEvent | FinishEvent) -> None:
+    if isinstance(ev, TokenEvent):
+        out.pieces.append(ev.text)
+        out.text += ev.text
+        out.token_ids.append(ev.token_id)
+        if ev.logprob is not None:
+            out.logprobs.append(ev.logprob)
+    else:
+        out.finish = ev
+
+
 async def collect(handle: GenerationHandle, request: Request | None = None) -> Collected:
     """Gather all events; a client disconnect cancels the request (S5)."""
-    out = Collected()
-
-    async def gather() -> None:
-        async for ev in handle.events():
-            if isinstance(ev, TokenEvent):
-                out.text += ev.text
-                out.token_ids.append(ev.token_id)
-                if ev.logprob is not None:
-                    out.logprobs.append(ev.logprob)
-            else:
-                out.text += ev.text
-                out.finish = ev
-
-    task = asyncio.ensure_future(gather())
-    watcher = asyncio.ensure_future(wait_disconnect(request)) if request is not None else None
-    try:
-        if watcher is None:
-            await task
-        else:
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():
-                handle.cancel()
-                await task
-    finally:
-        if watcher is not None:
-            watcher.cancel()
-        if not task.done():
-            task.cancel()
-            handle.cancel()
-    return out
+    return (await collect_many([handle], request))[0]
 
 
 async def collect_many(
@@ -66,13 +49,7 @@ async def collect_many(
 
     async def gather(handle: GenerationHandle, out: Collected) -> None:
         async for ev in handle.events():
-            out.text += ev.text
-            if isinstance(ev, TokenEvent):
-                out.token_ids.append(ev.token_id)
-                if ev.logprob is not None:
-                    out.logprobs.append(ev.logprob)
-            else:
-                out.finish = ev
+            _fold(out, ev)
 
     work = asyncio.ensure_future(
         asyncio.gather(*(gather(h, o) for h, o in zip(handles, outs, strict=True)))

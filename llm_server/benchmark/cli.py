@@ -32,6 +32,7 @@ class Settings:
     scoring: bool
     constrained: bool
     prefix_cache: bool = False
+    step_tokens: int | None = None  # our server's --step-tokens (None: its default)
     peer: str | None = None  # report kind of a peer server (PEERS), started from peer_cmd
     peer_cmd: str | None = None
 
@@ -54,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--scoring-prompts", type=int,
                    help=f"prompts in the scoring benchmark (default {FULL['scoring_prompts']}; 0 skips it)")  # fmt: skip
+    p.add_argument("--step-tokens", type=int,
+                   help="our server's --step-tokens (default: the server's; 0 runs each prompt whole "
+                   "when admitted, the admission of before issue 17)")  # fmt: skip
     p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx_lm.server comparison")
     p.add_argument("--peer", choices=sorted(PEERS),
                    help="also run this server (from --peer-cmd) on the same load, e.g. llama.cpp's llama-server")  # fmt: skip
@@ -64,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also measure TTFT on a multi-turn workload with the prefix cache on and off")  # fmt: skip
     p.add_argument("--constrained", action="store_true",
                    help="also run the constrained-decoding benchmark (llm_server.benchmark.constrained)")  # fmt: skip
+    p.add_argument("--embeddings", action="store_true",
+                   help="run only the embeddings benchmark: --embedding-inputs inputs of 20-200 tokens, "
+                   "one batched request vs concurrent vs sequential single-input requests")  # fmt: skip
+    p.add_argument("--embedding-inputs", type=int, default=64,
+                   help="inputs in the embeddings benchmark (default 64)")  # fmt: skip
     return p
 
 
@@ -85,6 +94,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
     requests = args.requests if args.requests is not None else base["requests"]
     max_tokens = args.max_tokens if args.max_tokens is not None else base["max_tokens"]
     scoring = args.scoring_prompts if args.scoring_prompts is not None else base["scoring_prompts"]
+    if args.step_tokens is not None and args.step_tokens < 0:
+        raise SystemExit("llm-benchmark: --step-tokens must be 0 or more")
     if requests < 1 or max_tokens < 1 or scoring < 0:
         raise SystemExit(
             "llm-benchmark: --requests and --max-tokens must be 1 or more, --scoring-prompts 0 or more"
@@ -107,7 +118,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         concurrencies=_concurrencies(args.concurrency or base["concurrency"]),
         requests=requests, max_tokens=max_tokens, scoring_prompts=scoring,
         mlx_lm=not args.no_mlx_lm, scoring=scoring > 0, constrained=args.constrained,
-        prefix_cache=args.prefix_cache,
+        prefix_cache=args.prefix_cache, step_tokens=args.step_tokens,
         peer=None if args.peer is None else PEERS[args.peer], peer_cmd=args.peer_cmd,
     )  # fmt: skip
 
@@ -135,6 +146,9 @@ def main(argv: list[str] | None = None) -> None:
     check_dependencies()
     settings = settings_from(args)
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    if args.embeddings:
+        _embeddings_only(settings, args.embedding_inputs)
+        return
     from llm_server.benchmark.runner import run_benchmark
 
     try:
@@ -145,3 +159,21 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.suppress(OSError):
         print(paths.markdown.read_text())
     print(f"llm-benchmark: wrote {paths.json}, {paths.markdown} and {paths.plot}", file=sys.stderr)
+
+
+def _embeddings_only(settings: Settings, count: int) -> None:
+    """--embeddings: our server alone, at the largest --concurrency value."""
+    from llm_server.benchmark.embeddings import benchmark_embeddings
+
+    if count < 1:
+        raise SystemExit("llm-benchmark: --embedding-inputs must be 1 or more")
+    concurrency = max(settings.concurrencies)
+    try:
+        result = benchmark_embeddings(
+            settings.model, settings.out, count, concurrency, repeats=1 if settings.quick else 2
+        )
+    except KeyboardInterrupt:
+        print("llm-benchmark: interrupted; all servers stopped", file=sys.stderr)
+        sys.exit(130)
+    print(result.markdown())
+    print(f"llm-benchmark: wrote {settings.out / 'embeddings.json'}", file=sys.stderr)

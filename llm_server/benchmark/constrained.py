@@ -19,6 +19,7 @@ from pathlib import Path
 
 from llm_server.constrained import JsonConstraint, build_constraint
 from llm_server.decoding import SamplingParams
+from llm_server.scheduler import TokenEvent
 from llm_server.service import ModelService
 
 PLAIN_PROMPTS = [
@@ -89,7 +90,8 @@ async def _request(svc: ModelService, content: str, max_tokens: int, fmt: dict |
     handle = svc.start_generation(prompt, params, constraint)
     text = ""
     async for ev in handle.events():
-        text += ev.text
+        if isinstance(ev, TokenEvent):
+            text += ev.text
     fin = handle.finish
     return text, fin.completion_tokens, fin.reason.value, time.perf_counter() - t0, constraint
 
@@ -98,7 +100,7 @@ def measure_step_times(model: Path, tokens: int) -> StepTimes:
     """Median step time of 4 plain rows vs 3 plain + 1 schema row (batched mode)."""
     svc = _service(model, 4, "batched")
     steps: list[tuple[float, int]] = []
-    svc.scheduler.on_step = lambda dt, rows: steps.append((dt, rows))
+    svc.scheduler.add_step_listener(lambda dt, rows: steps.append((dt, rows)))
     fmt = {"type": "json_schema", "json_schema": {"name": "words", "schema": LONG_SCHEMA}}
 
     async def phase(n_schema: int) -> JsonConstraint | None:

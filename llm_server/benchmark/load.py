@@ -1,7 +1,7 @@
 """Drive a fixed chat load against a server: streaming requests, at most N in flight at a time.
 
 Time to first token is when the first non-empty content delta arrives (the end of the stream
-when none does). Completion tokens come from the stream's final usage chunk
+when none does); the arrival of every content delta is kept for the inter-token gaps. Completion tokens come from the stream's final usage chunk
 (`stream_options.include_usage`, which both servers send); if a server leaves it out, the content
 is re-tokenized with the model's tokenizer and the record says so.
 """
@@ -35,6 +35,7 @@ class RequestRecord:
     token_source: str = "usage"  # "usage" | "retokenized"
     finish_reason: str | None = None
     text: str = ""
+    chunk_s: list[float] = field(default_factory=list)  # arrival of each content delta
 
     @property
     def ok(self) -> bool:
@@ -105,8 +106,10 @@ async def _stream_one(
                 for choice in chunk.get("choices") or []:
                     content = (choice.get("delta") or {}).get("content")
                     if content:
+                        now = time.perf_counter() - t0
                         if rec.first_token_s is None:
-                            rec.first_token_s = time.perf_counter() - t0
+                            rec.first_token_s = now
+                        rec.chunk_s.append(now)
                         parts.append(content)
                     rec.finish_reason = choice.get("finish_reason") or rec.finish_reason
     except httpx.HTTPError as exc:

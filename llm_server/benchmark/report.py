@@ -59,6 +59,27 @@ def throughput_table(report: dict, other: str = "mlx_lm") -> list[str]:
     return lines
 
 
+def _step_tokens(meta: dict) -> str:
+    value = meta.get("step_tokens")
+    return "(its default)" if value is None else str(value)
+
+
+def steps_table(report: dict) -> list[str]:
+    """Inter-token gaps and the engine-only rate (issue 17): does serving keep up?"""
+    lines = [
+        "| concurrency | ITL p50 ms | ITL p99 ms | p99/p50 | ITL max ms | engine step ms | engine tok/s | served tok/s | served/engine |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c, o, _ in _rows(report):
+        lines.append(
+            f"| {c} | {_one(o, 'itl_p50_ms', spec='.1f')} | {_one(o, 'itl_p99_ms', spec='.1f')} "
+            f"| {_one(o, 'itl_p99_over_p50', spec='.2f')} | {_one(o, 'itl_max_ms', spec='.0f')} "
+            f"| {_one(o, 'engine_step_ms', spec='.1f')} | {_one(o, 'engine_tokens_per_s', spec='.1f')} "
+            f"| {_one(o, 'tokens_per_s', spec='.1f')} | {_one(o, 'served_over_engine', 100, '.0f')}% |"
+        )
+    return lines
+
+
 def memory_table(report: dict, other: str = "mlx_lm") -> list[str]:
     lines = [
         "| concurrency | peak RSS MB | RSS after warm-up MB | RSS after load MB | after/warm-up |",
@@ -200,6 +221,14 @@ def markdown(report: dict) -> str:
         *throughput_table(report),
         "",
         f"Our concurrency-4 / concurrency-1 throughput: {scaling}",
+        "",
+        "## Steps: inter-token gaps and the engine-only rate (ours)",
+        "",
+        "Gaps between consecutive streamed deltas of one request; the engine rate is N rows / "
+        "the median N-row decode step of the engine alone (llm_server.benchmark.engine_rate). "
+        f"Our server ran with --step-tokens {_step_tokens(meta)}.",
+        "",
+        *steps_table(report),
         "",
         "## Memory (cells: ours / mlx_lm.server)",
         "",

@@ -15,7 +15,17 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from llm_server.benchmark import load, memory, report, roofline, scoring, servers, summary, targets
+from llm_server.benchmark import (
+    engine_rate,
+    load,
+    memory,
+    report,
+    roofline,
+    scoring,
+    servers,
+    summary,
+    targets,
+)
 from llm_server.benchmark.plot import write_plot
 
 if TYPE_CHECKING:
@@ -103,6 +113,7 @@ def _meta(s: Settings, prompts: list[load.Prompt]) -> dict:
         "concurrencies": s.concurrencies,
         "requests": s.requests,
         "max_tokens": s.max_tokens,
+        "step_tokens": s.step_tokens,
         "prompt_count": len(prompts),
         "blas_preload": servers.server_env().get("LD_PRELOAD"),
         "versions": {p: version(p) for p in ("llm-server", "mlx", "mlx-lm", "numpy")},
@@ -191,7 +202,10 @@ class _Progress:
 def _one_server(
     s: Settings, kind: str, c: int, count, prompts, progress: _Progress, state: dict
 ) -> None:
-    spec = servers.ServerSpec(kind, s.model, c, max_queued=max(s.requests, c), peer_cmd=s.peer_cmd)
+    extra = () if s.step_tokens is None or kind != "ours" else ("--step-tokens", str(s.step_tokens))
+    spec = servers.ServerSpec(
+        kind, s.model, c, max_queued=max(s.requests, c), extra_args=extra, peer_cmd=s.peer_cmd
+    )
     progress.phase(f"{kind} c={c}: starting")
     with servers.running(spec, s.out / "logs" / f"{kind}-c{c}.log") as srv:
         state["meta"]["commands"][f"{kind}-c{c}"] = {"argv": list(srv.command), "pid": srv.pid}
@@ -202,11 +216,17 @@ def _one_server(
         result = load.run_load(srv.url, prompts, c, s.requests, s.max_tokens, count, progress.step)
         time.sleep(SETTLE_S)
         after = memory.sample(srv.pid)
-        state["servers"].setdefault(kind, {})[str(c)] = summary.summarize_load(result, warm, after)
+        run = summary.summarize_load(result, warm, after)
+        state["servers"].setdefault(kind, {})[str(c)] = run
         state["outputs"].setdefault(kind, {})[c] = summary.outputs_of(result)
         if kind == "ours" and s.scoring and c == max(s.concurrencies):
             progress.phase(f"{kind} c={c}: scoring")
             state["scoring"] = _scoring(s, srv.url, state["encode"], prompts, c)
+    if kind == "ours":  # the engine alone, with the server stopped (same env, fresh process)
+        progress.phase(f"engine c={c}: {c}-row decode steps")
+        rate = engine_rate.measure(s.model, c, steps=8 if s.quick else 24, env=servers.server_env())
+        run.update(engine_step_ms=rate["step_ms"], engine_tokens_per_s=rate["tokens_per_s"])
+        run["served_over_engine"] = run["tokens_per_s"] / rate["tokens_per_s"]
 
 
 def _constrained(s: Settings) -> dict:

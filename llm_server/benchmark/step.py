@@ -28,7 +28,10 @@ _STEPS_SCRIPT = """
 import json, sys, time
 from llm_server.engines.mlx_engine import MLXEngine
 model, rows, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-engine = MLXEngine(model, rows=rows)
+try:  # the compiled step where this checkout has it
+    engine = MLXEngine(model, rows=rows, compiled_decode=True)
+except TypeError:
+    engine = MLXEngine(model, rows=rows)
 for r in range(rows):
     engine.prefill(r, [(7 * i + 3 * r) % 1000 + 10 for i in range(150 + 5 * r)])
 tokens, ms = [5] * rows, []
@@ -57,11 +60,10 @@ class StepTimes:
 def _engines(model: str, rows: int):
     from llm_server.engines.mlx_engine import MLXEngine
 
-    compiled = MLXEngine(model, rows=rows)
+    compiled = MLXEngine(model, rows=rows, compiled_decode=True)
     eager = MLXEngine(model, rows=rows)
     if compiled._fused is None:
         raise SystemExit(f"{model}: the fused decode step does not apply to this model")
-    eager._fused.compiled = None
     return compiled, eager
 
 

@@ -32,6 +32,10 @@ def summarize_load(result: LoadResult, warm: MemorySample, after: MemorySample) 
         for r in ok
         if r.ttft_s is not None and r.completion_tokens > 1
     ]
+    # Inter-token gaps: between consecutive content deltas of one stream (a delta is one token
+    # unless text was held back), so an admission that stalls the batch shows in the tail.
+    gaps = [(b - a) * 1000.0 for r in ok for a, b in zip(r.chunk_s, r.chunk_s[1:], strict=False)]
+    itl50, itl99 = _pct(gaps, 50), _pct(gaps, 99)
     return {
         "concurrency": result.concurrency,
         "requests": len(result.records),
@@ -53,6 +57,10 @@ def summarize_load(result: LoadResult, warm: MemorySample, after: MemorySample) 
         "ttft_p99_s": _pct(ttft, 99),
         "tpot_p50_ms": _pct(tpot, 50),
         "tpot_mean_ms": float(np.mean(tpot)) if tpot else None,
+        "itl_p50_ms": itl50,
+        "itl_p99_ms": itl99,
+        "itl_max_ms": max(gaps) if gaps else None,
+        "itl_p99_over_p50": itl99 / itl50 if itl50 else None,
         "rss_warm_bytes": warm.rss_bytes,
         "rss_after_bytes": after.rss_bytes,
         "rss_peak_bytes": max(after.peak_bytes, warm.peak_bytes),

@@ -18,6 +18,8 @@ SCALING_MIN = 3.0  # our c4 tokens/s over our c1
 RSS_RETURN_MAX = 1.15  # RSS after the load over RSS after warm-up
 ROOFLINE_MIN = 0.40
 SCORING_MIN = 3.0
+ITL_TAIL_MAX = 1.5  # p99 inter-token gap over the median gap, at the highest concurrency
+ENGINE_SHARE_MIN = 0.80  # served tokens/s over rows / (engine-only step time), same concurrency
 
 
 @dataclass(frozen=True)
@@ -105,10 +107,27 @@ def _memory(report: dict) -> list[Target]:
     ]
 
 
+def _steps(report: dict) -> list[Target]:
+    """Issue 17: admissions do not stall the batch; serving keeps up with the engine."""
+    ours = report["servers"].get("ours", {})
+    c = max((int(k) for k in ours), default=None)
+    top = ours.get(str(c))
+    tail = top.get("itl_p99_over_p50") if top else None
+    share = top.get("served_over_engine") if top else None
+    return [
+        Target("itl_tail", f"p99 inter-token gap <= {ITL_TAIL_MAX}x the median at concurrency {c}",
+               _fmt(tail, suffix="x"), None if tail is None else tail <= ITL_TAIL_MAX),
+        Target("engine_share", f"served tokens/s >= {ENGINE_SHARE_MIN:.0%} of the engine-only "
+               f"rate at concurrency {c}", _fmt(share, ".0%"),
+               None if share is None else share >= ENGINE_SHARE_MIN),
+    ]  # fmt: skip
+
+
 def evaluate(report: dict) -> list[dict]:
     """All targets as JSON-ready dicts, in the order the issue lists them."""
     targets = _throughput(report)
     targets.extend(_peer(report))
+    targets.extend(_steps(report))
     targets.append(_no_worse(report, "latency_p99_s", "p99 latency"))
     targets.append(_no_worse(report, "ttft_p99_s", "p99 time to first token"))
     targets.extend(_memory(report))

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
+
+from llm_server.engines.step import StepPlan, StepResult
 
 # The scoring session advances this many positions per forward (C3).
 SCORE_CHUNK = 128
@@ -32,13 +34,20 @@ class EngineError(RuntimeError):
     """A forward failed; the scheduler isolates the request(s) that caused it (S8)."""
 
 
+class EmbeddingsUnsupported(EngineError):
+    """The model has no hidden-state forward to embed with (a client error: HTTP 400)."""
+
+
 class Engine(Protocol):
     name: str  # "mlx" | "coreml"
     rows: int  # batch rows of the graph
     context_length: int  # max positions per row
     vocab_size: int
     dtype: str  # "float32" | "float16" | "bfloat16"
-    supports_batching: bool  # attn_mask input and rows > 1
+    serial_reason: str | None  # why the engine serves one row although more were asked (S1)
+    # a fresh row copies a prompt prefix of at least this many tokens from another row that
+    # holds it (0: never); the planner holds a newcomer back a step to let it (planner.py)
+    shared_prefix_min: int
     dynamic_shapes: bool  # True when any batch size / query length can be fed (MLX)
     # True when a new input shape costs a compile or an allocation (Core ML, compiled graphs):
     # the scorer then pads the last chunk to SCORE_BUCKETS and rows to a power of two (C4).
@@ -61,12 +70,16 @@ class Engine(Protocol):
         """
         ...
 
-    # Only when `pipelined` (the scheduler calls `decode` otherwise):
-    #   decode_start(rows, tokens) -> step: build one decode step and start it; `tokens` may be
-    #     the lazy `step.greedy` ids of a step still in flight;
-    #   decode_finish(step) -> logits [len(rows), vocab]: wait, advance the step's rows (those
-    #     not released since it started);
-    #   decode_cancel(step): drop it without advancing any row.
+    def run(self, plan: StepPlan) -> StepResult:
+        """Execute the forward part of a step plan (engines/step.py): every decode row advances
+        one token and every prompt chunk is written at its row's cursor (a fresh row is reset
+        first and may start past a reused prefix). Rows advance only if the whole step
+        succeeded; on an error nothing moved (the scheduler then retries per request, S8).
+        Returns the last-position logits of the decode rows and of rows whose prompt ended.
+        """
+        ...
+
+    # Only when `pipelined` (see PipelinedEngine; the scheduler uses `run` otherwise).
 
     def cursor(self, row: int) -> int:
         """Positions currently held in `row`'s cache."""
@@ -97,4 +110,31 @@ class Engine(Protocol):
 
     def score_end(self) -> None:
         """Free the scoring session's cache."""
+        ...
+
+
+class DecodeStep(Protocol):
+    """A decode step started by `PipelinedEngine.decode_start` and not yet finished."""
+
+    rows: list[int]  # the rows it advances, in the order their tokens were given
+    greedy: Any  # lazy [len(rows)] argmax ids: the tokens a greedy next step may start on
+
+
+class PipelinedEngine(Engine, Protocol):
+    """An engine whose decode steps can be started before the previous one has finished
+    (`pipelined` True): the scheduler's pipeline (scheduler/pipelining.py) starts step n+1 on
+    the lazy greedy ids of step n for decode-only plans."""
+
+    def decode_start(self, rows: Sequence[int], tokens: Sequence[int] | Any) -> DecodeStep:
+        """Build one decode step and start it; `tokens` may be `step.greedy` of a step still
+        in flight. Returns at once."""
+        ...
+
+    def decode_finish(self, step: DecodeStep) -> np.ndarray:
+        """Wait for `step`; advance its rows (those not released since it started); return
+        their logits [len(rows), vocab]."""
+        ...
+
+    def decode_cancel(self, step: DecodeStep) -> None:
+        """Drop `step` without advancing any row (waits for it: nothing is left computing)."""
         ...

@@ -22,6 +22,7 @@ import numpy as np
 
 from llm_server.engines.base import EngineError, ScoreChunkResult
 from llm_server.engines.score_reduce import log_softmax, reduce_logprobs
+from llm_server.engines.step import StepPlan, StepResult, run_by_primitives
 
 MASK_HIDDEN = -30000.0  # additive mask value for hidden columns (fp16-representable)
 
@@ -122,6 +123,8 @@ class CoreMLEngine:
     dynamic_shapes = False
     padded_shapes = True  # q must be one of the enumerated sizes
     dtype = "float16"
+    serial_reason = None  # the export's row count decides batching (probe.py)
+    shared_prefix_min = 0  # no prefix reuse on Core ML states
 
     def thread_exit(self) -> None:
         """Nothing is held per thread."""
@@ -137,7 +140,6 @@ class CoreMLEngine:
         self.rows = int(manifest["rows"])
         self.context_length = int(manifest["context_length"])
         self.vocab_size = int(manifest["vocab_size"])
-        self.supports_batching = self.rows > 1
         self._states = {"decode": self.model.make_state(), "score": None}
         self._driver = RowDriver(self.rows, self.context_length, manifest["q_sizes"], self._forward)
 
@@ -152,6 +154,9 @@ class CoreMLEngine:
 
     def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         return self._driver.decode(rows, tokens)
+
+    def run(self, plan: StepPlan) -> StepResult:
+        return run_by_primitives(self, plan)  # no mixed forward: prompts prefill whole
 
     def cursor(self, row: int) -> int:
         return self._driver.cursors[row]

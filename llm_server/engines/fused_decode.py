@@ -169,8 +169,12 @@ class FusedDecoder:
         self.lm_head = lm_head
         self.table = table  # [positions, Dh] cos | sin, shared by every layer
         self.half = layers[0].head_dim // 2
-        # compiled decode steps (None: every step builds its graph eagerly)
-        self.compiled: CompiledSteps | None = CompiledSteps(self)
+        # compiled decode steps (None, the default: every step builds its graph eagerly)
+        self.compiled: CompiledSteps | None = None
+
+    def enable_compiled(self) -> None:
+        """Run decode steps (q = 1) as compiled graphs from now on (see compiled_step)."""
+        self.compiled = CompiledSteps(self)
 
     @classmethod
     def build(cls, model, positions: int) -> FusedDecoder | None:
@@ -249,32 +253,71 @@ class FusedDecoder:
         """
         inner = self.model.model
         x = inner.embed_tokens(ids)  # [B, q, dim]
-        q = ids.shape[1]
-        pos = mx.array(starts)[:, None] + mx.arange(q)[None, :]  # [B, q]
-        cos_sin = self._cos_sin(pos)
+        b, q = ids.shape
+        cos_sin = None
+        if self.table is not None:
+            pos = mx.array(starts)[:, None] + mx.arange(q)[None, :]  # [B, q]
+            at = self.table[pos][:, None]  # [B, 1, q, Dh]
+            cos_sin = (at[..., : self.half], at[..., self.half :])
         # prompts on the CPU: numpy's SIMD sigmoid for large inputs (cpu_kernels.swiglu)
         silu_mul = cpu_kernels.swiglu if q > 1 and cpu_kernels.on_cpu() else _silu_mul
         for layer, cache in zip(self.layers, caches, strict=True):
-            queries, keys, values = self._qkv(layer, layer.norm_in(x), cache.offset, cos_sin, split)
-            keys, values = cache.update_and_fetch(keys, values)
-            x = x + self._attend(layer, queries, keys, values, mask, split)
-            x = x + self._mlp(layer, x, silu_mul, split)
+            x = x + self._attention(layer, layer.norm_in(x), cache, mask, cos_sin, split)
+            gu = layer.gate_up(layer.norm_post(x), split)
+            act = silu_mul(gu[..., : layer.inter], gu[..., layer.inter :])
+            x = x + layer.down(act, split)
         return self.lm_head(inner.norm(x[:, -1, :] if last_only else x), split)
 
-    def _cos_sin(self, pos: mx.array) -> tuple[mx.array, mx.array] | None:
-        """pos [B, q] -> cos, sin [B, 1, q, Dh/2] from the table (None: no table)."""
+    def forward_groups(self, groups: list[tuple[mx.array, list, list[int], object]], split: bool):
+        """Several row groups in ONE forward -> logits [rows, vocab] at each row's last position.
+
+        Each group is (ids [b, q], caches, starts, mask) as for `forward`: the decoding rows (q=1)
+        and each prompt chunk (one row, q=chunk length) are separate groups. Their positions are
+        packed into one sequence for the products (each weight is read once per step); attention
+        runs per group, each against its own rows' keys, so every row sees only its own history
+        and the result per row is the same as running it alone.
+        """
+        inner = self.model.model
+        sizes = [ids.shape[0] * ids.shape[1] for ids, *_ in groups]
+        x = mx.concatenate(
+            [
+                inner.embed_tokens(ids).reshape(1, n, -1)
+                for (ids, *_), n in zip(groups, sizes, strict=True)
+            ],
+            axis=1,
+        )  # [1, T, dim]
+        tables = [self._cos_sin(starts, ids.shape[1]) for ids, _, starts, _ in groups]
+        total = sum(sizes)
+        silu_mul = cpu_kernels.swiglu if total > 1 and cpu_kernels.on_cpu() else _silu_mul
+        for i, layer in enumerate(self.layers):
+            h = layer.norm_in(x)
+            outs, off = [], 0
+            for (ids, caches, _, mask), n, cos_sin in zip(groups, sizes, tables, strict=True):
+                hg = h[:, off : off + n].reshape(ids.shape[0], ids.shape[1], -1)
+                out = self._attention(layer, hg, caches[i], mask, cos_sin, split)
+                outs.append(out.reshape(1, n, -1))
+                off += n
+            x = x + (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1))
+            gu = layer.gate_up(layer.norm_post(x), split)
+            act = silu_mul(gu[..., : layer.inter], gu[..., layer.inter :])
+            x = x + layer.down(act, split)
+        last, off = [], 0
+        for (ids, *_), n in zip(groups, sizes, strict=True):
+            q = ids.shape[1]
+            last += range(off + q - 1, off + n, q)
+            off += n
+        return self.lm_head(inner.norm(x[0, mx.array(last)]), split)
+
+    def _cos_sin(self, starts: list[int], q: int):
+        """The rotary cos/sin of positions starts[b] + 0..q-1, [B, 1, q, Dh/2] each (None: the
+        layers' rope modules rotate instead)."""
         if self.table is None:
             return None
+        pos = mx.array(starts)[:, None] + mx.arange(q)[None, :]  # [B, q]
         at = self.table[pos][:, None]  # [B, 1, q, Dh]
         return at[..., : self.half], at[..., self.half :]
 
-    def _mlp(self, layer: _Layer, x: mx.array, silu_mul, split: bool) -> mx.array:
-        gu = layer.gate_up(layer.norm_post(x), split)
-        act = silu_mul(gu[..., : layer.inter], gu[..., layer.inter :])
-        return layer.down(act, split)
-
-    def _qkv(self, layer: _Layer, h: mx.array, offset, cos_sin, split: bool):
-        """h [B, q, dim] -> rotated queries [B, H, q, Dh], keys and values [B, KV, q, Dh]."""
+    def _attention(self, layer: _Layer, h, cache, mask, cos_sin, split: bool):
         hd, nh, nkv = layer.head_dim, layer.heads, layer.kv_heads
         b, q, _ = h.shape
         qkv = layer.qkv(h, split)  # [B, q, (H + 2 KV) * Dh]
@@ -285,17 +328,13 @@ class FusedDecoder:
             queries, keys = layer.q_norm(queries), layer.k_norm(keys)
         queries, keys, values = (t.transpose(0, 2, 1, 3) for t in (queries, keys, values))
         if cos_sin is None:
-            queries = layer.rope(queries, offset=offset)
-            keys = layer.rope(keys, offset=offset)
+            queries = layer.rope(queries, offset=cache.offset)
+            keys = layer.rope(keys, offset=cache.offset)
         elif q == 1:
             queries, keys = _rotate(queries, *cos_sin), _rotate(keys, *cos_sin)
         else:  # not compiled: one compile per prompt length would pile up
             queries, keys = _rotate_eager(queries, *cos_sin), _rotate_eager(keys, *cos_sin)
-        return queries, keys, values
-
-    def _attend(self, layer: _Layer, queries, keys, values, mask, split: bool) -> mx.array:
-        """queries [B, H, q, Dh] over keys/values [B, KV, S, Dh] -> o_proj output [B, q, dim]."""
-        b, nh, q, hd = queries.shape
+        keys, values = cache.update_and_fetch(keys, values)
         if (
             q > 1
             and cpu_kernels.on_cpu()

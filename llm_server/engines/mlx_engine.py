@@ -21,7 +21,8 @@ import numpy as np
 
 from llm_server import blas
 from llm_server.engines import cpu_kernels, quantized
-from llm_server.engines.base import EngineError, ScoreChunkResult
+from llm_server.engines.bare_checkpoint import model_classes
+from llm_server.engines.base import EmbeddingsUnsupported, EngineError, ScoreChunkResult
 from llm_server.engines.fused_decode import FusedDecoder
 from llm_server.engines.layout import (
     GROUPED_SCORE_MODULES,
@@ -35,7 +36,9 @@ from llm_server.engines.layout import (
     model_family,
     row_views,
 )
+from llm_server.engines.mlx_steps import StepRunner
 from llm_server.engines.prefix_cache import PrefixCache
+from llm_server.engines.probe import supports_batching
 from llm_server.engines.row_cache import ForwardPlan, RowStore, row_mask
 from llm_server.engines.row_state import StateStore
 from llm_server.engines.score_reduce import reduce_logits_mlx, reduce_logprobs
@@ -48,7 +51,7 @@ PREFILL_CHUNK = 512  # prompt positions per prefill forward (bounds activation m
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
-class MLXEngine:
+class MLXEngine(StepRunner):
     """Engine protocol implementation on MLX (Metal on a Mac, the CPU on Linux)."""
 
     name = "mlx"
@@ -65,6 +68,7 @@ class MLXEngine:
         fused_decode: bool = True,
         pipeline: bool | None = None,
         keep_quantized: bool = False,
+        compiled_decode: bool = False,
     ) -> None:
         """`prefix_cache_bytes`: bound of the prompt prefix cache (None: an eighth of the weights, at least 64 MiB; 0: off).
 
@@ -75,6 +79,10 @@ class MLXEngine:
         (None: on Metal only; on the CPU the Python work then competes with the forward for the
         same cores, measured 8-12% slower on 2 cores).
         `keep_quantized`: serve a quantized checkpoint quantized on the CPU too (see quantized).
+        `compiled_decode`: run pure decode steps as compiled graphs (see compiled_step). Off by
+        default: its logits equal the eager forward's only within float32 rounding, and a mixed
+        step (prompt chunks beside decoding rows) runs the eager forward, so a row's greedy
+        tokens could then depend on which steps it shared (S10).
         """
         from mlx_lm.utils import load_model
 
@@ -83,11 +91,15 @@ class MLXEngine:
             raise FileNotFoundError(f"{path} is not a model folder (no config.json)")
         if rows < 1:
             raise ValueError(f"rows must be >= 1, got {rows}")
+        if rows > 1 and not supports_batching(path):
+            rows = 1  # an export with one row or no attn_mask (the scheduler warns, S1)
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         config = json.loads((path / "config.json").read_text())
         check_model_type(config)
-        self.model, self.config = load_model(path, lazy=True)
+        # bare-transformer checkpoints (embedding models) load too; see bare_checkpoint
+        self.model, self.config = load_model(path, lazy=True, get_model_classes=model_classes)
+        self.has_lm_head = getattr(self.model, "has_lm_head", True)
         self.quantized = quantized.prepare(self.model, keep_quantized)  # float32 on the CPU
         cpu_kernels.install(self.model)  # numpy softmax/SiLU for big tensors on the CPU
         self.model.set_dtype(_DTYPES[dtype])
@@ -109,6 +121,8 @@ class MLXEngine:
         fusable = fused_decode and self._plain_head and self._layout.plain
         fusable = fusable and self.serial_reason is None
         self._fused = FusedDecoder.build(self.model, self.context_length) if fusable else None
+        if compiled_decode and self._fused is not None:
+            self._fused.enable_compiled()
         mx.eval(self.model.parameters())
         mx.clear_cache()  # the buffers freed while stacking
         if self._fused is None and self._plain_head:  # the fused forward splits its own products
@@ -138,7 +152,6 @@ class MLXEngine:
         """Empty rows (`rows` of them, 1 when serving serially) and the prefix cache."""
         serial = self.serial_reason is not None
         self.rows = 1 if serial else rows
-        self.supports_batching = self.rows > 1
         # a recurrent state cannot be rewound: a step is never started before the last one
         # finished (a cancelled early step would have advanced it), and no prefix is reused
         rewindable = not (self._layout.stateful or serial)
@@ -198,6 +211,22 @@ class MLXEngine:
         if self._ahead[row]:
             raise RuntimeError(f"row {row} has a decode step in flight; release it first")
         tokens = [int(t) for t in tokens]
+        reused = self._open(row, tokens)
+        logits = None
+        for start in range(reused, n, PREFILL_CHUNK):
+            chunk = tokens[start : start + PREFILL_CHUNK]
+            logits = self._forward_rows([row], [start], [chunk])
+            self._row_tokens[row].extend(chunk)
+        return logits[0]
+
+    @property
+    def shared_prefix_min(self) -> int:
+        """The shortest prefix a fresh row copies from another row (0: no prefix reuse)."""
+        return self.prefix_cache.min_tokens if self.prefix_cache.enabled else 0
+
+    def _open(self, row: int, tokens: list[int]) -> int:
+        """Reset `row` for a new prompt and copy in the longest prefix held elsewhere (prefix
+        cache, or a running row); returns the positions reused (the row's cursor)."""
         self._states.clear_row(row)
         if self.serial_reason is not None:
             self._serial_cache = make_cache(self.model)
@@ -212,12 +241,7 @@ class MLXEngine:
             self._store.write_prefix(row, entry.keys, entry.values, reused)
         self._row_tokens[row] = tokens[:reused]
         self.row_cached[row] = reused
-        logits = None
-        for start in range(reused, n, PREFILL_CHUNK):
-            chunk = tokens[start : start + PREFILL_CHUNK]
-            logits = self._forward_rows([row], [start], [chunk])
-            self._row_tokens[row].extend(chunk)
-        return logits[0]
+        return reused
 
     def _live_prefix(self, row: int, tokens: list[int]) -> tuple[int, int]:
         """The other row holding the longest prefix of `tokens` (all but the last) and its
@@ -369,18 +393,7 @@ class MLXEngine:
         """The (lazy) logits [B, vocab] float32 of each row's last position for ids [B, q]."""
         if self._serial_cache is not None:  # one row on mlx-lm's own caches
             return last_logits(self.model, self._inner, ids, self._serial_cache).astype(mx.float32)
-        q = ids.shape[1]
-        kv_len = max(starts) + q
-        self._store.ensure(kv_len)
-        plan = ForwardPlan(
-            rows=rows,
-            starts=starts,
-            length=q,
-            mask=row_mask(starts, q, kv_len),
-            kv_len=kv_len,
-            all_rows=rows == list(range(self.rows)),
-            group_axis=self._grouped_scores,
-        )
+        plan = self._forward_plan(rows, starts, ids.shape[1])
         views = row_views(self._layout, self._store, self._states, plan)
         if self._fused is not None:
             logits = self._fused.logits(ids, views, split=split)
@@ -390,6 +403,19 @@ class MLXEngine:
         else:  # the model's own head: soft-capping, scaled or tied embeddings...
             logits = last_logits(self.model, self._inner, ids, views)
         return logits.astype(mx.float32)
+
+    def _forward_plan(self, rows: list[int], starts: list[int], q: int) -> ForwardPlan:
+        kv_len = max(starts) + q
+        self._store.ensure(kv_len)
+        return ForwardPlan(
+            rows=rows,
+            starts=starts,
+            length=q,
+            mask=row_mask(starts, q, kv_len),
+            kv_len=kv_len,
+            all_rows=rows == list(range(self.rows)),
+            group_axis=self._grouped_scores,
+        )
 
     # -- scoring session -------------------------------------------------------------
 
@@ -429,6 +455,43 @@ class MLXEngine:
     def score_end(self) -> None:
         self._score_cache = None
         self._score_offset = 0
+
+    # -- embedding session (its own cache: a scoring batch may be open meanwhile) ------
+
+    def embed_begin(self, batch: int) -> None:
+        """Open a fresh embedding session of `batch` rows, separate from decode and scoring."""
+        if batch < 1:
+            raise ValueError("an embedding batch needs at least one row")
+        self._embed_cache = make_cache(self.model)
+        self._embed_offset = 0
+
+    def embed_chunk(self, tokens: np.ndarray) -> np.ndarray:
+        """Final-norm hidden states [N, q, hidden] float32 of `tokens` [N, q] at the session's
+        cursor (the scoring forward without the LM head)."""
+        if getattr(self, "_embed_cache", None) is None:
+            raise RuntimeError("embed_begin() must be called before embed_chunk()")
+        q = tokens.shape[1]
+        if self._embed_offset + q > self.context_length:
+            raise ValueError(f"embedding past the context of {self.context_length} positions")
+        if self._inner is None:
+            raise EmbeddingsUnsupported(f"{self.model_type}: no decoder stack known to embed with")
+        ids = mx.array(np.asarray(tokens, dtype=np.int32))
+        try:
+            stack = getattr(self.model, self._inner)
+            hidden = stack(ids, cache=self._embed_cache).astype(mx.float32)
+            mx.eval(hidden)
+        except Exception as exc:  # noqa: BLE001
+            raise EngineError(f"embedding forward failed: {exc}") from exc
+        if hidden.ndim != 3 or hidden.shape[-1] == self.vocab_size:  # a wrapper gave logits
+            raise EmbeddingsUnsupported(
+                f"{self.model_type}: the decoder stack does not return hidden states"
+            )
+        self._embed_offset += q
+        return np.array(hidden)
+
+    def embed_end(self) -> None:
+        self._embed_cache = None
+        self._embed_offset = 0
 
     def all_position_logits(self, tokens: np.ndarray) -> np.ndarray:
         """Logits [N, q, vocab] of a padded batch on a fresh scoring cache (tests, tools)."""

@@ -1,19 +1,20 @@
 """The batch scheduler: one thread owns the engine and advances every running row together.
 
-Algorithm, once per step boundary:
-  1. serve exclusive leases (the batch is paused while one is held);
-  2. retire cancelled rows and skip cancelled queued requests;
-  3. admit queued requests into free rows in FIFO order: prefill, sample the first token;
-  4. one batched decode forward for all running rows, each at its own cursor; sample per row;
-     rows that hit EOS, a stop sequence or their limit retire and free their slot;
-  5. let the scorer run one padded scoring batch on its own session (C1).
+Once per step boundary (`step()`):
+  1. serve exclusive leases (the batch is paused while one is held, S6);
+  2. plan the step (planner.plan, pure): rows to retire, queued requests to drop or admit (FIFO),
+     decode rows, prompt chunks under the `--step-tokens` budget, whether the scorer runs;
+  3. apply its bookkeeping: retire, drop, give admitted requests their rows;
+  4. run its forward (`engine.run`, or the pipeline for greedy decode-only steps) and commit:
+     sample per row, emit, retire rows that hit EOS, a stop sequence or their limit
+     (executor.py);
+  5. let the scorer run one padded scoring chunk on its own session (C1).
 An idle scheduler sleeps on a condition variable, so a lone request starts at once (S7).
 """
 
 from __future__ import annotations
 
 import collections
-import heapq
 import logging
 import threading
 import time
@@ -23,18 +24,24 @@ from typing import Any, Protocol
 
 from llm_server.decoding import FinishReason
 from llm_server.engines.base import Engine
+from llm_server.engines.step import StepPlan
+from llm_server.scheduler.executor import PlanExecutor
 from llm_server.scheduler.lease import Lease
 from llm_server.scheduler.pipelining import Pipeline
+from llm_server.scheduler.planner import plan
 from llm_server.scheduler.request import (
     FinishEvent,
     GenerationRequest,
     QueueFull,
-    RequestState,
     SchedulerClosed,
     TokenEvent,
 )
 
 log = logging.getLogger(__name__)
+
+# the default --step-tokens: positions per forward (decode rows + prompt chunks); measured on
+# SmolLM2 (docs/ARCHITECTURE.md "Step budget")
+DEFAULT_STEP_TOKENS = 128
 
 
 class Pump(Protocol):
@@ -55,7 +62,7 @@ class SchedulerStats:
     last_error: str | None
 
 
-class BatchScheduler:
+class BatchScheduler(PlanExecutor):
     """Serves generation requests on `max_concurrent` rows of one engine (S1-S8)."""
 
     def __init__(
@@ -65,6 +72,7 @@ class BatchScheduler:
         max_queued: int = 16,
         retry_after: float = 1.0,
         on_step: Callable[[float, int], None] | None = None,
+        step_tokens: int = DEFAULT_STEP_TOKENS,
     ) -> None:
         if max_concurrent < 1:
             raise ValueError("max_concurrent must be >= 1")
@@ -74,7 +82,10 @@ class BatchScheduler:
         self.max_concurrent = max_concurrent
         self.max_queued = max_queued
         self.retry_after = retry_after
-        self.on_step = on_step
+        # called after every forward with (seconds, rows in it), on the scheduler thread
+        self._step_listeners: list[Callable[[float, int], None]] = [on_step] if on_step else []
+        # positions per forward, decode rows included (0: whole prompts, as before issue 17)
+        self.step_tokens = step_tokens
         self.engine: Engine | None = None
         self.pump: Pump | None = None
         self._cond = threading.Condition()
@@ -92,7 +103,7 @@ class BatchScheduler:
         # the latest request seq numbers in admission order (tests check FIFO); bounded so a
         # daemon running for days does not grow it
         self.admitted: collections.deque[int] = collections.deque(maxlen=4096)
-        self.step_trace: list[tuple[int, ...]] | None = None  # set to [] to record each step's seqs
+        self.step_trace: list[tuple[int, ...]] | None = None  # [] records each forward's seqs
         self._pipeline = Pipeline()  # the next decode step, started early (pipelined engines)
 
     # -- lifecycle -------------------------------------------------------------------
@@ -151,6 +162,11 @@ class BatchScheduler:
         with self._cond:
             self._cond.notify_all()
 
+    def add_step_listener(self, listener: Callable[[float, int], None]) -> None:
+        """Call `listener(seconds, rows)` after every forward (metrics, benchmarks); it runs on
+        the scheduler thread and must not block."""
+        self._step_listeners.append(listener)
+
     def lease(self) -> Lease:
         """Queue an exclusive lease; wait on `lease.granted` (FIFO among holders)."""
         lease = Lease(self.wake)
@@ -188,18 +204,7 @@ class BatchScheduler:
 
     def _main(self) -> None:
         try:
-            self.engine = self._factory()
-            rows = min(self.max_concurrent, self.engine.rows)
-            if rows < self.max_concurrent:
-                reason = getattr(self.engine, "serial_reason", None)  # S1: one warning, why
-                log.warning(
-                    "serving %d request(s) at a time instead of %d: %s",
-                    rows,
-                    self.max_concurrent,
-                    reason or f"the model has {self.engine.rows} row(s)",
-                )
-                self.max_concurrent = rows
-            self._free = list(range(rows))
+            self.load()
         except BaseException as exc:  # noqa: BLE001 - reported through wait_ready/health
             self.load_error = exc
             self.ready.set()
@@ -207,17 +212,39 @@ class BatchScheduler:
         self.ready.set()
         try:
             while self._wait_for_work():
-                self._serve_leases()
-                self._retire_cancelled()
-                self._admit()
-                if self._running:
-                    self._decode_step()
-                if self.pump is not None and self.pump.pending() and not self._leases:
-                    self._pipeline.drop(self.engine)
-                    self.pump.run_batch(self.engine)
+                self.step()
         finally:
             self._pipeline.drop(self.engine)  # leave nothing computing when the thread ends
             self.engine.thread_exit()
+
+    def load(self) -> None:
+        """Make the engine and decide the row count (S1: fewer rows than asked, one warning)."""
+        self.engine = self._factory()
+        rows = min(self.max_concurrent, self.engine.rows)
+        if rows < self.max_concurrent:
+            log.warning(
+                "serving %d request(s) at a time instead of %d: %s",
+                rows,
+                self.max_concurrent,
+                self.engine.serial_reason
+                or f"the model does not support batching ({self.engine.rows} row(s) in its graph)",
+            )
+            self.max_concurrent = rows
+        self._free = list(range(rows))
+
+    def step(self) -> StepPlan:
+        """One step boundary on the calling thread (the scheduler thread; tests drive it
+        directly): serve leases (S6), plan, apply the plan's bookkeeping, run its forward and
+        commit it, then let the scorer run (C1). Returns the plan it executed."""
+        self._serve_leases()
+        step = self._plan()
+        self._apply(step)
+        if step.forward:
+            self._execute(step)
+        if step.score and self.pump is not None:
+            self._pipeline.drop(self.engine)
+            self.pump.run_batch(self.engine)
+        return step
 
     def _has_work(self) -> bool:
         return bool(
@@ -263,105 +290,41 @@ class BatchScheduler:
                 if not lease.calls:
                     self._cond.wait(timeout=1.0)
 
-    def _retire_cancelled(self) -> None:
-        for req in [r for r in self._running.values() if r.cancelled.is_set()]:
-            self._retire(req, FinishReason.CANCELLED, "")
+    def _plan(self) -> StepPlan:
+        """The next step (planner.plan) on a consistent view of the queue and the rows."""
+        in_flight = self._pipeline.pending_for(self._running, self.engine)
         with self._cond:
-            dropped = [r for r in self._queue if r.cancelled.is_set()]
-            if dropped:
-                self._queue = collections.deque(r for r in self._queue if not r.cancelled.is_set())
-        for req in dropped:
-            self._finish(req, FinishReason.CANCELLED, "")
-
-    def _admit(self) -> None:
-        if self._pipeline.pending_for(self._running, self.engine):
-            return  # the step in flight is for the current rows; newcomers join after it
-        while True:
-            with self._cond:
-                if not self._free or not self._queue:
-                    return
-                req = self._queue.popleft()
-                skipped = req.cancelled.is_set()
-                if not skipped:
-                    row = heapq.heappop(self._free)
-                    req.row, req.state = row, RequestState.RUNNING
-                    self._running[row] = req
-                    self.max_rows_busy = max(self.max_rows_busy, len(self._running))
-                    self.admitted.append(req.seq)
-            if skipped:
-                self._finish(req, FinishReason.CANCELLED, "")
-                continue
-            req.started_at = time.monotonic()
-            if req.exclusive:
-                self._run_exclusive(req)
-                continue
-            try:
-                logits = self.engine.prefill(row, req.prompt)
-            except Exception as exc:  # noqa: BLE001 - isolated to this request (S8)
-                self._fail(req, exc)
-                continue
-            req.cached_tokens = self.engine.cached_tokens(row)
-            self._advance(req, logits)
-
-    def _run_exclusive(self, req: GenerationRequest) -> None:
-        """Decode `req` alone to completion while the other rows wait (lease mode)."""
-        try:
-            logits = self.engine.prefill(req.row, req.prompt)
-            req.cached_tokens = self.engine.cached_tokens(req.row)
-            while self._advance(req, logits):
-                if req.cancelled.is_set():
-                    self._retire(req, FinishReason.CANCELLED, "")
-                    return
-                logits = self.engine.decode([req.row], [req.last_token])[0]
-        except Exception as exc:  # noqa: BLE001
-            self._fail(req, exc)
-
-    def _decode_step(self) -> None:
-        reqs = list(self._running.values())
-        rows = [r.row for r in reqs]
-        if self.step_trace is not None:
-            self.step_trace.append(tuple(r.seq for r in reqs))
-        t0 = time.perf_counter()
-        try:
-            if self.engine.pipelined:
-                step_reqs, logits = self._pipeline.step(
-                    self.engine, reqs, self._running, self._may_speculate()
-                )
-            else:
-                step_reqs, logits = reqs, self.engine.decode(rows, [r.last_token for r in reqs])
-        except Exception as exc:  # noqa: BLE001 - retry per request so the error stays put (S8)
-            self._pipeline.drop(self.engine)
-            log.warning(
-                "batched decode of %d rows failed (%s); retrying per request", len(rows), exc
+            return plan(
+                self._queue,
+                self._running,
+                self._free,
+                self.step_tokens,
+                admit=not in_flight,  # the step in flight is for the current rows
+                score=self.pump is not None and self.pump.pending() and not self._leases,
+                share_min=self.engine.shared_prefix_min,
             )
-            self.last_error = str(exc)
-            for req in reqs:
-                try:
-                    row_logits = self.engine.decode([req.row], [req.last_token])[0]
-                except Exception as row_exc:  # noqa: BLE001
-                    self._fail(req, row_exc)
-                    continue
-                self._advance(req, row_logits)
-        else:
-            for req, row_logits in zip(step_reqs, logits, strict=True):
-                if self._running.get(req.row) is req:  # not retired since the step started
-                    self._advance(req, row_logits)
-            self._pipeline.check(self._running, self.engine)
-        self.decode_steps += 1
-        if self.on_step is not None:
-            self.on_step(time.perf_counter() - t0, len(rows))
 
-    def _may_speculate(self) -> bool:
-        """Nothing to admit, lease or score at the next step boundary."""
-        return not (self._queue or self._leases or (self.pump is not None and self.pump.pending()))
-
-    @property
-    def speculated_steps(self) -> int:
-        return self._pipeline.used
-
-    @property
-    def dropped_speculations(self) -> int:
-        return self._pipeline.dropped
+    def _apply(self, step: StepPlan) -> None:
+        """The plan's bookkeeping before its forward: retire, drop, admit (S2, S3, S5)."""
+        for row in step.retire:
+            self._retire(self._running[row], FinishReason.CANCELLED)
+        gone = {*step.drop, *(a.seq for a in step.admit)}
+        with self._cond:
+            taken = {r.seq: r for r in self._queue if r.seq in gone}
+            self._queue = collections.deque(r for r in self._queue if r.seq not in gone)
+        for seq in step.drop:
+            self._finish(taken[seq], FinishReason.CANCELLED)
+        for adm in step.admit:
+            req = taken[adm.seq]
+            with self._cond:
+                self._free.remove(adm.row)
+                req.row = adm.row
+                self._running[adm.row] = req
+                self.max_rows_busy = max(self.max_rows_busy, len(self._running))
+                self.admitted.append(req.seq)
+            req.started_at = time.monotonic()
+            if adm.exclusive:
+                self._run_exclusive(req)
 
     def _advance(self, req: GenerationRequest, logits: Any) -> bool:
         """Sample from one row's logits and emit; returns True while the request continues."""
@@ -377,16 +340,16 @@ class BatchScheduler:
         req.emit(TokenEvent(out.token_id, out.text, out.logprob))
         if out.finish is None:
             return True
-        self._retire(req, out.finish, "")
+        self._retire(req, out.finish)
         return False
 
     def _fail(self, req: GenerationRequest, exc: BaseException) -> None:
         log.error("request %d failed: %s", req.seq, exc)
         self.last_error = str(exc)
-        self._retire(req, FinishReason.ERROR, "", error=str(exc))
+        self._retire(req, FinishReason.ERROR, error=str(exc))
 
     def _retire(
-        self, req: GenerationRequest, reason: FinishReason, text: str, error: str | None = None
+        self, req: GenerationRequest, reason: FinishReason, error: str | None = None
     ) -> None:
         row = req.row
         if row is not None and self._running.get(row) is req:
@@ -395,17 +358,15 @@ class BatchScheduler:
             finally:
                 with self._cond:
                     del self._running[row]
-                    heapq.heappush(self._free, row)
-        self._finish(req, reason, text, error)
+                    self._free.append(row)
+        self._finish(req, reason, error)
 
     def _finish(
-        self, req: GenerationRequest, reason: FinishReason, text: str, error: str | None = None
+        self, req: GenerationRequest, reason: FinishReason, error: str | None = None
     ) -> None:
-        req.state = RequestState.FINISHED
         req.emit(
             FinishEvent(
                 reason=reason,
-                text=text,
                 prompt_tokens=len(req.prompt),
                 completion_tokens=len(req.decoder.tokens),
                 timings=req.timings(),

@@ -12,19 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from llm_server.engines.base import Engine
+from llm_server.engines.base import DecodeStep, PipelinedEngine
 from llm_server.scheduler.request import GenerationRequest
 
 
 @dataclass(frozen=True)
 class _Speculation:
     reqs: list[GenerationRequest]  # the requests of `step`, in row order
-    step: Any  # the engine's started step (on the lazy ids of `base`)
-    base: Any  # the step whose greedy ids it assumed
+    step: DecodeStep  # the engine's started step (on the lazy ids of `base`)
+    base: DecodeStep  # the step whose greedy ids it assumed
 
 
 def greedy_plain(req: GenerationRequest) -> bool:
@@ -45,7 +44,9 @@ class Pipeline:
         self.used = 0  # decode steps that were started before the one before had ended
         self.dropped = 0  # started early, then not the step that had to run
 
-    def pending_for(self, running: Mapping[int, GenerationRequest], engine: Engine) -> bool:
+    def pending_for(
+        self, running: Mapping[int, GenerationRequest], engine: PipelinedEngine
+    ) -> bool:
         """Whether a step is in flight for live rows (newcomers then wait for it); a step
         whose rows were all retired meanwhile is dropped."""
         if self._spec is None:
@@ -57,7 +58,7 @@ class Pipeline:
 
     def step(
         self,
-        engine: Engine,
+        engine: PipelinedEngine,
         reqs: list[GenerationRequest],
         running: Mapping[int, GenerationRequest],
         may_speculate: bool,
@@ -83,7 +84,7 @@ class Pipeline:
             self._spec = _Speculation(reqs, nxt, step)
         return step_reqs, engine.decode_finish(step)
 
-    def check(self, running: Mapping[int, GenerationRequest], engine: Engine) -> None:
+    def check(self, running: Mapping[int, GenerationRequest], engine: PipelinedEngine) -> None:
         """After the rows advanced: drop the early step unless every live row picked the token
         it assumed."""
         spec = self._spec
@@ -98,7 +99,7 @@ class Pipeline:
         if not live or any(req.last_token != t for req, t in live):
             self.drop(engine)
 
-    def drop(self, engine: Engine) -> None:
+    def drop(self, engine: PipelinedEngine) -> None:
         if self._spec is not None:
             spec, self._spec = self._spec, None
             engine.decode_cancel(spec.step)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import itertools
 import threading
 import time
@@ -49,7 +48,6 @@ class FinishEvent:
     """The last event of every request, whatever happened to it."""
 
     reason: FinishReason
-    text: str  # last text delta (flushed)
     prompt_tokens: int
     completion_tokens: int
     timings: Timings
@@ -58,12 +56,6 @@ class FinishEvent:
 
 
 Event = TokenEvent | FinishEvent
-
-
-class RequestState(enum.Enum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 _ids = itertools.count(1)
@@ -78,9 +70,9 @@ class GenerationRequest:
     emit: Callable[[Event], None]  # called on the scheduler thread; must not block
     exclusive: bool = False  # run alone: the batch pauses while this request decodes
     seq: int = field(default_factory=lambda: next(_ids))
-    state: RequestState = RequestState.QUEUED
     row: int | None = None
     last_token: int | None = None
+    prefilled: int = 0  # prompt positions held in the row (== len(prompt): decoding)
     cached_tokens: int = 0
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted_at: float = field(default_factory=time.monotonic)

@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from llm_server.decoding import MAX_TOP_LOGPROBS
 from llm_server.engines.base import SCORE_BUCKETS, SCORE_CHUNK, Engine, ScoreChunkResult
 from llm_server.scheduler.request import QueueFull, SchedulerClosed
 
 log = logging.getLogger(__name__)
 
 MAX_SCORE_BATCH = 32  # prompts per scoring batch (rows of the scoring session)
-MAX_TOP_LOGPROBS = 20  # the OpenAI completions limit for `logprobs`
 TRACE_LIMIT = 4096  # scoring forwards remembered for tests and diagnostics
 
 

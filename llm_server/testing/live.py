@@ -37,7 +37,6 @@ class LiveServer:
 
     def start(self, timeout: float = 60.0) -> LiveServer:
         self.service.wait_ready(timeout)
-        self.state.loading = False
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:

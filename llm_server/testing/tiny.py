@@ -18,6 +18,35 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# Hermes/Qwen2.5-style tools template (`tools=` shown in the system turn, calls in <tool_call>).
+_HERMES_BODY = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n\nYou are provided with function signatures within <tools></tools> XML tags:\n"
+    "<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, '
+    '"arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{% elif messages[0].role == 'system' %}"
+    "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'system' and loop.first %}"
+    "{% elif message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content or '' }}"
+    "{% for tc in message.tool_calls or [] %}\n<tool_call>\n"
+    '{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}'
+    "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+)
+HERMES_TEMPLATE = _HERMES_BODY + "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+# Qwen3-style thinking: the generation prompt opens <think> unless enable_thinking is false.
+THINKING_TEMPLATE = _HERMES_BODY + (
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}"
+)
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS_TOKEN = "<|im_end|>"
 
@@ -137,7 +166,9 @@ def _weights(spec: TinySpec, cfg: dict) -> dict[str, np.ndarray]:
     return w
 
 
-def build_tiny_checkpoint(out_dir: str | Path, spec: TinySpec | None = None) -> Path:
+def build_tiny_checkpoint(
+    out_dir: str | Path, spec: TinySpec | None = None, chat_template: str = CHATML_TEMPLATE
+) -> Path:
     """Write a tiny HF checkpoint folder to `out_dir` and return its path (idempotent)."""
     from safetensors.numpy import save_file
 
@@ -145,15 +176,17 @@ def build_tiny_checkpoint(out_dir: str | Path, spec: TinySpec | None = None) -> 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(spec.vocab_target)
-    eos_id, bos_id = write_tokenizer_files(out, tok, spec.max_position_embeddings)
+    eos_id, bos_id = write_tokenizer_files(out, tok, spec.max_position_embeddings, chat_template)
     cfg = _config(spec, tok.get_vocab_size(), eos_id, bos_id)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     save_file(_weights(spec, cfg), str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 
-def write_tokenizer_files(out: Path, tok, max_length: int) -> tuple[int, int]:
-    """tokenizer.json and tokenizer_config.json (ChatML template) in `out`; (eos, bos) ids."""
+def write_tokenizer_files(
+    out: Path, tok, max_length: int, chat_template: str = CHATML_TEMPLATE
+) -> tuple[int, int]:
+    """tokenizer.json and tokenizer_config.json (ChatML by default) in `out`; (eos, bos) ids."""
     eos_id = tok.token_to_id(EOS_TOKEN)
     bos_id = tok.token_to_id("<|endoftext|>")
     tok.save(str(out / "tokenizer.json"))
@@ -161,7 +194,7 @@ def write_tokenizer_files(out: Path, tok, max_length: int) -> tuple[int, int]:
         json.dumps(
             {
                 "tokenizer_class": "PreTrainedTokenizerFast",
-                "chat_template": CHATML_TEMPLATE,
+                "chat_template": chat_template,
                 "eos_token": EOS_TOKEN,
                 "bos_token": None,
                 "pad_token": "<|endoftext|>",

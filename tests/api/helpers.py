@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import httpx
+import numpy as np
+
+from llm_server.decoding import LogitsConstraint
 
 
 def assert_openai_error(resp: httpx.Response, status: int, param: str | None = None) -> dict:
@@ -17,3 +20,23 @@ def assert_openai_error(resp: httpx.Response, status: int, param: str | None = N
     if param is not None:
         assert err["param"] == param
     return err
+
+
+class ForcedPrefix(LogitsConstraint):
+    """Forces `prefix` token by token (each checked against the grammar), then the grammar."""
+
+    def __init__(self, prefix: list[int], grammar: LogitsConstraint) -> None:
+        self.prefix, self.grammar, self.i = prefix, grammar, 0
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        masked = self.grammar.mask(logits)
+        if self.i < len(self.prefix):
+            assert np.isfinite(masked[self.prefix[self.i]])  # the grammar allows free text
+            forced = np.full_like(logits, -np.inf)
+            forced[self.prefix[self.i]] = 0.0
+            return forced
+        return masked
+
+    def advance(self, token: int) -> bool:
+        self.i += 1
+        return self.grammar.advance(token)

@@ -28,9 +28,10 @@ def qwen2_path(tmp_path_factory):
 
 
 def _pair(path, rows: int) -> tuple[MLXEngine, MLXEngine]:
-    compiled, eager = MLXEngine(path, rows=rows), MLXEngine(path, rows=rows)
+    compiled = MLXEngine(path, rows=rows, compiled_decode=True)
+    eager = MLXEngine(path, rows=rows)
     assert compiled._fused is not None and compiled._fused.compiled is not None
-    eager._fused.compiled = None
+    assert eager._fused.compiled is None  # off by default
     return compiled, eager
 
 

@@ -25,6 +25,11 @@ class FaultyEngine(PoisonEngine):
             raise MemoryError("simulated out-of-memory in /secret/path/prefill.py")
         return super().prefill(row, tokens)
 
+    def run(self, plan):  # prompts run as chunks of step plans
+        if any(c.fresh and c.prompt[0] == PREFILL_POISON for c in plan.prefill):
+            raise MemoryError("simulated out-of-memory in /secret/path/prefill.py")
+        return super().run(plan)
+
 
 def _body(first: int, stream: bool = False) -> dict:
     return {"prompt": [first, 40, 41, 42], "max_tokens": 12, "temperature": 0, "stream": stream}

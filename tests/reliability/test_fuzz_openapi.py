@@ -57,7 +57,7 @@ def _clamp(case) -> None:
     """Keep a generated request's output short (a valid value stays valid)."""
     body = case.body
     if isinstance(body, dict):
-        for key in ("max_tokens", "max_completion_tokens"):
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             value = body.get(key)
             if isinstance(value, int) and not isinstance(value, bool) and value > MAX_TOKENS:
                 body[key] = MAX_TOKENS

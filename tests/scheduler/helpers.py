@@ -27,7 +27,6 @@ class Outcome:
             self.tokens.append(ev.token_id)
             self.text += ev.text
         else:
-            self.text += ev.text
             self.finish = ev
             self.done.set()
 
@@ -70,7 +69,7 @@ def serve_alone(
 
 class PoisonEngine(MLXEngine):
     """A real engine whose decode steps fail while they include a row whose prompt began with
-    POISON (the row stays poisoned until it is released)."""
+    POISON (the row stays poisoned from its first chunk until it is released)."""
 
     POISON = 13
     MESSAGE = "simulated out-of-memory in the forward"
@@ -83,6 +82,14 @@ class PoisonEngine(MLXEngine):
         if tokens[0] == self.POISON:
             self.poisoned.add(row)
         return super().prefill(row, tokens)
+
+    def run(self, plan):
+        for chunk in plan.prefill:
+            if chunk.fresh and chunk.prompt[0] == self.POISON:
+                self.poisoned.add(chunk.row)
+        if self.poisoned & {d.row for d in plan.decode}:
+            raise EngineError(self.MESSAGE)
+        return super().run(plan)
 
     def decode_start(self, rows, tokens):
         if self.poisoned & set(rows):

@@ -88,6 +88,11 @@ class RecordingEngine:
         self.events.append(("decode", len(rows)))
         return self._inner.decode(rows, tokens)
 
+    def run(self, plan):  # the scheduler's entry point (step plans)
+        if plan.decode:
+            self.events.append(("decode", len(plan.decode)))
+        return self._inner.run(plan)
+
     def decode_start(self, rows, tokens):
         self.events.append(("decode", len(rows)))
         return self._inner.decode_start(rows, tokens)

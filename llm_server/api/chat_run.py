@@ -1,0 +1,89 @@
+"""The one generation path every chat-shaped API shares: plan, admit, and the answer's deltas.
+
+`/v1/chat/completions`, `/v1/responses` and `/v1/messages` all translate their request into a
+ChatRequest, then run it here: the same planning (template, grammar, parsers), the same
+admission (429 before any response byte, S3), the same cancellation (a closed stream or a
+client disconnect cancels, S5) and the same output assembly (ChatOutput).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from llm_server.api.chat_plan import ChatPlan, plan_chat
+from llm_server.api.common import admit_all, check_prompt, record_finish
+from llm_server.api.schemas import ChatRequest
+from llm_server.api.streaming import Collected, merge_events
+from llm_server.decoding import FinishReason
+from llm_server.scheduler import FinishEvent, TokenEvent
+from llm_server.service import GenerationHandle, ModelService
+from llm_server.tools.output import ChatOutput
+
+TAIL = 16  # token ids kept for telling which stop sequence ended an answer
+
+
+@dataclass(frozen=True)
+class Started:
+    """A planned and admitted chat request: one handle per choice."""
+
+    plan: ChatPlan
+    handles: list[GenerationHandle]
+
+
+async def start_chat(service: ModelService, chat: ChatRequest, param: str = "messages") -> Started:
+    """Plan `chat` and admit all its choices now, or raise the 400/429/503 (before any byte).
+
+    `param` names the request field an empty or too long prompt is blamed on."""
+    plan = await plan_chat(service, chat)
+    check_prompt(service, len(plan.prompt), param)
+    handles = admit_all(
+        service, [plan.prompt], chat.params, chat.n, list(plan.constraints), plan.keep_tokens
+    )
+    return Started(plan, handles)
+
+
+def assemble(plan: ChatPlan, out: Collected) -> ChatOutput:
+    """The parsed answer (reasoning, content, calls) of one collected generation."""
+    answer = plan.output()
+    for piece in out.pieces:
+        answer.feed(piece)
+    answer.finish()
+    return answer
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The end of a streamed answer: the scheduler's finish event and the assembled answer."""
+
+    event: FinishEvent
+    answer: ChatOutput
+    tail: tuple[int, ...]  # the last TAIL sampled token ids (the last an EOS id at EOS)
+
+
+async def answer_deltas(
+    request: Request, handle: GenerationHandle, plan: ChatPlan
+) -> AsyncIterator[dict | Finished]:
+    """One choice's chat deltas (reasoning, content, tool_calls) as they come, then Finished.
+
+    Ends without Finished when the request was cancelled; closing the iterator cancels the
+    generation (S5). A failed generation ends with Finished whose event reason is ERROR."""
+    answer = plan.output()
+    tail: deque[int] = deque(maxlen=TAIL)
+    async for _, ev in merge_events([handle]):
+        if isinstance(ev, TokenEvent):
+            tail.append(ev.token_id)
+            for delta in answer.feed(ev.text):
+                yield delta
+            continue
+        if ev.reason == FinishReason.CANCELLED:
+            return
+        record_finish(request, ev)
+        if ev.reason != FinishReason.ERROR:
+            for delta in answer.finish():
+                yield delta
+        yield Finished(ev, answer, tuple(tail))
+        return

@@ -1,0 +1,113 @@
+"""Chat deltas as Anthropic content blocks and their stream events; Anthropic's error body.
+
+`ContentBlocks.feed` turns the deltas ChatOutput produces into `content_block_start` /
+`content_block_delta` (`thinking_delta`, `text_delta`, `input_json_delta`) /
+`content_block_stop` events; the blocks it holds are the message's `content`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error body: {"type": "error", "error": {"type", "message"}}."""
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_response(
+    status: int, message: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message), status_code=status, headers=headers)
+
+
+def is_anthropic(path: str) -> bool:
+    """True for the routes that answer errors in Anthropic's format."""
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+def tool_use_id(call_id: str) -> str:
+    """Anthropic-style id for a call id (`call_<hex>` -> `toolu_<hex>`)."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def _input(arguments: str) -> dict[str, Any]:
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+class ContentBlocks:
+    """The content blocks of one message as they are generated."""
+
+    def __init__(self) -> None:
+        self.blocks: list[dict[str, Any]] = []
+        self._open: str | None = None  # "thinking" | "text" | "tool_use"
+        self._json = ""  # the open tool_use block's input so far
+
+    def feed(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        """Events for one chat delta."""
+        if "reasoning_content" in delta:
+            return self._text("thinking", delta["reasoning_content"])
+        if "content" in delta:
+            return self._text("text", delta["content"])
+        events: list[dict[str, Any]] = []
+        for tc in delta.get("tool_calls", ()):
+            fn = tc.get("function") or {}
+            if tc.get("id") is not None:
+                block = {"type": "tool_use", "id": tool_use_id(tc["id"]), "name": fn.get("name")}
+                events += self._start({**block, "input": {}})
+            piece = fn.get("arguments")
+            if piece and self._open == "tool_use":
+                self._json += piece
+                events.append(self._delta({"type": "input_json_delta", "partial_json": piece}))
+        return events
+
+    def _text(self, kind: str, piece: str) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if self._open != kind:
+            block = {"type": "text", "text": ""}
+            if kind == "thinking":
+                block = {"type": "thinking", "thinking": "", "signature": ""}
+            events += self._start(block)
+        self.blocks[-1][kind] += piece
+        name = "text_delta" if kind == "text" else "thinking_delta"
+        events.append(self._delta({"type": name, kind: piece}))
+        return events
+
+    def _start(self, block: dict[str, Any]) -> list[dict[str, Any]]:
+        events = self.close()
+        self.blocks.append(block)
+        self._open, self._json = block["type"], ""
+        start = {"type": "content_block_start", "index": len(self.blocks) - 1}
+        return events + [{**start, "content_block": dict(block)}]
+
+    def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}
+
+    def close(self) -> list[dict[str, Any]]:
+        """Close the open block (`content_block_stop`)."""
+        if self._open is None:
+            return []
+        if self._open == "tool_use":
+            self.blocks[-1]["input"] = _input(self._json)
+        self._open = None
+        return [{"type": "content_block_stop", "index": len(self.blocks) - 1}]

@@ -1,0 +1,166 @@
+"""POST /v1/messages (Anthropic Messages) and POST /v1/messages/count_tokens.
+
+An adapter: the body becomes a chat request (messages_input), which runs on the one chat path
+(chat_run: plan, admission, generation, output parsing); the answer becomes content blocks
+(messages_output), returned whole or streamed as Anthropic's events. Errors, including 429s
+and the engine's, use Anthropic's error body.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from llm_server.api.chat_run import TAIL, Finished, Started, answer_deltas, assemble, start_chat
+from llm_server.api.common import check_model, get_service, read_json, served_id, settle
+from llm_server.api.errors import APIError
+from llm_server.api.messages_input import parse_messages_request
+from llm_server.api.messages_output import ContentBlocks, error_body, error_response
+from llm_server.api.responses_output import final_deltas, new_id
+from llm_server.api.streaming import collect_many
+from llm_server.decoding import FinishReason
+from llm_server.scheduler import FinishEvent
+from llm_server.service import ModelService
+from llm_server.tools.output import ChatOutput
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def create_message(request: Request) -> Response:
+    try:
+        return await _create(request)
+    except APIError as exc:
+        return error_response(exc.status, exc.message, exc.headers)
+
+
+async def count_tokens(request: Request) -> Response:
+    """`{"input_tokens": N}`: the prompt a /v1/messages request with this body would send."""
+    try:
+        service = get_service(request)
+        body = await read_json(request)
+        chat = parse_messages_request(body, service, count_only=True)
+        check_model(service, chat.model, served_id(request))
+        tools = [t.template_dict() for t in chat.tools.tools] or None
+        prompt = service.tokenizer.apply_chat_template(
+            list(chat.messages), tools, chat.template_kwargs
+        )
+    except APIError as exc:
+        return error_response(exc.status, exc.message, exc.headers)
+    return JSONResponse({"input_tokens": len(prompt)})
+
+
+async def _create(request: Request) -> Response:
+    service = get_service(request)
+    body = await read_json(request)
+    chat = parse_messages_request(body, service)
+    check_model(service, chat.model, served_id(request))
+    started = await start_chat(service, chat)  # 429 before any byte (S3)
+    head = {
+        "id": new_id("msg"),
+        "type": "message",
+        "role": "assistant",
+        "model": served_id(request),
+    }
+    if chat.stream:
+        return StreamingResponse(
+            _stream(request, service, started, head, chat.params.stop),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+    (out,) = await collect_many(started.handles, request)
+    if (early := settle(request, [out.finish])) is not None:
+        return early
+    answer = assemble(started.plan, out)
+    blocks = ContentBlocks()
+    for delta in final_deltas(answer):
+        blocks.feed(delta)
+    blocks.close()
+    reason, sequence = _stop_reason(
+        service, chat.params.stop, out.finish, answer, out.token_ids[-TAIL:]
+    )
+    return JSONResponse(
+        {
+            **head,
+            "content": blocks.blocks,
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": _usage(out.finish),
+        }
+    )
+
+
+def _usage(fin: FinishEvent) -> dict[str, int]:
+    """Anthropic counts prompt tokens read from the (prefix) cache apart from input_tokens."""
+    return {
+        "input_tokens": fin.prompt_tokens - fin.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": fin.cached_tokens,
+        "output_tokens": fin.completion_tokens,
+    }
+
+
+def _stop_reason(
+    service: ModelService,
+    stops: tuple[str, ...],
+    fin: FinishEvent,
+    answer: ChatOutput,
+    tail: Sequence[int],
+) -> tuple[str, str | None]:
+    """end_turn, max_tokens, tool_use or stop_sequence (with the sequence that matched)."""
+    if answer.called:
+        return "tool_use", None
+    if fin.reason == FinishReason.LENGTH:
+        return "max_tokens", None
+    if not stops or not tail or tail[-1] in service.tokenizer.eos_token_ids:
+        return "end_turn", None
+    text = service.tokenizer.decode(tail, skip_special_tokens=False)
+    hits = [s for s in stops if s in text]
+    if not hits:  # a grammar completed the answer
+        return "end_turn", None
+    return "stop_sequence", max(hits, key=text.rfind)
+
+
+def _event(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+async def _stream(
+    request: Request,
+    service: ModelService,
+    started: Started,
+    head: dict,
+    stops: tuple[str, ...],
+) -> AsyncIterator[str]:
+    """message_start, ping, the blocks' events, message_delta (stop_reason, usage),
+    message_stop; an `error` event when the model fails."""
+    prompt = len(started.plan.prompt)
+    usage = {"input_tokens": prompt, "output_tokens": 0}
+    message = {**head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
+    yield _event({"type": "message_start", "message": message})
+    yield _event({"type": "ping"})
+    blocks = ContentBlocks()
+    (handle,) = started.handles
+    async for delta in answer_deltas(request, handle, started.plan):
+        if not isinstance(delta, Finished):
+            for event in blocks.feed(delta):
+                yield _event(event)
+            continue
+        if delta.event.reason == FinishReason.ERROR:
+            body = error_body(500, "the model failed while generating this message")
+            yield _event(body)
+            return
+        for event in blocks.close():
+            yield _event(event)
+        reason, sequence = _stop_reason(service, stops, delta.event, delta.answer, delta.tail)
+        yield _event(
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                "usage": _usage(delta.event),
+            }
+        )
+        yield _event({"type": "message_stop"})

@@ -1,0 +1,130 @@
+"""Executing a step plan on the scheduler thread: the forward, the per-request retry, commit.
+
+Part of `BatchScheduler` (a mixin, so the loop and the queue stay in batch.py): `_execute` runs
+the plan's forward through `engine.run`, or through the pipeline (pipelining.py) when the plan
+only decodes and the engine is pipelined; a failed forward is retried per request so the error
+stays with the request that caused it (S8); `_commit` notes where prompts stand and samples,
+emits and retires per row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from llm_server.decoding import FinishReason
+from llm_server.engines.step import StepPlan, StepResult
+from llm_server.scheduler.request import GenerationRequest
+
+if TYPE_CHECKING:
+    from llm_server.scheduler.batch import BatchScheduler
+
+log = logging.getLogger("llm_server.scheduler.batch")
+
+
+class PlanExecutor:
+    """The execution half of `BatchScheduler` (see batch.py for the state it uses)."""
+
+    def _run_exclusive(self: BatchScheduler, req: GenerationRequest) -> None:
+        """Decode `req` alone to completion while the other rows wait (lease mode)."""
+        try:
+            logits = self.engine.prefill(req.row, req.prompt)
+            req.prefilled = len(req.prompt)
+            req.cached_tokens = self.engine.cached_tokens(req.row)
+            while self._advance(req, logits):
+                if req.cancelled.is_set():
+                    self._retire(req, FinishReason.CANCELLED)
+                    return
+                logits = self.engine.decode([req.row], [req.last_token])[0]
+        except Exception as exc:  # noqa: BLE001
+            self._fail(req, exc)
+
+    def _execute(self: BatchScheduler, step: StepPlan) -> None:
+        """Run the plan's forward and commit it; a failed forward is retried per request so
+        the error stays with the request that caused it (S8)."""
+        step = self._live(step)
+        if not step.forward:
+            return
+        if self.step_trace is not None:
+            rows = (*step.decode_rows, *step.chunk_rows)
+            self.step_trace.append(tuple(self._running[r].seq for r in rows))
+        t0 = time.perf_counter()
+        try:
+            if self.engine.pipelined and not step.prefill:
+                reqs = [self._running[d.row] for d in step.decode]
+                step_reqs, logits = self._pipeline.step(
+                    self.engine, reqs, self._running, self._may_speculate()
+                )
+                result = StepResult(tuple(r.row for r in step_reqs), logits)
+                owners = {r.row: r for r in step_reqs}  # the step in flight may predate a retire
+            else:
+                self._pipeline.drop(self.engine)  # prompt chunks never ride a speculated step
+                result, owners = self.engine.run(step), None
+        except Exception as exc:  # noqa: BLE001 - retry per request so the error stays put (S8)
+            self._pipeline.drop(self.engine)
+            log.warning(
+                "a step of %d positions failed (%s); retrying per request", step.tokens, exc
+            )
+            self.last_error = str(exc)
+            for alone in [StepPlan(decode=(d,)) for d in step.decode] + [
+                StepPlan(prefill=(c,)) for c in step.prefill
+            ]:
+                try:
+                    self._commit(alone, self.engine.run(alone))
+                except Exception as row_exc:  # noqa: BLE001
+                    self._fail(self._running[(alone.decode or alone.prefill)[0].row], row_exc)
+        else:
+            self._commit(step, result, owners)
+            self._pipeline.check(self._running, self.engine)
+        if step.decode:
+            self.decode_steps += 1
+        seconds, rows = time.perf_counter() - t0, len(step.decode) + len(step.prefill)
+        for listener in self._step_listeners:
+            listener(seconds, rows)
+
+    def _live(self: BatchScheduler, step: StepPlan) -> StepPlan:
+        """`step` without the rows an exclusive admission or a retirement has since freed."""
+        decode = tuple(d for d in step.decode if d.row in self._running)
+        chunks = tuple(
+            c for c in step.prefill if getattr(self._running.get(c.row), "seq", None) == c.seq
+        )
+        if decode == step.decode and chunks == step.prefill:
+            return step
+        return dataclasses.replace(step, decode=decode, prefill=chunks)
+
+    def _commit(
+        self,
+        step: StepPlan,
+        result: StepResult,
+        owners: dict[int, GenerationRequest] | None = None,
+    ) -> None:
+        """Note where prompts stand, sample each row's token, emit, retire the finished."""
+        for chunk in step.prefill:
+            req = self._running[chunk.row]
+            req.prefilled = result.cursors.get(chunk.row, len(req.prompt))
+            if chunk.fresh:
+                req.cached_tokens = result.cached.get(chunk.row, 0)
+        reqs = owners or {r: self._running[r] for r in (*step.decode_rows, *step.chunk_rows)}
+        for row, row_logits in zip(result.rows, result.logits, strict=True):
+            req = reqs[row]
+            if self._running.get(row) is req:  # not retired since the step started
+                self._advance(req, row_logits)
+
+    def _may_speculate(self: BatchScheduler) -> bool:
+        """Nothing to admit, prefill, lease or score at the next step boundary."""
+        return not (
+            self._queue
+            or self._leases
+            or (self.pump is not None and self.pump.pending())
+            or any(r.prefilled < len(r.prompt) for r in self._running.values())
+        )
+
+    @property
+    def speculated_steps(self: BatchScheduler) -> int:
+        return self._pipeline.used
+
+    @property
+    def dropped_speculations(self: BatchScheduler) -> int:
+        return self._pipeline.dropped

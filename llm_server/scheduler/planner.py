@@ -1,0 +1,122 @@
+"""`plan()`: what the next step does, decided from the queue, the rows and the budget alone.
+
+Pure: it reads requests and returns a `StepPlan` (engines/step.py); it changes nothing, calls
+no engine and never waits, so the admission, budget and fairness rules are unit-tested without
+MLX (tests/scheduler/test_plan.py). The rules, in order:
+
+  1. cancelled running rows retire and cancelled queued requests are dropped (S5);
+  2. every running row whose prompt is complete decodes one token (S2); each costs one position
+     of the step budget;
+  3. rows still in their prompt get the next chunk first, oldest request first, so a long prompt
+     advances every step and is never overtaken by a newcomer;
+  4. then queued requests take free rows in FIFO order (S3) while budget is left; a request
+     that cannot get a chunk this step stays at the head of the queue (no skipping). A request
+     whose prompt shares at least `share_min` tokens with a prompt that is not computed that
+     far yet waits a step too, so it copies the prefix from that row instead of computing it
+     again (the engine copies only what a row holds when the step starts);
+  5. the scorer runs after the forward when it has work and no lease waits (C1, S6).
+
+`budget` is `--step-tokens`: positions per forward, decode rows included (0: unlimited, every
+prompt runs whole in the step that admits it). Prefill always gets at least one position, so
+a prompt finishes whatever the number of decoding rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from llm_server.engines.step import Admission, DecodeRow, PrefillChunk, StepPlan
+from llm_server.scheduler.request import GenerationRequest
+
+
+def plan(
+    queue: Iterable[GenerationRequest],
+    running: Mapping[int, GenerationRequest],
+    free: Iterable[int],
+    budget: int,
+    *,
+    admit: bool = True,
+    score: bool = False,
+    share_min: int = 0,
+) -> StepPlan:
+    """The next step. `running`: row -> request; `free`: rows nobody holds; `admit`: False
+    while a pipelined step for the current rows is in flight (newcomers join after it);
+    `score`: the scorer has work and no lease waits; `share_min`: the shortest prompt prefix
+    the engine copies from another row (0: it never does)."""
+    live = {row: req for row, req in running.items() if not req.cancelled.is_set()}
+    retire = tuple(sorted(row for row in running if row not in live))
+    queued = list(queue)
+    drop = tuple(req.seq for req in queued if req.cancelled.is_set())
+
+    decode = tuple(
+        DecodeRow(row, req.last_token)
+        for row, req in sorted(live.items())
+        if req.prefilled >= len(req.prompt) and req.last_token is not None
+    )
+    left = None if budget <= 0 else max(budget - len(decode), 1)
+
+    chunks: list[PrefillChunk] = []
+    for req in sorted(
+        (r for r in live.values() if r.prefilled < len(r.prompt)), key=lambda r: r.seq
+    ):
+        if left == 0:
+            break
+        chunk = _chunk(req, req.row, req.prefilled, left)
+        chunks.append(chunk)
+        left = None if left is None else left - chunk.tokens
+
+    admissions: list[Admission] = []
+    if admit:
+        rows = sorted([*free, *retire])
+        for req in queued:
+            if not rows or left == 0:
+                break
+            if req.cancelled.is_set():
+                continue
+            if share_min and _wait_for_prefix(req, live.values(), chunks, share_min):
+                break
+            row = rows.pop(0)
+            admissions.append(Admission(req.seq, row, req.exclusive))
+            if req.exclusive:
+                continue  # runs alone before the forward, outside the budget
+            chunk = _chunk(req, row, 0, left)
+            chunks.append(chunk)
+            left = None if left is None else left - chunk.tokens
+
+    return StepPlan(
+        retire=retire,
+        drop=drop,
+        admit=tuple(admissions),
+        decode=decode,
+        prefill=tuple(chunks),
+        score=score,
+        budget=max(budget, 0),
+    )
+
+
+def _chunk(req: GenerationRequest, row: int, start: int, left: int | None) -> PrefillChunk:
+    end = len(req.prompt) if left is None else min(len(req.prompt), start + left)
+    return PrefillChunk(req.seq, row, req.prompt, start, end)
+
+
+def _wait_for_prefix(
+    req: GenerationRequest,
+    running: Iterable[GenerationRequest],
+    chunks: list[PrefillChunk],
+    share_min: int,
+) -> bool:
+    """Whether a prompt prefilled in this step would give `req` a longer prefix next step than
+    the rows hold now."""
+    ready = max((min(_common(req.prompt, r.prompt), r.prefilled) for r in running), default=0)
+    wanted = max((_common(req.prompt, c.prompt) for c in chunks), default=0)
+    return wanted >= share_min and wanted > ready
+
+
+def _common(prompt: list[int], other) -> int:
+    """Length of the common prefix of prompt[:-1] (what a row may copy) and `other`."""
+    n = 0
+    for a, b in zip(prompt[:-1], other, strict=False):
+        if a != b:
+            break
+        n += 1
+    return n

@@ -1,0 +1,1 @@
+"""Tool calling and reasoning output: request specs, per-family parsers, grammars, assembly."""

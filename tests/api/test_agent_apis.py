@@ -1,0 +1,386 @@
+"""/v1/responses (official openai SDK) and /v1/messages (official anthropic SDK) on a live server.
+
+The tiny Hermes-template model never calls a tool by itself: forced tool choices run decoding
+under the call grammar, so every call here is valid by construction. Greedy answers are
+compared with /v1/chat/completions on the same conversation: the adapters share its path.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from llm_server.api.responses_store import ResponseStore
+from llm_server.testing.live import LiveServer
+from llm_server.testing.tiny import HERMES_TEMPLATE, build_tiny_checkpoint
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+FN_TOOL = {"type": "function", "name": "get_weather", "parameters": WEATHER, "strict": True}
+ANT_TOOL = {"name": "get_weather", "description": "Weather", "input_schema": WEATHER}
+MAX = 80
+RAW_EVENTS = {
+    "message_start",
+    "content_block_start",
+    "content_block_delta",
+    "content_block_stop",
+    "message_delta",
+    "message_stop",
+}
+GREEDY = {"temperature": 0}  # the anthropic SDK has no temperature argument any more
+
+
+@pytest.fixture(scope="module")
+def hermes_server(tmp_path_factory):
+    from llm_server.testing.live import serving
+
+    path = build_tiny_checkpoint(
+        tmp_path_factory.mktemp("agents") / "tiny-hermes", chat_template=HERMES_TEMPLATE
+    )
+    with serving(path, concurrent=6) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def oai(hermes_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=hermes_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def ant(hermes_server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=hermes_server.url, api_key="unused", max_retries=0)
+
+
+def _chat(oai, text: str, max_tokens: int, system: str | None = None):
+    messages = [{"role": "system", "content": system}] if system else []
+    r = oai.chat.completions.create(
+        model="default",
+        messages=[*messages, {"role": "user", "content": text}],
+        max_tokens=max_tokens,
+        temperature=0,
+    )
+    return r.choices[0], r.usage
+
+
+# -- Responses ------------------------------------------------------------------------------
+
+
+def test_responses_create_equals_chat(oai):
+    choice, usage = _chat(oai, "Name a city.", 10, system="Be brief.")
+    r = oai.responses.create(
+        model="default",
+        instructions="Be brief.",
+        input="Name a city.",
+        max_output_tokens=10,
+        temperature=0,
+    )
+    assert r.object == "response" and r.id.startswith("resp_")
+    (msg,) = r.output
+    assert msg.type == "message" and msg.role == "assistant"
+    assert r.output_text == choice.message.content
+    assert r.usage.input_tokens == usage.prompt_tokens
+    assert r.usage.output_tokens == usage.completion_tokens
+    if choice.finish_reason == "length":
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert r.status == "completed" and r.incomplete_details is None
+
+
+def test_responses_stream_events_in_order(oai):
+    """(A JSON-schema answer, so that the random model finishes before its token limit.)"""
+    fmt = {"format": {"type": "json_schema", "name": "w", "schema": WEATHER, "strict": True}}
+    kw = dict(model="default", input="Say hi.", text=fmt, max_output_tokens=MAX, temperature=0)
+    whole = oai.responses.create(**kw)
+    assert whole.status == "completed"
+    jsonschema.validate(json.loads(whole.output_text), WEATHER)
+    with oai.responses.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    types = [e.type for e in events]
+    head = ["response.created", "response.in_progress", "response.output_item.added"]
+    assert types[:4] == [*head, "response.content_part.added"]
+    tail = ["response.output_text.done", "response.content_part.done"]
+    assert types[-4:] == [*tail, "response.output_item.done", "response.completed"]
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == whole.output_text
+    assert final.output_text == whole.output_text and final.status == whole.status
+    assert final.id == events[0].response.id
+    stored = oai.responses.retrieve(final.id)  # a streamed response is stored as completed
+    assert stored.status == "completed" and stored.output_text == whole.output_text
+    assert [o.id for o in stored.output] == [o.id for o in final.output]
+
+
+def test_responses_function_call_round_trip(oai):
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    first = oai.responses.create(
+        model="default",
+        input=ask,
+        tools=[FN_TOOL],
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=MAX,
+        temperature=0,
+    )
+    (call,) = [o for o in first.output if o.type == "function_call"]
+    assert call.name == "get_weather" and call.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 18}'}
+    # continued from the store ...
+    chained = oai.responses.create(
+        model="default",
+        previous_response_id=first.id,
+        input=[result],
+        tools=[FN_TOOL],
+        tool_choice="none",
+        max_output_tokens=6,
+        temperature=0,
+    )
+    # ... and with the whole history sent back as items: the same prompt, the same answer
+    history = [*ask, call.model_dump(exclude_none=True), result]
+    explicit = oai.responses.create(
+        model="default",
+        input=history,
+        tools=[FN_TOOL],
+        tool_choice="none",
+        max_output_tokens=6,
+        temperature=0,
+    )
+    assert chained.previous_response_id == first.id
+    assert chained.usage.input_tokens == explicit.usage.input_tokens > first.usage.input_tokens
+    assert chained.output_text == explicit.output_text
+    assert chained.usage.input_tokens_details.cached_tokens > 0  # the turn's KV was reused
+
+
+def test_responses_streamed_call(oai):
+    kw = dict(
+        model="default",
+        input="Weather?",
+        tools=[FN_TOOL],
+        tool_choice="required",
+        max_output_tokens=MAX,
+        temperature=0,
+    )
+    whole = oai.responses.create(**kw)
+    with oai.responses.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    types = [e.type for e in events]
+    assert "response.output_text.delta" not in types
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(pieces) > 1 and "".join(pieces) == done.arguments
+    (call,) = final.output
+    (expected,) = whole.output
+    assert (call.name, call.arguments) == (expected.name, expected.arguments)
+
+
+def test_stored_responses_retrieve_delete(oai):
+    r = oai.responses.create(model="default", input="Hi", max_output_tokens=3, temperature=0)
+    got = oai.responses.retrieve(r.id)
+    assert got.model_dump() == r.model_dump()
+    oai.responses.delete(r.id)
+    for call in (lambda: oai.responses.retrieve(r.id), lambda: oai.responses.delete(r.id)):
+        with pytest.raises(openai.NotFoundError) as err:
+            call()
+        assert err.value.status_code == 404 and r.id in err.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as err:
+        oai.responses.create(model="default", input="Hi", previous_response_id=r.id)
+    assert err.value.body["param"] == "previous_response_id"
+    unstored = oai.responses.create(
+        model="default", input="Hi", max_output_tokens=2, temperature=0, store=False
+    )
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(unstored.id)
+
+
+def test_response_store_is_a_bounded_lru():
+    store = ResponseStore(max_entries=2, max_bytes=10_000)
+    for rid in ("a", "b"):
+        assert store.put({"id": rid}, ())
+    assert store.get("a") is not None  # a is now more recent than b
+    store.put({"id": "c"}, ())
+    assert store.get("b") is None and store.get("a") is not None and len(store) == 2
+    big = {"id": "d", "pad": "x" * 6_000}
+    assert store.put(big, ())
+    assert store.bytes <= 10_000 and store.get("d") is not None
+    assert not store.put({"id": "e", "pad": "x" * 20_000}, ())  # alone over the bound
+    assert store.get("e") is None
+
+
+# -- Messages -------------------------------------------------------------------------------
+
+
+def test_messages_create_equals_chat(ant, oai):
+    choice, usage = _chat(oai, "Name a city.", 10, system="Be brief.")
+    m = ant.messages.create(
+        model="default",
+        system=[{"type": "text", "text": "Be brief."}],
+        messages=[{"role": "user", "content": "Name a city."}],
+        max_tokens=10,
+        extra_body=GREEDY,
+    )
+    assert m.type == "message" and m.role == "assistant"
+    assert [b.type for b in m.content] == ["text"]
+    assert m.content[0].text == choice.message.content
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == usage.prompt_tokens
+    assert m.usage.output_tokens == usage.completion_tokens
+    expected = {"length": "max_tokens", "stop": "end_turn"}[choice.finish_reason]
+    assert m.stop_reason == expected and m.stop_sequence is None
+    counted = ant.messages.count_tokens(
+        model="default",
+        system="Be brief.",
+        messages=[{"role": "user", "content": "Name a city."}],
+    )
+    assert counted.input_tokens == usage.prompt_tokens
+
+
+def test_messages_stop_sequence(ant):
+    kw = dict(model="default", messages=[{"role": "user", "content": "Count."}], extra_body=GREEDY)
+    text = ant.messages.create(max_tokens=12, **kw).content[0].text
+    stop = text[4:6]
+    m = ant.messages.create(max_tokens=12, stop_sequences=[stop], **kw)
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+    assert m.content[0].text == text[: text.find(stop)]
+
+
+def test_messages_stream_accumulates(ant, hermes_server):
+    kw = dict(
+        model="default",
+        messages=[{"role": "user", "content": "Say hi."}],
+        max_tokens=12,
+        extra_body=GREEDY,
+    )
+    whole = ant.messages.create(**kw)
+    with ant.messages.stream(**kw) as stream:
+        events = [e.type for e in stream]
+        final = stream.get_final_message()
+    raw = [e for e in events if e in RAW_EVENTS]  # the SDK adds its own "text" events
+    assert raw[:2] == ["message_start", "content_block_start"]
+    assert raw[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    body = {**kw["extra_body"], **{k: v for k, v in kw.items() if k != "extra_body"}}
+    sse = httpx.post(hermes_server.url + "/v1/messages", json={**body, "stream": True}).text
+    names = [line[len("event: ") :] for line in sse.splitlines() if line.startswith("event: ")]
+    assert names[:3] == ["message_start", "ping", "content_block_start"]  # what the SDK skips
+    assert 1 < names.count("content_block_delta") <= whole.usage.output_tokens
+    assert final.content[0].text == whole.content[0].text
+    assert final.stop_reason == whole.stop_reason
+    assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_messages_tool_use_round_trip(ant):
+    ask = {"role": "user", "content": "Weather in Paris?"}
+    kw = dict(model="default", tools=[ANT_TOOL], max_tokens=MAX, extra_body=GREEDY)
+    choice = {"type": "tool", "name": "get_weather"}
+    first = ant.messages.create(messages=[ask], tool_choice=choice, **kw)
+    assert first.stop_reason == "tool_use"
+    (use,) = first.content
+    assert use.type == "tool_use" and use.name == "get_weather" and use.id.startswith("toolu_")
+    jsonschema.validate(use.input, WEATHER)
+    with ant.messages.stream(messages=[ask], tool_choice=choice, **kw) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.content[0].input == use.input and streamed.stop_reason == "tool_use"
+    follow = [
+        ask,
+        {"role": "assistant", "content": [use.model_dump()]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C"}],
+        },
+    ]
+    second = ant.messages.create(messages=follow, tool_choice={"type": "none"}, **kw)
+    assert second.stop_reason in ("end_turn", "max_tokens")
+    assert [b.type for b in second.content] == ["text"]
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens > (
+        first.usage.input_tokens + first.usage.cache_read_input_tokens
+    )
+
+
+def test_messages_errors_in_anthropic_format(ant, hermes_server):
+    ask = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(anthropic.BadRequestError) as err:
+        ant.messages.create(model="default", messages=ask, max_tokens=4, thinking={
+            "type": "enabled", "budget_tokens": 2048})  # fmt: skip
+    assert err.value.body == {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "message": "this model does not think (its chat template has no thinking section)",
+        },
+    }
+    with pytest.raises(anthropic.NotFoundError):
+        ant.messages.create(model="claude-x", messages=ask, max_tokens=4)
+    with LiveServer(hermes_server.service, api_key="sekrit") as keyed:
+        good = anthropic.Anthropic(base_url=keyed.url, api_key="sekrit", max_retries=0)
+        assert good.messages.create(model="default", messages=ask, max_tokens=2).content
+        bad = anthropic.Anthropic(base_url=keyed.url, api_key="wrong", max_retries=0)
+        with pytest.raises(anthropic.AuthenticationError) as err:
+            bad.messages.create(model="default", messages=ask, max_tokens=2)
+        assert err.value.body["error"]["type"] == "authentication_error"
+        bearer = httpx.post(
+            keyed.url + "/v1/messages",
+            json={"messages": ask, "max_tokens": 2},
+            headers={"Authorization": "Bearer sekrit", "anthropic-version": "2023-06-01"},
+            timeout=60,
+        )
+        assert bearer.status_code == 200
+
+
+# -- one engine: all three APIs batched together ----------------------------------------------
+
+
+def _three(oai, ant, i: int) -> tuple[str, str, str]:
+    text = f"Tell me about {i}."
+    chat = _chat(oai, text, 8)[0].message.content
+    resp = oai.responses.create(model="default", input=text, max_output_tokens=8, temperature=0)
+    msg = ant.messages.create(
+        model="default",
+        messages=[{"role": "user", "content": text}],
+        max_tokens=8,
+        extra_body=GREEDY,
+    )
+    return chat, resp.output_text, msg.content[0].text
+
+
+def test_three_apis_batched_equal_alone(oai, ant):
+    alone = [_three(oai, ant, i) for i in range(2)]
+    for chat, resp, msg in alone:
+        assert chat == resp == msg
+    with ThreadPoolExecutor(6) as pool:
+        jobs = [pool.submit(_chat, oai, f"Tell me about {i}.", 8) for i in range(2)]
+        jobs += [
+            pool.submit(
+                oai.responses.create,
+                model="default",
+                input=f"Tell me about {i}.",
+                max_output_tokens=8,
+                temperature=0,
+            )
+            for i in range(2)
+        ]
+        jobs += [
+            pool.submit(
+                ant.messages.create,
+                model="default",
+                messages=[{"role": "user", "content": f"Tell me about {i}."}],
+                max_tokens=8,
+                extra_body=GREEDY,
+            )
+            for i in range(2)
+        ]
+        done = [j.result() for j in jobs]
+    assert [d[0].message.content for d in done[:2]] == [a[0] for a in alone]
+    assert [d.output_text for d in done[2:4]] == [a[1] for a in alone]
+    assert [d.content[0].text for d in done[4:]] == [a[2] for a in alone]

@@ -1,0 +1,133 @@
+"""Mixed forwards: decoding rows and a newcomer's prompt chunk in ONE forward (S10 kept).
+
+A chunk rides with 7 decoding rows, a long prompt is split over steps under a small
+`--step-tokens`, and models without the fused layers (recurrent state, sliding windows) run
+the same plans as separate graphs of one step; greedy output equals serving each alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llm_server.engines.fused_decode import FusedDecoder
+from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.step import DecodeRow, PrefillChunk, StepPlan
+from llm_server.scheduler import BatchScheduler
+from llm_server.testing.families import build_family_checkpoint
+from llm_server.tokenizer import Tokenizer
+from tests.scheduler.helpers import make_request, serve_alone
+
+
+class PlanRecorder(MLXEngine):
+    """The real engine, keeping every plan it ran."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.plans: list[StepPlan] = []
+
+    def run(self, plan):
+        self.plans.append(plan)
+        return super().run(plan)
+
+
+def _prompts(n: int, seed: int, lo: int = 2, hi: int = 30) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 380, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+def test_a_chunk_in_the_forward_of_seven_decoding_rows_equals_alone(tiny_model_path, monkeypatch):
+    prompts, newcomer = _prompts(7, seed=1), _prompts(1, seed=2, lo=40, hi=41)[0]
+    mixed = MLXEngine(tiny_model_path, rows=8, prefix_cache_bytes=0)
+    ref = MLXEngine(tiny_model_path, rows=8, prefix_cache_bytes=0)
+    assert mixed._fused is not None  # the one-forward path, not separate graphs
+    for row, p in enumerate(prompts):
+        mixed.prefill(row, p)
+        ref.prefill(row, p)
+    forwards = []
+    real = FusedDecoder.forward_groups
+    monkeypatch.setattr(
+        FusedDecoder, "forward_groups", lambda s, g, sp: forwards.append(len(g)) or real(s, g, sp)
+    )
+    tokens = [7 + r for r in range(7)]
+    first = StepPlan(
+        decode=tuple(DecodeRow(r, t) for r, t in enumerate(tokens)),
+        prefill=(PrefillChunk(1, 7, newcomer, 0, 25),),
+    )
+    got = mixed.run(first)
+    assert forwards == [2]  # ONE forward: the decoding rows and the chunk as two groups
+    assert got.rows == tuple(range(7)) and got.cursors == {7: 25}  # prompt not done: no row 7
+    np.testing.assert_array_equal(got.logits, ref.decode(list(range(7)), tokens))
+
+    nxt = got.logits.argmax(-1).tolist()
+    second = StepPlan(
+        decode=tuple(DecodeRow(r, t) for r, t in enumerate(nxt)),
+        prefill=(PrefillChunk(1, 7, newcomer, 25, 40),),
+    )
+    got = mixed.run(second)
+    assert got.rows == (*range(7), 7) and got.cursors == {7: 40}
+    want = np.concatenate([ref.decode(list(range(7)), nxt), ref.prefill(7, newcomer)[None]])
+    assert got.logits.argmax(-1).tolist() == want.argmax(-1).tolist()
+    np.testing.assert_allclose(got.logits, want, rtol=0, atol=1e-4)
+    assert [mixed.cursor(r) for r in range(8)] == [ref.cursor(r) for r in range(8)]
+
+
+def _serve_mixed(path, tok, prompts, late, n, step_tokens, **engine_kw):
+    """`prompts` start decoding; then `late` arrives. Returns outcomes and the engine."""
+    rows = len(prompts) + 1
+    sched = BatchScheduler(
+        lambda: PlanRecorder(path, rows=rows, **engine_kw),
+        max_concurrent=rows,
+        step_tokens=step_tokens,
+    ).start()
+    sched.wait_ready(60)
+    try:
+        outs = []
+        for p in prompts:
+            req, out = make_request(tok, p, n, ignore_eos=True)
+            sched.submit(req)
+            outs.append(out)
+        for out in outs:
+            while not out.tokens and not out.done.is_set():
+                out.done.wait(0.005)  # every row decodes before the newcomer comes
+        req, late_out = make_request(tok, late, 6, ignore_eos=True)
+        sched.submit(req)
+        for out in [*outs, late_out]:
+            assert out.done.wait(120)
+        return outs, late_out, req, sched.engine
+    finally:
+        sched.close(10)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_path) -> Tokenizer:
+    return Tokenizer(tiny_model_path)
+
+
+def test_a_long_prompt_is_split_over_steps_beside_seven_decoding_rows(tiny_model_path, tok):
+    prompts, late = _prompts(7, seed=5), _prompts(1, seed=6, lo=70, hi=71)[0]
+    n = 40  # the seven still decode while the late prompt is chunked in
+    outs, late_out, req, engine = _serve_mixed(tiny_model_path, tok, prompts, late, n, 16)
+    solo = [serve_alone(tiny_model_path, tok, p, n, ignore_eos=True).tokens for p in prompts]
+    assert [o.tokens for o in outs] == solo
+    assert late_out.tokens == serve_alone(tiny_model_path, tok, late, 6, ignore_eos=True).tokens
+    chunks = [(p, c) for p in engine.plans for c in p.prefill if c.seq == req.seq]
+    assert len(chunks) >= 7  # 70 tokens at most 9 per step
+    assert all(p.tokens <= 16 for p, _ in chunks)
+    assert any(len(p.decode) == 7 for p, _ in chunks)  # chunks rode with all seven rows
+    assert [c.start for _, c in chunks[1:]] == [c.end for _, c in chunks[:-1]]  # contiguous
+    assert chunks[-1][1].end == len(late)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "gemma3_text"])
+def test_models_without_fused_layers_split_prompts_exactly(family, tmp_path):
+    """Recurrent state (qwen3_next) and sliding windows (gemma3_text) carry across chunks."""
+    path = build_family_checkpoint(tmp_path / family, family)
+    tok = Tokenizer(path)
+    prompts, late = _prompts(3, seed=7), _prompts(1, seed=8, lo=30, hi=31)[0]
+    outs, late_out, req, engine = _serve_mixed(path, tok, prompts, late, 12, 8)
+    assert engine._fused is None
+    solo = [serve_alone(path, tok, p, 12, ignore_eos=True).tokens for p in prompts]
+    assert [o.tokens for o in outs] == solo
+    assert late_out.tokens == serve_alone(path, tok, late, 6, ignore_eos=True).tokens
+    assert sum(c.seq == req.seq for p in engine.plans for c in p.prefill) >= 5
