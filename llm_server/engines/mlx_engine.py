@@ -68,6 +68,7 @@ class MLXEngine(StepRunner):
         fused_decode: bool = True,
         pipeline: bool | None = None,
         keep_quantized: bool = False,
+        group=None,
     ) -> None:
         """`prefix_cache_bytes`: bound of the prompt prefix cache (None: an eighth of the weights, at least 64 MiB; 0: off).
 
@@ -78,6 +79,9 @@ class MLXEngine(StepRunner):
         (None: on Metal only; on the CPU the Python work then competes with the forward for the
         same cores, measured 8-12% slower on 2 cores).
         `keep_quantized`: serve a quantized checkpoint quantized on the CPU too (see quantized).
+        `group`: an `mx.distributed` group to shard the model over (tensor parallel, mlx-lm's
+        `model.shard`); every rank then runs the same calls in lock-step (llm_server.distributed).
+        The fused forward, the prefix cache and pipelining are off: they do not compose with it.
         """
         from mlx_lm.utils import load_model
 
@@ -94,6 +98,11 @@ class MLXEngine(StepRunner):
         check_model_type(config)
         # bare-transformer checkpoints (embedding models) load too; see bare_checkpoint
         self.model, self.config = load_model(path, lazy=True, get_model_classes=model_classes)
+        if group is not None and group.size() > 1:
+            if not hasattr(self.model, "shard"):
+                raise ValueError(f"{config['model_type']} has no tensor-parallel shard()")
+            self.model.shard(group)  # while lazy: each rank materialises its slices only
+            fused_decode, pipeline, prefix_cache_bytes = False, False, 0
         self.has_lm_head = getattr(self.model, "has_lm_head", True)
         self.quantized = quantized.prepare(self.model, keep_quantized)  # float32 on the CPU
         cpu_kernels.install(self.model)  # numpy softmax/SiLU for big tensors on the CPU

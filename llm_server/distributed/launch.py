@@ -1,0 +1,119 @@
+"""Joining the group and taking a rank's role: rank 0 serves, the others follow.
+
+`llm-server --distributed ring ...` under `mlx.launch` (which sets each rank's hostfile and
+rank), or `llm-server --hosts HOSTFILE ...`, which starts `mlx.launch` itself with this module
+as the program on every host. A watchdog on rank 0 ends the process (non-zero) when a call to
+the group has not returned in `--distributed-timeout` seconds: a dead or hung rank never
+leaves the server hanging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("llm_server.distributed")
+
+EXIT_GROUP_LOST = 3
+
+
+def join(backend: str):
+    """This rank's `mx.distributed` group (strict: a missing backend is an error)."""
+    import mlx.core as mx
+
+    group = mx.distributed.init(strict=True, backend=backend)
+    log.info("rank %d of %d (%s)", group.rank(), group.size(), backend)
+    return group
+
+
+def build_engine(args: argparse.Namespace, model_path: Path, group):
+    """The rank's sharded engine, with the settings rank 0's service gives its own."""
+    from llm_server.engines.mlx_engine import MLXEngine
+
+    return MLXEngine(
+        model_path,
+        rows=args.concurrent_requests,
+        context_length=args.context_length,
+        dtype=args.dtype,
+        prefix_cache_bytes=args.prefix_cache_bytes,
+        keep_quantized=args.keep_quantized,
+        group=group,
+    )
+
+
+def wrap(engine, group, backend: str, timeout: float):
+    """Rank 0's engine: broadcast each call, and watch that the group answers."""
+    from llm_server.distributed.engine import LockstepEngine
+    from llm_server.distributed.transport import GroupTransport
+
+    lockstep = LockstepEngine(engine, GroupTransport(group), group.size(), backend)
+    watch(lockstep, timeout)
+    return lockstep
+
+
+def watch(engine, timeout: float, on_lost=None) -> threading.Thread:
+    """Exit the process when a group call of `engine` has been running `timeout` seconds."""
+
+    def lost(seconds: float) -> None:
+        log.error(
+            "the distributed group did not answer for %.0f s (a rank died or hangs); exiting",
+            seconds,
+        )
+        sys.stderr.flush()
+        os._exit(EXIT_GROUP_LOST)
+
+    on_lost = on_lost or lost
+
+    def loop() -> None:
+        while True:
+            time.sleep(min(1.0, timeout / 4))
+            since = engine.busy_since
+            if since is not None and time.monotonic() - since > timeout:
+                on_lost(time.monotonic() - since)
+                return
+
+    thread = threading.Thread(target=loop, name="group-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
+def follow_main(args: argparse.Namespace, model_path: Path, group) -> int:
+    """A follower rank: load the shard, run rank 0's calls until it stops."""
+    from llm_server.distributed.follower import follow
+    from llm_server.distributed.transport import GroupTransport
+
+    engine = build_engine(args, model_path, group)
+    count = follow(engine, GroupTransport(group))
+    log.info("rank %d: rank 0 stopped after %d calls", group.rank(), count)
+    return 0
+
+
+def launch_hosts(argv: list[str], hostfile: str, backend: str) -> int:
+    """Re-run this command on every host of `hostfile` through `mlx.launch`."""
+    import subprocess
+
+    rest, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--hosts":
+            skip = True
+        elif not arg.startswith("--hosts="):
+            rest.append(arg)
+    if "--distributed" not in rest and not any(a.startswith("--distributed=") for a in rest):
+        rest += ["--distributed", backend]
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    cmd = [str(launcher), "--backend", backend, "--hostfile", hostfile]
+    cmd += ["--python", sys.executable, __file__, *rest]
+    return subprocess.call(cmd)
+
+
+if __name__ == "__main__":  # the program mlx.launch starts on each host
+    from llm_server.cli import main
+
+    main(sys.argv[1:])
