@@ -311,4 +311,9 @@ def main(argv: list[str] | None = None) -> None:
     sock, url = _bind(args)
     from llm_server.server import run_server
 
-    sys.exit(asyncio.run(run_server(args, model_path, sock, url)))
+    code = asyncio.run(run_server(args, model_path, sock, url))
+    if args.group is not None:
+        from llm_server.distributed.launch import EXIT_GROUP_LOST, LOST
+
+        code = EXIT_GROUP_LOST if LOST else code
+    sys.exit(code)

@@ -16,12 +16,19 @@ from typing import Any
 
 import numpy as np
 
+from llm_server.distributed import GROUP_LOST
 from llm_server.distributed.codec import Call, Op, encode
 from llm_server.distributed.transport import Transport
-from llm_server.engines.base import EmbeddingsUnsupported, ScoreChunkResult
+from llm_server.engines.base import EmbeddingsUnsupported, EngineError, ScoreChunkResult
 from llm_server.engines.step import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
+
+BACKEND_ERRORS = ("[ring]", "[jaccl]", "[mpi]", "[nccl]")  # how MLX's collectives fail
+
+
+class GroupLost(EngineError):
+    """A rank died or stopped answering: no call can run any more."""
 
 
 class LockstepEngine:
@@ -38,6 +45,8 @@ class LockstepEngine:
         self.busy_since: float | None = None  # monotonic start of the call in progress
         self._stopped = False
         self._lock = threading.Lock()
+        self.lost: str | None = None  # why the group is gone (then every call fails at once)
+        self.on_lost = None  # called once with the reason (launch.py: shut the server down)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -49,13 +58,29 @@ class LockstepEngine:
         self.steps += 1
 
     def _call(self, call: Call, fn, *args):
+        if self.lost is not None:
+            raise GroupLost(self.lost)
         with self._lock:
             self.busy_since = time.monotonic()
             try:
                 self._send(call)
                 return fn(*args)
+            except Exception as exc:
+                if any(tag in str(exc) for tag in BACKEND_ERRORS):
+                    self.lose(str(exc))
+                    raise GroupLost(self.lost) from exc
+                raise
             finally:
                 self.busy_since = None
+
+    def lose(self, reason: str) -> None:
+        """Mark the group gone (a collective failed, or the watchdog saw one hang)."""
+        if self.lost is not None:
+            return
+        self.lost = f"{GROUP_LOST}: {reason}"
+        log.error("%s", self.lost)
+        if self.on_lost is not None:
+            self.on_lost(self.lost)
 
     def run(self, plan: StepPlan) -> StepResult:
         return self._call(Call(Op.RUN, plan=plan), self._engine.run, plan)
@@ -69,6 +94,9 @@ class LockstepEngine:
         return self._call(call, self._engine.decode, rows, tokens)
 
     def release(self, row: int) -> None:
+        if self.lost is not None:  # nothing to keep in step with: free the row here only
+            self._engine.release(row)
+            return
         self._call(Call(Op.RELEASE, row=row), self._engine.release, row)
 
     def score_begin(self, batch: int) -> None:
@@ -86,8 +114,10 @@ class LockstepEngine:
 
     def stop(self) -> None:
         """Tell the followers to leave their loop (once)."""
+        if self.lost is not None:
+            return
         with self._lock:
-            if not self._stopped:
+            if not self._stopped and self.lost is None:
                 self._send(Call(Op.STOP))
                 self._stopped = True
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -52,29 +53,39 @@ def wrap(engine, group, backend: str, timeout: float):
     from llm_server.distributed.transport import GroupTransport
 
     lockstep = LockstepEngine(engine, GroupTransport(group), group.size(), backend)
+    lockstep.on_lost = shut_down
     watch(lockstep, timeout)
     return lockstep
 
 
-def watch(engine, timeout: float, on_lost=None) -> threading.Thread:
-    """Exit the process when a group call of `engine` has been running `timeout` seconds."""
+LOST: list[str] = []  # why the group was lost, once it was (the CLI then exits non-zero)
 
-    def lost(seconds: float) -> None:
-        log.error(
-            "the distributed group did not answer for %.0f s (a rank died or hangs); exiting",
-            seconds,
-        )
-        sys.stderr.flush()
-        os._exit(EXIT_GROUP_LOST)
 
-    on_lost = on_lost or lost
+def shut_down(reason: str, grace: float = 10.0) -> None:
+    """The group is gone: drain the server (new requests get 503) and exit non-zero; a
+    server stuck in a hung collective is ended after `grace` seconds."""
+    LOST.append(reason)
+    os.kill(os.getpid(), signal.SIGTERM)
+    timer = threading.Timer(grace, _exit_now)
+    timer.daemon = True
+    timer.start()
+
+
+def _exit_now() -> None:
+    log.error("%s; exiting", LOST[0] if LOST else "the distributed group was lost")
+    sys.stderr.flush()
+    os._exit(EXIT_GROUP_LOST)
+
+
+def watch(engine, timeout: float) -> threading.Thread:
+    """Mark the group lost when a call of `engine` has not returned in `timeout` seconds."""
 
     def loop() -> None:
-        while True:
+        while engine.lost is None:
             time.sleep(min(1.0, timeout / 4))
             since = engine.busy_since
             if since is not None and time.monotonic() - since > timeout:
-                on_lost(time.monotonic() - since)
+                engine.lose(f"no answer for {time.monotonic() - since:.0f} s (a rank hangs)")
                 return
 
     thread = threading.Thread(target=loop, name="group-watchdog", daemon=True)
