@@ -74,10 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--distributed-timeout",
         type=float,
-        default=30.0,
+        default=20.0,
         metavar="S",
-        help="rank 0 exits (status 3) when the group has not answered a step for S seconds "
-        "(default 30)",
+        help="rank 0 answers 503 and exits (status 3) when the group has not answered a step "
+        "for S seconds (default 20; raise it for steps that run longer)",
     )
     p.add_argument(
         "--dtype",

@@ -50,7 +50,7 @@ def make_service(
     tool_parser: str | None = None,
     step_tokens: int = DEFAULT_STEP_TOKENS,
     group=None,
-    distributed: tuple[str, float] = ("", 30.0),
+    distributed: tuple[str, float] = ("", 20.0),
 ) -> ModelService:
     """A started (loading) service for `model_path`; the engine loads on the scheduler thread."""
     rows = concurrent  # the engine may serve fewer; BatchScheduler.load decides (S1)
@@ -92,7 +92,12 @@ def make_service(
         tool_parser=tool_parser,
         step_tokens=step_tokens,
     )
-    return ModelService(config, engine_factory or factory).start()
+    service = ModelService(config, engine_factory or factory).start()
+    if group is not None:
+        from llm_server.distributed.launch import attach
+
+        attach(service)  # a hung step fails its requests from the watchdog
+    return service
 
 
 def service_from_args(
@@ -118,7 +123,7 @@ def service_from_args(
         group=getattr(args, "group", None),
         distributed=(
             getattr(args, "distributed", None) or "",
-            getattr(args, "distributed_timeout", 30.0),
+            getattr(args, "distributed_timeout", 20.0),
         ),
     )
 

@@ -73,14 +73,15 @@ class LockstepEngine:
             finally:
                 self.busy_since = None
 
-    def lose(self, reason: str) -> None:
-        """Mark the group gone (a collective failed, or the watchdog saw one hang)."""
+    def lose(self, reason: str, hung: bool = False) -> None:
+        """Mark the group gone: a collective failed, or (`hung`) the watchdog saw one hang,
+        and the scheduler thread is stuck in it."""
         if self.lost is not None:
             return
         self.lost = f"{GROUP_LOST}: {reason}"
         log.error("%s", self.lost)
         if self.on_lost is not None:
-            self.on_lost(self.lost)
+            self.on_lost(self.lost, hung)
 
     def run(self, plan: StepPlan) -> StepResult:
         return self._call(Call(Op.RUN, plan=plan), self._engine.run, plan)

@@ -59,16 +59,45 @@ def wrap(engine, group, backend: str, timeout: float):
 
 
 LOST: list[str] = []  # why the group was lost, once it was (the CLI then exits non-zero)
+SERVICES: list = []  # rank 0's service (attach): its requests are failed when a step hangs
 
 
-def shut_down(reason: str, grace: float = 10.0) -> None:
+def attach(service) -> None:
+    SERVICES.append(service)
+
+
+def shut_down(reason: str, hung: bool = False, grace: float = 5.0) -> None:
     """The group is gone: drain the server (new requests get 503) and exit non-zero; a
     server stuck in a hung collective is ended after `grace` seconds."""
     LOST.append(reason)
+    if hung:  # the scheduler thread cannot fail its requests: answer them from here
+        for service in SERVICES:
+            fail_requests(service.scheduler, reason)
     os.kill(os.getpid(), signal.SIGTERM)
     timer = threading.Timer(grace, _exit_now)
     timer.daemon = True
     timer.start()
+
+
+def fail_requests(scheduler, reason: str) -> None:
+    """Finish every running and queued request of a scheduler stuck in a hung step with
+    `reason` (the API answers 503). Only for a stuck thread: it emits nothing any more."""
+    from llm_server.decoding import FinishReason
+    from llm_server.scheduler.request import FinishEvent
+
+    with scheduler._cond:
+        reqs = [*scheduler._queue, *scheduler._running.values()]
+    for req in reqs:
+        req.emit(
+            FinishEvent(
+                reason=FinishReason.ERROR,
+                prompt_tokens=len(req.prompt),
+                completion_tokens=len(req.decoder.tokens),
+                timings=req.timings(),
+                error=reason,
+                cached_tokens=req.cached_tokens,
+            )
+        )
 
 
 def _exit_now() -> None:
@@ -85,7 +114,8 @@ def watch(engine, timeout: float) -> threading.Thread:
             time.sleep(min(1.0, timeout / 4))
             since = engine.busy_since
             if since is not None and time.monotonic() - since > timeout:
-                engine.lose(f"no answer for {time.monotonic() - since:.0f} s (a rank hangs)")
+                waited = time.monotonic() - since
+                engine.lose(f"no answer for {waited:.0f} s (a rank died or hangs)", hung=True)
                 return
 
     thread = threading.Thread(target=loop, name="group-watchdog", daemon=True)

@@ -112,7 +112,7 @@ def test_a_lost_group_fails_every_call_at_once():
 
     lost: list[str] = []
     leader = LockstepEngine(Engine(), Dead(), size=2, backend="ring")
-    leader.on_lost = lost.append
+    leader.on_lost = lambda reason, hung: lost.append(reason)
     with pytest.raises(GroupLost, match="the distributed group was lost: .*peer was lost"):
         leader.run(StepPlan(decode=(DecodeRow(0, 1),)))
     assert lost == [leader.lost]
