@@ -70,16 +70,6 @@ def test_embeddings_are_refused_on_a_sharded_model(ranks):
     assert "sharded" in r.json()["error"]["message"]
 
 
-def test_sigterm_on_rank_zero_stops_every_rank(tiny_model_path, tmp_path):
-    group = start_ranks(tiny_model_path, tmp_path, 2)
-    try:
-        group.procs[0].terminate()
-        codes = [p.wait(30) for p in group.procs]
-    finally:
-        group.stop()
-    assert codes == [0, 0], group.text()
-
-
 def test_a_dead_rank_gets_503_and_rank_zero_exits(tiny_model_path, tmp_path):
     group = start_ranks(tiny_model_path, tmp_path, 2, ("--distributed-timeout", "5"))
     try:
@@ -102,3 +92,10 @@ def test_a_dead_rank_gets_503_and_rank_zero_exits(tiny_model_path, tmp_path):
         assert group.procs[0].wait(30) == 3, group.text()
     finally:
         group.stop()
+
+
+def test_sigterm_on_rank_zero_stops_every_rank(ranks):
+    """Last in the file: it ends the module's group (saves starting another)."""
+    ranks.procs[0].terminate()
+    codes = [p.wait(30) for p in ranks.procs]
+    assert codes == [0, 0], ranks.text()
