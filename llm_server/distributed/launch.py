@@ -27,7 +27,13 @@ def join(backend: str):
     """This rank's `mx.distributed` group (strict: a missing backend is an error)."""
     import mlx.core as mx
 
-    group = mx.distributed.init(strict=True, backend=backend)
+    try:
+        group = mx.distributed.init(strict=True, backend=backend)
+    except (RuntimeError, ValueError) as exc:
+        raise SystemExit(
+            f"llm-server: --distributed {backend}: {exc} (start every rank with mlx.launch, "
+            "or use --hosts HOSTFILE)"
+        ) from None
     log.info("rank %d of %d (%s)", group.rank(), group.size(), backend)
     return group
 

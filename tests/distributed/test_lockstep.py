@@ -121,3 +121,14 @@ def test_a_lost_group_fails_every_call_at_once():
     leader.release(0)  # freed here only: nothing is sent to a dead group
     leader.stop()
     assert Engine.released == [0] and len(lost) == 1
+
+
+def test_joining_without_a_launcher_is_one_clear_line(monkeypatch):
+    from llm_server.distributed.launch import join
+
+    monkeypatch.delenv("MLX_RANK", raising=False)
+    monkeypatch.delenv("MLX_HOSTFILE", raising=False)
+    with pytest.raises(SystemExit, match=r"--distributed ring: .*MLX_HOSTFILE.*mlx\.launch"):
+        join("ring")
+    with pytest.raises(SystemExit, match="--distributed bogus: .*valid values"):
+        join("bogus")
