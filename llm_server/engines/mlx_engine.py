@@ -101,6 +101,12 @@ class MLXEngine(StepRunner):
         if group is not None and group.size() > 1:
             if not hasattr(self.model, "shard"):
                 raise ValueError(f"{config['model_type']} has no tensor-parallel shard()")
+            text_cfg = {**config, **config.get("text_config", {})}
+            for key in ("num_attention_heads", "num_key_value_heads"):
+                if int(text_cfg.get(key) or 0) % group.size():
+                    raise ValueError(
+                        f"{key}={text_cfg[key]} does not split over {group.size()} ranks"
+                    )
             self.model.shard(group)  # while lazy: each rank materialises its slices only
             fused_decode, pipeline, prefix_cache_bytes = False, False, 0
         self.has_lm_head = getattr(self.model, "has_lm_head", True)

@@ -132,3 +132,16 @@ def test_joining_without_a_launcher_is_one_clear_line(monkeypatch):
         join("ring")
     with pytest.raises(SystemExit, match="--distributed bogus: .*valid values"):
         join("bogus")
+
+
+def test_heads_that_do_not_split_over_the_ranks_are_refused(tmp_path):
+    from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.testing.tiny import TinySpec, build_tiny_checkpoint
+
+    class TwoRanks:  # refused before any collective: a stand-in group is enough
+        def size(self) -> int:
+            return 2
+
+    path = build_tiny_checkpoint(tmp_path / "gqa1", TinySpec(num_kv_heads=1))
+    with pytest.raises(ValueError, match="num_key_value_heads=1 does not split over 2 ranks"):
+        MLXEngine(path, rows=1, group=TwoRanks())
