@@ -96,7 +96,10 @@ class LockstepEngine:
 
     def release(self, row: int) -> None:
         if self.lost is not None:  # nothing to keep in step with: free the row here only
-            self._engine.release(row)
+            try:
+                self._engine.release(row)
+            except Exception:  # noqa: BLE001 - MLX re-raises the ring's error at a sync
+                log.debug("releasing row %d after the group was lost", row, exc_info=True)
             return
         self._call(Call(Op.RELEASE, row=row), self._engine.release, row)
 
@@ -128,4 +131,8 @@ class LockstepEngine:
             self.stop()
         except Exception:  # noqa: BLE001 - a dead group cannot be told anything
             log.warning("could not stop the other ranks", exc_info=True)
-        self._engine.thread_exit()
+        try:
+            self._engine.thread_exit()
+        except Exception:  # noqa: BLE001 - after a lost group the streams re-raise its error
+            if self.lost is None:
+                raise

@@ -109,6 +109,7 @@ def test_a_lost_group_fails_every_call_at_once():
 
         def release(self, row):
             self.released.append(row)
+            raise RuntimeError("[ring] connection to a peer was lost")  # as mx.clear_cache does
 
     lost: list[str] = []
     leader = LockstepEngine(Engine(), Dead(), size=2, backend="ring")

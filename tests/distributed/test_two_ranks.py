@@ -80,7 +80,10 @@ def test_a_dead_rank_gets_503_and_rank_zero_exits(tiny_model_path, tmp_path):
             while client.get("/health").json()["rows_busy"] == 0 and not running.done():
                 time.sleep(0.02)
             group.procs[1].kill()
-            answer = running.result()
+            try:
+                answer = running.result()
+            except httpx.TransportError as exc:
+                pytest.fail(f"no answer to the running request ({exc}):\n{group.text()}")
         assert answer.status_code == 503, answer.text
         assert answer.json()["error"]["code"] == "group_lost"
         assert "the distributed group was lost" in answer.json()["error"]["message"]
