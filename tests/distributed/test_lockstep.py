@@ -146,3 +146,32 @@ def test_heads_that_do_not_split_over_the_ranks_are_refused(tmp_path):
     path = build_tiny_checkpoint(tmp_path / "gqa1", TinySpec(num_kv_heads=1))
     with pytest.raises(ValueError, match="num_key_value_heads=1 does not split over 2 ranks"):
         MLXEngine(path, rows=1, group=TwoRanks())
+
+
+def test_the_watchdog_marks_a_hung_call_lost():
+    import threading
+
+    from llm_server.distributed.launch import watch
+
+    seen: list[tuple[str, bool]] = []
+    called = threading.Event()
+
+    class Transport:
+        def send(self, header, payload):
+            called.wait(30)  # the collective never returns while the watchdog looks
+
+    class Engine:
+        def run(self, plan):
+            raise AssertionError("ran after the hung send returned")
+
+        decode = run
+
+    leader = LockstepEngine(Engine(), Transport(), size=2, backend="ring")
+    leader.on_lost = lambda reason, hung: (seen.append((reason, hung)), called.set())
+    watch(leader, timeout=0.2)
+    with pytest.raises(AssertionError):  # the transport returns once the watchdog fired
+        leader.run(StepPlan(decode=(DecodeRow(0, 1),)))
+    assert seen and seen[0][1] is True
+    assert seen[0][0].startswith("the distributed group was lost: no answer for")
+    with pytest.raises(GroupLost):
+        leader.decode([0], [1])
