@@ -175,3 +175,21 @@ def test_the_watchdog_marks_a_hung_call_lost():
     assert seen[0][0].startswith("the distributed group was lost: no answer for")
     with pytest.raises(GroupLost):
         leader.decode([0], [1])
+
+
+def test_hosts_runs_the_same_command_under_mlx_launch(monkeypatch):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from llm_server.distributed import launch
+
+    ran: list[list[str]] = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd: ran.append(cmd) or 0)
+    argv = ["--model", "M", "--hosts", "h.json", "--port", "9000", "--hosts=x.json"]
+    assert launch.launch_hosts(argv, "h.json", "ring") == 0
+    launcher = str(Path(sys.executable).with_name("mlx.launch"))
+    assert ran == [
+        [launcher, "--backend", "ring", "--hostfile", "h.json", "--python", sys.executable,
+         launch.__file__, "--model", "M", "--port", "9000", "--distributed", "ring"]
+    ]  # fmt: skip
