@@ -69,6 +69,7 @@ class MLXEngine(StepRunner):
         pipeline: bool | None = None,
         keep_quantized: bool = False,
         compiled_decode: bool = False,
+        group=None,
     ) -> None:
         """`prefix_cache_bytes`: bound of the prompt prefix cache (None: an eighth of the weights, at least 64 MiB; 0: off).
 
@@ -83,6 +84,9 @@ class MLXEngine(StepRunner):
         default: its logits equal the eager forward's only within float32 rounding, and a mixed
         step (prompt chunks beside decoding rows) runs the eager forward, so a row's greedy
         tokens could then depend on which steps it shared (S10).
+        `group`: an `mx.distributed` group to shard the model over (tensor parallel, mlx-lm's
+        `model.shard`); every rank then runs the same calls in lock-step (llm_server.distributed).
+        The fused forward, the prefix cache and pipelining are off: they do not compose with it.
         """
         from mlx_lm.utils import load_model
 
@@ -99,6 +103,17 @@ class MLXEngine(StepRunner):
         check_model_type(config)
         # bare-transformer checkpoints (embedding models) load too; see bare_checkpoint
         self.model, self.config = load_model(path, lazy=True, get_model_classes=model_classes)
+        if group is not None and group.size() > 1:
+            if not hasattr(self.model, "shard"):
+                raise ValueError(f"{config['model_type']} has no tensor-parallel shard()")
+            text_cfg = {**config, **config.get("text_config", {})}
+            for key in ("num_attention_heads", "num_key_value_heads"):
+                if int(text_cfg.get(key) or 0) % group.size():
+                    raise ValueError(
+                        f"{key}={text_cfg[key]} does not split over {group.size()} ranks"
+                    )
+            self.model.shard(group)  # while lazy: each rank materialises its slices only
+            fused_decode, pipeline, prefix_cache_bytes = False, False, 0
         self.has_lm_head = getattr(self.model, "has_lm_head", True)
         self.quantized = quantized.prepare(self.model, keep_quantized)  # float32 on the CPU
         cpu_kernels.install(self.model)  # numpy softmax/SiLU for big tensors on the CPU
