@@ -75,6 +75,26 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"most draft ids a row verifies per step (default {DEFAULT_SPEC_TOKENS})",
     )
     p.add_argument(
+        "--distributed",
+        metavar="BACKEND",
+        help="shard the model tensor-parallel over an mx.distributed group (ring, jaccl, mpi or "
+        "any; run every rank under mlx.launch, or use --hosts): rank 0 serves HTTP",
+    )
+    p.add_argument(
+        "--hosts",
+        metavar="HOSTFILE",
+        help="start this command on every host of an mlx.launch hostfile (JSON) with "
+        "--distributed (ring unless given)",
+    )
+    p.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=20.0,
+        metavar="S",
+        help="rank 0 answers 503 and exits (status 3) when the group has not answered a step "
+        "for S seconds (default 20; raise it for steps that run longer)",
+    )
+    p.add_argument(
         "--dtype",
         default="float32",
         choices=["float32", "float16", "bfloat16"],
@@ -284,12 +304,23 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from llm_server.blas import active_blas, check_blas
 
+    if args.hosts:
+        from llm_server.distributed.launch import launch_hosts
+
+        sys.exit(launch_hosts(argv or sys.argv[1:], args.hosts, args.distributed or "ring"))
     source = _source(args.model)  # before any log line: a bad --model is one line on stderr
     check_blas()  # re-execs with the fallback library if this one computes wrong products
     log.info("BLAS: %s", active_blas())
     model_path = source.path
     if args.model_id is None:
         args.model_id = source.model_id
+    args.group = None
+    if args.distributed:
+        from llm_server.distributed import launch
+
+        args.group = launch.join(args.distributed)
+        if args.group.rank() != 0:  # a follower: no HTTP, rank 0's calls only
+            sys.exit(launch.follow_main(args, model_path, args.group))
     if args.replay:
         from llm_server.server import run_replay
 
@@ -297,4 +328,9 @@ def main(argv: list[str] | None = None) -> None:
     sock, url = _bind(args)
     from llm_server.server import run_server
 
-    sys.exit(asyncio.run(run_server(args, model_path, sock, url)))
+    code = asyncio.run(run_server(args, model_path, sock, url))
+    if args.group is not None:
+        from llm_server.distributed.launch import EXIT_GROUP_LOST, LOST
+
+        code = EXIT_GROUP_LOST if LOST else code
+    sys.exit(code)

@@ -51,6 +51,8 @@ def make_service(
     step_tokens: int = DEFAULT_STEP_TOKENS,
     speculative: str = DEFAULT_SPECULATIVE,
     spec_tokens: int = DEFAULT_SPEC_TOKENS,
+    group=None,
+    distributed: tuple[str, float] = ("", 20.0),
 ) -> ModelService:
     """A started (loading) service for `model_path`; the engine loads on the scheduler thread."""
     rows = concurrent  # the engine may serve fewer; BatchScheduler.load decides (S1)
@@ -63,14 +65,20 @@ def make_service(
             return CoreMLEngine(model_path)
         from llm_server.engines.mlx_engine import MLXEngine
 
-        return MLXEngine(
+        engine = MLXEngine(
             model_path,
             rows=rows,
             context_length=context_length,
             dtype=dtype,
             prefix_cache_bytes=prefix_cache_bytes,
             keep_quantized=keep_quantized,
+            group=group,
         )
+        if group is None:
+            return engine
+        from llm_server.distributed.launch import wrap
+
+        return wrap(engine, group, *distributed)  # rank 0: every call broadcast first
 
     tokenizer_path = model_path.parent if model_path.suffix == ".mlpackage" else model_path
     config = ServiceConfig(
@@ -88,7 +96,12 @@ def make_service(
         speculative=speculative,
         spec_tokens=spec_tokens,
     )
-    return ModelService(config, engine_factory or factory).start()
+    service = ModelService(config, engine_factory or factory).start()
+    if group is not None:
+        from llm_server.distributed.launch import attach
+
+        attach(service)  # a hung step fails its requests from the watchdog
+    return service
 
 
 def service_from_args(
@@ -113,6 +126,11 @@ def service_from_args(
         step_tokens=args.step_tokens,
         speculative=getattr(args, "speculative", DEFAULT_SPECULATIVE),
         spec_tokens=getattr(args, "spec_tokens", DEFAULT_SPEC_TOKENS),
+        group=getattr(args, "group", None),
+        distributed=(
+            getattr(args, "distributed", None) or "",
+            getattr(args, "distributed_timeout", 20.0),
+        ),
     )
 
 

@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from llm_server.api.errors import APIError, invalid
 from llm_server.decoding import FinishReason, LogitsConstraint, SamplingParams
+from llm_server.distributed import group_lost
 from llm_server.scheduler import FinishEvent, QueueFull, SchedulerClosed
 from llm_server.service import GenerationHandle, ModelService
 
@@ -230,6 +231,9 @@ def settle(request: Request, finishes: list[FinishEvent | None]) -> Response | N
         return Response(status_code=499)
     for fin in finishes:
         record_finish(request, fin)
+    lost = [f.error for f in finishes if f.reason == FinishReason.ERROR and group_lost(f.error)]
+    if lost:  # a rank of a sharded model died: the server is going away (503, then exit)
+        raise APIError(503, str(lost[0]), code="group_lost")
     if any(f.reason == FinishReason.ERROR for f in finishes):
         raise APIError(500, "the model failed while generating this request", code="engine_error")
     return None

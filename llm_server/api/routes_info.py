@@ -52,6 +52,14 @@ async def health(request: Request) -> Response:
                 },
             }
         )
+        ranks = getattr(svc.engine, "group_size", None)  # a model sharded over ranks
+        if ranks is not None:
+            body["distributed"] = {
+                "backend": svc.engine.backend,
+                "ranks": ranks,
+                "steps": svc.engine.steps,  # calls every rank ran, in lock-step
+                "lost": svc.engine.lost,
+            }
         cache = svc.prefix_cache_stats()
         if cache is not None:
             body["prefix_cache"] = {

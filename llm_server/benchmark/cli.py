@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+PEERS = {"llama-server": "llama_server"}  # --peer name -> the report's server kind
 FULL = {"concurrency": "1,2,4,8", "requests": 32, "max_tokens": 64, "scoring_prompts": 32}
 QUICK = {"concurrency": "1,2", "requests": 4, "max_tokens": 8, "scoring_prompts": 4}
 
@@ -34,6 +35,8 @@ class Settings:
     step_tokens: int | None = None  # our server's --step-tokens (None: its default)
     workload: str = "chat"  # "chat": prompts.json; "edit": reproduce a passage with one change
     speculative: str | None = None  # our server's --speculative (None: its default)
+    peer: str | None = None  # report kind of a peer server (PEERS), started from peer_cmd
+    peer_cmd: str | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative", choices=["ngram", "off"],
                    help="our server's --speculative (default: the server's)")  # fmt: skip
     p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx_lm.server comparison")
+    p.add_argument("--peer", choices=sorted(PEERS),
+                   help="also run this server (from --peer-cmd) on the same load, e.g. llama.cpp's llama-server")  # fmt: skip
+    p.add_argument("--peer-cmd", metavar="CMD",
+                   help="the peer's command; {port} (required), {concurrency} and {host} are filled in, e.g. "
+                   "'llama-server -m smollm2-f32.gguf -t 2 --host {host} --port {port} -np {concurrency} -c 8192'")  # fmt: skip
     p.add_argument("--prefix-cache", action="store_true",
                    help="also measure TTFT on a multi-turn workload with the prefix cache on and off")  # fmt: skip
     p.add_argument("--constrained", action="store_true",
@@ -99,6 +107,15 @@ def settings_from(args: argparse.Namespace) -> Settings:
         raise SystemExit(
             "llm-benchmark: --requests and --max-tokens must be 1 or more, --scoring-prompts 0 or more"
         )
+    if (args.peer is None) != (args.peer_cmd is None):
+        raise SystemExit("llm-benchmark: --peer and --peer-cmd go together")
+    if args.peer_cmd is not None:
+        from llm_server.benchmark.servers import peer_command
+
+        try:
+            peer_command(args.peer_cmd, 0, 1)
+        except ValueError as exc:
+            raise SystemExit(f"llm-benchmark: {exc}") from None
     from llm_server.cli import resolve_model
 
     model = resolve_model(args.model)  # exits with a message when the folder is unusable
@@ -110,6 +127,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         mlx_lm=not args.no_mlx_lm, scoring=scoring > 0, constrained=args.constrained,
         prefix_cache=args.prefix_cache, step_tokens=args.step_tokens,
         workload=args.workload, speculative=args.speculative,
+        peer=None if args.peer is None else PEERS[args.peer], peer_cmd=args.peer_cmd,
     )  # fmt: skip
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-LABELS = {"ours": "llm-server", "mlx_lm": "mlx_lm.server"}
+LABELS = {"ours": "llm-server", "mlx_lm": "mlx_lm.server", "llama_server": "llama-server"}
 
 
 def write_plot(report: dict, path: Path) -> None:

@@ -34,20 +34,21 @@ def _ratio(ours: dict | None, theirs: dict | None, key: str) -> str:
     return f"{ours[key] / theirs[key]:.2f}x"
 
 
-def _rows(report: dict) -> list[tuple[int, dict | None, dict | None]]:
+def _rows(report: dict, other: str = "mlx_lm") -> list[tuple[int, dict | None, dict | None]]:
     servers = report["servers"]
-    cs = sorted({int(c) for s in SERVERS for c in servers.get(s, {})})
+    cs = sorted({int(c) for s in ("ours", other) for c in servers.get(s, {})})
     return [
-        (c, servers.get("ours", {}).get(str(c)), servers.get("mlx_lm", {}).get(str(c))) for c in cs
+        (c, servers.get("ours", {}).get(str(c)), servers.get(other, {}).get(str(c))) for c in cs
     ]
 
 
-def throughput_table(report: dict) -> list[str]:
+def throughput_table(report: dict, other: str = "mlx_lm") -> list[str]:
+    """Ours against `other` (a server kind of the report) at each concurrency."""
     lines = [
-        "| concurrency | tok/s ours | tok/s mlx_lm | ours/mlx_lm | req/s ours / mlx_lm | p50 latency s | p99 latency s | p50 TTFT s | p99 TTFT s | TPOT p50 ms |",
+        f"| concurrency | tok/s ours | tok/s {other} | ours/{other} | req/s ours / {other} | p50 latency s | p99 latency s | p50 TTFT s | p99 TTFT s | TPOT p50 ms |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for c, o, t in _rows(report):
+    for c, o, t in _rows(report, other):
         lines.append(
             f"| {c} | {_one(o, 'tokens_per_s', spec='.1f')} | {_one(t, 'tokens_per_s', spec='.1f')} "
             f"| {_ratio(o, t, 'tokens_per_s')} | {_pair(o, t, 'requests_per_s', spec='.2f')} "
@@ -79,12 +80,12 @@ def steps_table(report: dict) -> list[str]:
     return lines
 
 
-def memory_table(report: dict) -> list[str]:
+def memory_table(report: dict, other: str = "mlx_lm") -> list[str]:
     lines = [
         "| concurrency | peak RSS MB | RSS after warm-up MB | RSS after load MB | after/warm-up |",
         "|---:|---:|---:|---:|---:|",
     ]
-    for c, o, t in _rows(report):
+    for c, o, t in _rows(report, other):
         lines.append(
             f"| {c} | {_pair(o, t, 'rss_peak_bytes', 1 / MB, '.0f')} "
             f"| {_pair(o, t, 'rss_warm_bytes', 1 / MB, '.0f')} "
@@ -94,9 +95,29 @@ def memory_table(report: dict) -> list[str]:
     return lines
 
 
+def _peer_lines(report: dict) -> list[str]:
+    peer = report["meta"].get("peer")
+    if not peer:
+        return []
+    kind, label = peer["kind"], peer["label"]
+    return [
+        f"## Throughput and latency against {label} (cells: ours / {label})",
+        "",
+        f"{label} ran as `{peer['command']}` ({{port}} and {{concurrency}} filled in per run).",
+        "",
+        *throughput_table(report, kind),
+        "",
+        f"Memory (cells: ours / {label}):",
+        "",
+        *memory_table(report, kind),
+        "",
+    ]
+
+
 def _identity_lines(report: dict) -> list[str]:
     lines = []
-    for name in SERVERS:
+    peer = report["meta"].get("peer")
+    for name in SERVERS + ((peer["kind"],) if peer else ()):
         ident = report.get("identity", {}).get(name)
         if not ident or ident.get("identical") is None:
             continue
@@ -213,6 +234,7 @@ def markdown(report: dict) -> str:
         "",
         *memory_table(report),
         "",
+        *_peer_lines(report),
         "## Greedy output identity",
         "",
         *(_identity_lines(report) or ["Only one concurrency was run."]),

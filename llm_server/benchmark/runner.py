@@ -127,6 +127,9 @@ def _meta(s: Settings, prompts: list[load.Prompt]) -> dict:
         "git_commit": _git_commit(),
         "mlx_lm_note": MLX_LM_NOTE.format(version=version("mlx-lm"), queued=s.requests),
         "commands": {},
+        "peer": None
+        if s.peer is None
+        else {"kind": s.peer, "label": servers.PEER_LABELS[s.peer], "command": s.peer_cmd},
     }
 
 
@@ -211,7 +214,9 @@ def _one_server(
         extra += ("--step-tokens", str(s.step_tokens))
     if kind == "ours" and s.speculative is not None:
         extra += ("--speculative", s.speculative)
-    spec = servers.ServerSpec(kind, s.model, c, max_queued=max(s.requests, c), extra_args=extra)
+    spec = servers.ServerSpec(
+        kind, s.model, c, max_queued=max(s.requests, c), extra_args=extra, peer_cmd=s.peer_cmd
+    )
     progress.phase(f"{kind} c={c}: starting")
     with servers.running(spec, s.out / "logs" / f"{kind}-c{c}.log") as srv:
         state["meta"]["commands"][f"{kind}-c{c}"] = {"argv": list(srv.command), "pid": srv.pid}
@@ -264,6 +269,8 @@ def run_benchmark(s: Settings) -> OutputPaths:
         return len(encode(text))
 
     kinds = ["ours", "mlx_lm"] if s.mlx_lm else ["ours"]
+    if s.peer is not None:
+        kinds.append(s.peer)
     state: dict = {"meta": _meta(s, prompts), "servers": {}, "outputs": {}, "scoring": None,
                    "failures": [], "encode": encode}  # fmt: skip
     print("llm-benchmark: measuring read bandwidth", file=sys.stderr)

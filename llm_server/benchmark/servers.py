@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -25,6 +26,9 @@ from llm_server.blas import preload_env
 
 READY_RE = re.compile(r"llm-server ready on (http://\S+)")
 STOP_GRACE_S = 30.0
+# peers: servers started from a command the user gives (`llm-benchmark --peer NAME --peer-cmd`)
+PEER_LABELS = {"llama_server": "llama-server"}
+PEER_FIELDS = ("port", "concurrency", "host")  # what a --peer-cmd template may name
 
 
 class ServerStartError(RuntimeError):
@@ -33,7 +37,8 @@ class ServerStartError(RuntimeError):
 
 @dataclass(frozen=True)
 class ServerSpec:
-    """What to launch. `kind` is "ours" or "mlx_lm"; `concurrency` is the load it will get."""
+    """What to launch. `kind` is "ours", "mlx_lm" or a peer kind (PEER_LABELS, started
+    from `peer_cmd`); `concurrency` is the load it will get."""
 
     kind: str
     model: Path
@@ -41,6 +46,7 @@ class ServerSpec:
     max_queued: int
     start_timeout_s: float = 300.0
     extra_args: tuple[str, ...] = ()  # more llm-server flags (ours only)
+    peer_cmd: str | None = None  # a peer's command template ({port}, {concurrency}, {host})
 
 
 @dataclass(frozen=True)
@@ -81,7 +87,30 @@ def command_for(spec: ServerSpec, port: int | None = None) -> list[str]:
             sys.executable, "-m", "mlx_lm", "server", "--model", str(spec.model),
             "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING",
         ]  # fmt: skip
-    raise ValueError(f"unknown server kind {spec.kind!r} (expected 'ours' or 'mlx_lm')")
+    if spec.kind in PEER_LABELS:
+        if spec.peer_cmd is None:
+            raise ValueError(f"{PEER_LABELS[spec.kind]} needs a command (--peer-cmd)")
+        return peer_command(spec.peer_cmd, port, spec.concurrency)
+    raise ValueError(f"unknown server kind {spec.kind!r} (expected 'ours', 'mlx_lm' or a peer)")
+
+
+def peer_command(template: str, port: int | None, concurrency: int) -> list[str]:
+    """argv of a peer from its template, e.g. `llama-server -m F32.gguf --port {port} -np
+    {concurrency} -t 2`; ValueError naming what is wrong with the template."""
+    if "{port}" not in template:
+        raise ValueError("--peer-cmd must contain {port} (the benchmark picks a free port)")
+    try:
+        argv = [
+            a.format(port=port, concurrency=concurrency, host="127.0.0.1")
+            for a in shlex.split(template)
+        ]
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ValueError(
+            f"--peer-cmd: {exc!r}; it may name only {', '.join('{' + f + '}' for f in PEER_FIELDS)}"
+        ) from None
+    if not argv:
+        raise ValueError("--peer-cmd is empty")
+    return argv
 
 
 def _pump(stream, log_file, ready: dict, event: threading.Event) -> None:
@@ -104,19 +133,19 @@ def _wait_ours(
     return ready["url"]
 
 
-def _wait_mlx_lm(proc: subprocess.Popen, url: str, spec: ServerSpec) -> str:
+def _wait_health(proc: subprocess.Popen, url: str, spec: ServerSpec) -> str:
+    """Poll /health until it answers 200 (llama-server answers 503 while loading)."""
+    name = PEER_LABELS.get(spec.kind, "mlx_lm.server")
     deadline = time.monotonic() + spec.start_timeout_s
     with httpx.Client(trust_env=False, timeout=5.0) as client:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise ServerStartError(f"mlx_lm.server exited with code {proc.returncode}")
+                raise ServerStartError(f"{name} exited with code {proc.returncode}")
             with contextlib.suppress(httpx.HTTPError):
                 if client.get(f"{url}/health").status_code == 200:
                     return url
             time.sleep(0.2)
-    raise ServerStartError(
-        f"mlx_lm.server did not answer /health within {spec.start_timeout_s:.0f} s"
-    )
+    raise ServerStartError(f"{name} did not answer /health within {spec.start_timeout_s:.0f} s")
 
 
 def stop(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> int | None:
@@ -136,7 +165,7 @@ def stop(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> int | None:
 @contextlib.contextmanager
 def running(spec: ServerSpec, log_path: Path) -> Iterator[RunningServer]:
     """Start a server, wait until it answers, yield it, and always stop it afterwards."""
-    port = free_port() if spec.kind == "mlx_lm" else None
+    port = None if spec.kind == "ours" else free_port()
     cmd = command_for(spec, port)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log_file:
@@ -156,7 +185,7 @@ def running(spec: ServerSpec, log_path: Path) -> Iterator[RunningServer]:
                 if spec.kind == "ours":
                     url = _wait_ours(proc, ready, event, spec)
                 else:
-                    url = _wait_mlx_lm(proc, f"http://127.0.0.1:{port}", spec)
+                    url = _wait_health(proc, f"http://127.0.0.1:{port}", spec)
             except ServerStartError as exc:
                 raise ServerStartError(f"{exc}; see {log_path}") from None
             yield RunningServer(spec.kind, proc.pid, url, tuple(cmd), log_path)

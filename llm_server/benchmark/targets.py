@@ -9,6 +9,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 THROUGHPUT_FLOOR = {1: 1.0, 4: 1.25, 8: 1.25}  # ours/mlx_lm tokens/s, by concurrency
+PEER_FLOOR = {
+    1: 1.0,
+    4: 1.0,
+    8: 1.0,
+}  # ours/peer (llama-server) tokens/s, by concurrency (issue 22)
 SCALING_MIN = 3.0  # our c4 tokens/s over our c1
 RSS_RETURN_MAX = 1.15  # RSS after the load over RSS after warm-up
 ROOFLINE_MIN = 0.40
@@ -35,9 +40,9 @@ def _all(flags: list[bool | None]) -> bool | None:
     return all(flags)
 
 
-def _ratio(report: dict, c: int, key: str) -> float | None:
+def _ratio(report: dict, c: int, key: str, other: str = "mlx_lm") -> float | None:
     ours = report["servers"].get("ours", {}).get(str(c))
-    theirs = report["servers"].get("mlx_lm", {}).get(str(c))
+    theirs = report["servers"].get(other, {}).get(str(c))
     if not ours or not theirs or not theirs.get(key) or ours.get(key) is None:
         return None
     return ours[key] / theirs[key]
@@ -54,6 +59,19 @@ def _throughput(report: dict) -> list[Target]:
     scale = c4["tokens_per_s"] / c1["tokens_per_s"] if c1 and c4 and c1["tokens_per_s"] else None
     out.append(Target("scaling_c4_c1", f"our concurrency-4 tokens/s >= {SCALING_MIN:.0f}x our concurrency 1",
                       _fmt(scale, suffix="x"), None if scale is None else scale >= SCALING_MIN))  # fmt: skip
+    return out
+
+
+def _peer(report: dict) -> list[Target]:
+    """Ours against the peer server, when one ran (issue 22's llama-server comparison)."""
+    peer = (report.get("meta") or {}).get("peer")
+    if not peer:
+        return []
+    out = []
+    for c, floor in PEER_FLOOR.items():
+        r = _ratio(report, c, "tokens_per_s", peer["kind"])
+        out.append(Target(f"peer_throughput_c{c}", f"tokens/s >= {floor:.2f}x {peer['label']} at concurrency {c}",
+                          _fmt(r, suffix="x"), None if r is None else r >= floor))  # fmt: skip
     return out
 
 
@@ -108,6 +126,7 @@ def _steps(report: dict) -> list[Target]:
 def evaluate(report: dict) -> list[dict]:
     """All targets as JSON-ready dicts, in the order the issue lists them."""
     targets = _throughput(report)
+    targets.extend(_peer(report))
     targets.extend(_steps(report))
     targets.append(_no_worse(report, "latency_p99_s", "p99 latency"))
     targets.append(_no_worse(report, "ttft_p99_s", "p99 time to first token"))

@@ -82,11 +82,16 @@ SPLIT_MAX_ROWS = 2  # BLIS runs a 1-2 row product on one core; from 4 rows it us
 _local = threading.local()  # MLX streams belong to the thread that made them
 
 
-def _two_streams() -> tuple:
+def _side_streams() -> tuple:
     streams = getattr(_local, "streams", None)
     if streams is None:
-        streams = _local.streams = (mx.new_stream(mx.cpu), mx.new_stream(mx.cpu))
+        streams = _local.streams = (mx.new_stream(mx.cpu),)
     return streams
+
+
+def split_streams() -> tuple:
+    """This thread's side stream(s) for split products (made on first use)."""
+    return _side_streams()
 
 
 def release_streams() -> None:
@@ -110,17 +115,26 @@ def split_matmul(x: mx.array, weight: mx.array) -> mx.array:
     A decode step of one or two rows reads every weight once and is bandwidth-bound, but the BLAS
     runs such skinny products on one core; two streams put both cores' bandwidth to work. Each
     output is the same dot product as in the unsplit product.
+
+    The first half runs on the forward's own stream, the second on a side stream: one thread
+    hand-off per product instead of two, and two busy threads for two cores. Measured on a
+    SmolLM2 decode step (compiled, 24 alternating runs on the shared 2-core machine): median
+    54.6 -> 40.9 ms against two side streams; a 20-token prefill was unchanged (95 ms).
     """
     half = weight.shape[0] // 2
     return split_matmul_halves(x, (weight[:half].T, weight[half:].T))
 
 
 def split_matmul_halves(x: mx.array, halves: tuple[mx.array, mx.array]) -> mx.array:
-    """x @ concat(halves, axis=1) with each half [in, out/2] on its own CPU stream."""
-    s1, s2 = _two_streams()
-    a = mx.matmul(x, halves[0], stream=s1)
-    b = mx.matmul(x, halves[1], stream=s2)
-    return mx.concatenate([a, b], axis=-1)
+    """x @ concat(halves, axis=1), the halves [in, out/2] on two CPU streams (split_matmul)."""
+    return mx.concatenate(split_matmuls(x, halves), axis=-1)
+
+
+def split_matmuls(x: mx.array, halves: tuple[mx.array, mx.array]) -> tuple[mx.array, mx.array]:
+    """(x @ halves[0], x @ halves[1]): the first on the current stream, the second on this
+    thread's side stream (see split_matmul)."""
+    (side,) = _side_streams()
+    return mx.matmul(x, halves[0]), mx.matmul(x, halves[1], stream=side)
 
 
 def _rows(x: mx.array) -> int:

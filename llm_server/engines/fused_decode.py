@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from llm_server.engines import cpu_kernels
+from llm_server.engines.compiled_step import CompiledSteps
 from llm_server.engines.layout import PLAIN_HEAD_MODULES, model_family
 from llm_server.engines.row_cache import RowView
 
@@ -66,6 +67,15 @@ class _Linear:
     def __call__(self, x: mx.array, split: bool) -> mx.array:
         out = cpu_kernels.split_matmul_halves(x, self.halves) if split else x @ self.wt
         return out if self.bias is None else out + self.bias
+
+    def pair(self, x: mx.array, split: bool) -> tuple[mx.array, mx.array]:
+        """The two halves of the output (gate and up of a stacked gate/up), each computed on
+        its own stream when `split`: no concatenation and no slicing of a joint output."""
+        if self.bias is not None or not split:
+            out = self(x, split)
+            half = out.shape[-1] // 2
+            return out[..., :half], out[..., half:]
+        return cpu_kernels.split_matmuls(x, self.halves)
 
 
 @dataclass
@@ -159,6 +169,12 @@ class FusedDecoder:
         self.lm_head = lm_head
         self.table = table  # [positions, Dh] cos | sin, shared by every layer
         self.half = layers[0].head_dim // 2
+        # compiled decode steps (None, the default: every step builds its graph eagerly)
+        self.compiled: CompiledSteps | None = None
+
+    def enable_compiled(self) -> None:
+        """Run decode steps (q = 1) as compiled graphs from now on (see compiled_step)."""
+        self.compiled = CompiledSteps(self)
 
     @classmethod
     def build(cls, model, positions: int) -> FusedDecoder | None:
@@ -208,8 +224,22 @@ class FusedDecoder:
         return cls(model, layers, lm_head, table)
 
     def logits(self, ids: mx.array, views: list[RowView], split: bool) -> mx.array:
-        """ids [B, q] on the engine's rows -> logits [B, vocab] at each row's last position."""
+        """ids [B, q] on the engine's rows -> logits [B, vocab] at each row's last position.
+
+        A decode step (q = 1) on a store that holds every layer runs the compiled graph of its
+        shape (see compiled_step); the store's arrays are then replaced by the step's outputs.
+        """
         plan = views[0].plan
+        store = views[0].store
+        if (
+            self.compiled is not None
+            and plan.length == 1
+            and all(k is not None for k in store.keys)
+        ):
+            logits, store.keys, store.values = self.compiled.run(
+                ids, plan.rows, plan.starts, store.keys, store.values, split
+            )
+            return logits
         return self.forward(ids, views, plan.starts, plan.mask, split, last_only=True)
 
     def forward(

@@ -68,6 +68,8 @@ class MLXEngine(StepRunner):
         fused_decode: bool = True,
         pipeline: bool | None = None,
         keep_quantized: bool = False,
+        compiled_decode: bool = False,
+        group=None,
     ) -> None:
         """`prefix_cache_bytes`: bound of the prompt prefix cache (None: an eighth of the weights, at least 64 MiB; 0: off).
 
@@ -78,6 +80,13 @@ class MLXEngine(StepRunner):
         (None: on Metal only; on the CPU the Python work then competes with the forward for the
         same cores, measured 8-12% slower on 2 cores).
         `keep_quantized`: serve a quantized checkpoint quantized on the CPU too (see quantized).
+        `compiled_decode`: run pure decode steps as compiled graphs (see compiled_step). Off by
+        default: its logits equal the eager forward's only within float32 rounding, and a mixed
+        step (prompt chunks beside decoding rows) runs the eager forward, so a row's greedy
+        tokens could then depend on which steps it shared (S10).
+        `group`: an `mx.distributed` group to shard the model over (tensor parallel, mlx-lm's
+        `model.shard`); every rank then runs the same calls in lock-step (llm_server.distributed).
+        The fused forward, the prefix cache and pipelining are off: they do not compose with it.
         """
         from mlx_lm.utils import load_model
 
@@ -94,6 +103,17 @@ class MLXEngine(StepRunner):
         check_model_type(config)
         # bare-transformer checkpoints (embedding models) load too; see bare_checkpoint
         self.model, self.config = load_model(path, lazy=True, get_model_classes=model_classes)
+        if group is not None and group.size() > 1:
+            if not hasattr(self.model, "shard"):
+                raise ValueError(f"{config['model_type']} has no tensor-parallel shard()")
+            text_cfg = {**config, **config.get("text_config", {})}
+            for key in ("num_attention_heads", "num_key_value_heads"):
+                if int(text_cfg.get(key) or 0) % group.size():
+                    raise ValueError(
+                        f"{key}={text_cfg[key]} does not split over {group.size()} ranks"
+                    )
+            self.model.shard(group)  # while lazy: each rank materialises its slices only
+            fused_decode, pipeline, prefix_cache_bytes = False, False, 0
         self.has_lm_head = getattr(self.model, "has_lm_head", True)
         self.quantized = quantized.prepare(self.model, keep_quantized)  # float32 on the CPU
         cpu_kernels.install(self.model)  # numpy softmax/SiLU for big tensors on the CPU
@@ -116,6 +136,8 @@ class MLXEngine(StepRunner):
         fusable = fused_decode and self._plain_head and self._layout.plain
         fusable = fusable and self.serial_reason is None
         self._fused = FusedDecoder.build(self.model, self.context_length) if fusable else None
+        if compiled_decode and self._fused is not None:
+            self._fused.enable_compiled()
         mx.eval(self.model.parameters())
         mx.clear_cache()  # the buffers freed while stacking
         if self._fused is None and self._plain_head:  # the fused forward splits its own products

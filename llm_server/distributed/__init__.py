@@ -1,0 +1,16 @@
+"""One model sharded over several processes (or Macs) with `mx.distributed`.
+
+Rank 0 serves HTTP and runs the scheduler; every engine call that runs a forward or changes a
+row (a step plan, a prefill, a decode, a release, a scoring chunk) is encoded as a small int
+array (codec.py), broadcast through the group (transport.py) and executed by every rank in
+lock-step (engine.py on rank 0, follower.py elsewhere); sampling happens on rank 0 only.
+`launch.py` joins the group and picks the rank's role.
+"""
+
+# how a request failed by a lost group begins its error (the API answers it with 503)
+GROUP_LOST = "the distributed group was lost"
+
+
+def group_lost(error: str | None) -> bool:
+    """Whether a request's error says the group was lost (a rank died or hangs)."""
+    return bool(error) and error.startswith(GROUP_LOST)

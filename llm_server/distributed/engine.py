@@ -1,0 +1,141 @@
+"""Rank 0's engine: each call is broadcast to the followers, then run on the local shard.
+
+Wraps the rank's `MLXEngine`; everything that only reads state (cursors, sizes, names) goes
+straight to it. Calls that run a forward or change a row are sent first, so every rank runs
+the same calls in the same order (the collectives inside the sharded forward pair up). The
+wrapper is never pipelined: a step's input ids must be known before it is broadcast.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from llm_server.distributed import GROUP_LOST
+from llm_server.distributed.codec import Call, Op, encode
+from llm_server.distributed.transport import Transport
+from llm_server.engines.base import EmbeddingsUnsupported, EngineError, ScoreChunkResult
+from llm_server.engines.step import StepPlan, StepResult
+
+log = logging.getLogger(__name__)
+
+BACKEND_ERRORS = ("[ring]", "[jaccl]", "[mpi]", "[nccl]")  # how MLX's collectives fail
+
+
+class GroupLost(EngineError):
+    """A rank died or stopped answering: no call can run any more."""
+
+
+class LockstepEngine:
+    """The `Engine` protocol over a sharded engine and a transport to the other ranks."""
+
+    pipelined = False
+    # drafts are not verified across ranks: the codec does not carry DecodeRow.draft and a
+    # rewind would move rank 0's rows only (scheduler/drafting.py)
+    speculative = False
+
+    def __init__(self, engine: Any, transport: Transport, size: int, backend: str) -> None:
+        self._engine = engine
+        self._transport = transport
+        self.group_size = size
+        self.backend = backend
+        self.steps = 0  # calls broadcast so far
+        self.busy_since: float | None = None  # monotonic start of the call in progress
+        self._stopped = False
+        self._lock = threading.Lock()
+        self.lost: str | None = None  # why the group is gone (then every call fails at once)
+        self.on_lost = None  # called once with the reason (launch.py: shut the server down)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def _send(self, call: Call) -> None:
+        if self._stopped:
+            raise RuntimeError("the distributed group is stopped")
+        self._transport.send(*encode(call))
+        self.steps += 1
+
+    def _call(self, call: Call, fn, *args):
+        if self.lost is not None:
+            raise GroupLost(self.lost)
+        with self._lock:
+            self.busy_since = time.monotonic()
+            try:
+                self._send(call)
+                return fn(*args)
+            except Exception as exc:
+                if any(tag in str(exc) for tag in BACKEND_ERRORS):
+                    self.lose(str(exc))
+                    raise GroupLost(self.lost) from exc
+                raise
+            finally:
+                self.busy_since = None
+
+    def lose(self, reason: str, hung: bool = False) -> None:
+        """Mark the group gone: a collective failed, or (`hung`) the watchdog saw one hang,
+        and the scheduler thread is stuck in it."""
+        if self.lost is not None:
+            return
+        self.lost = f"{GROUP_LOST}: {reason}"
+        log.error("%s", self.lost)
+        if self.on_lost is not None:
+            self.on_lost(self.lost, hung)
+
+    def run(self, plan: StepPlan) -> StepResult:
+        return self._call(Call(Op.RUN, plan=plan), self._engine.run, plan)
+
+    def prefill(self, row: int, tokens: Sequence[int]) -> np.ndarray:
+        ids = np.asarray(tokens, np.int32)
+        return self._call(Call(Op.PREFILL, row=row, tokens=ids), self._engine.prefill, row, tokens)
+
+    def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+        call = Call(Op.DECODE, rows=tuple(rows), tokens=np.asarray(tokens, np.int32))
+        return self._call(call, self._engine.decode, rows, tokens)
+
+    def release(self, row: int) -> None:
+        if self.lost is not None:  # nothing to keep in step with: free the row here only
+            try:
+                self._engine.release(row)
+            except Exception:  # noqa: BLE001 - MLX re-raises the ring's error at a sync
+                log.debug("releasing row %d after the group was lost", row, exc_info=True)
+            return
+        self._call(Call(Op.RELEASE, row=row), self._engine.release, row)
+
+    def score_begin(self, batch: int) -> None:
+        self._call(Call(Op.SCORE_BEGIN, value=batch), self._engine.score_begin, batch)
+
+    def score_chunk(self, tokens: np.ndarray, targets: np.ndarray, top_k: int) -> ScoreChunkResult:
+        call = Call(Op.SCORE_CHUNK, tokens=tokens, targets=targets, value=top_k)
+        return self._call(call, self._engine.score_chunk, tokens, targets, top_k)
+
+    def score_end(self) -> None:
+        self._call(Call(Op.SCORE_END), self._engine.score_end)
+
+    def embed_begin(self, batch: int) -> None:
+        raise EmbeddingsUnsupported("embeddings are not served on a model sharded over ranks")
+
+    def stop(self) -> None:
+        """Tell the followers to leave their loop (once)."""
+        if self.lost is not None:
+            return
+        with self._lock:
+            if not self._stopped and self.lost is None:
+                self._send(Call(Op.STOP))
+                self._stopped = True
+
+    def thread_exit(self) -> None:
+        """The scheduler thread ends (the service closes): stop the followers too."""
+        try:
+            self.stop()
+        except Exception:  # noqa: BLE001 - a dead group cannot be told anything
+            log.warning("could not stop the other ranks", exc_info=True)
+        try:
+            self._engine.thread_exit()
+        except Exception:  # noqa: BLE001 - after a lost group the streams re-raise its error
+            if self.lost is None:
+                raise

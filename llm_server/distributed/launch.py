@@ -1,0 +1,166 @@
+"""Joining the group and taking a rank's role: rank 0 serves, the others follow.
+
+`llm-server --distributed ring ...` under `mlx.launch` (which sets each rank's hostfile and
+rank), or `llm-server --hosts HOSTFILE ...`, which starts `mlx.launch` itself with this module
+as the program on every host. A watchdog on rank 0 ends the process (non-zero) when a call to
+the group has not returned in `--distributed-timeout` seconds: a dead or hung rank never
+leaves the server hanging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("llm_server.distributed")
+
+EXIT_GROUP_LOST = 3
+
+
+def join(backend: str):
+    """This rank's `mx.distributed` group (strict: a missing backend is an error)."""
+    import mlx.core as mx
+
+    try:
+        group = mx.distributed.init(strict=True, backend=backend)
+    except (RuntimeError, ValueError) as exc:
+        raise SystemExit(
+            f"llm-server: --distributed {backend}: {exc} (start every rank with mlx.launch, "
+            "or use --hosts HOSTFILE)"
+        ) from None
+    log.info("rank %d of %d (%s)", group.rank(), group.size(), backend)
+    return group
+
+
+def build_engine(args: argparse.Namespace, model_path: Path, group):
+    """The rank's sharded engine, with the settings rank 0's service gives its own."""
+    from llm_server.engines.mlx_engine import MLXEngine
+
+    return MLXEngine(
+        model_path,
+        rows=args.concurrent_requests,
+        context_length=args.context_length,
+        dtype=args.dtype,
+        prefix_cache_bytes=args.prefix_cache_bytes,
+        keep_quantized=args.keep_quantized,
+        group=group,
+    )
+
+
+def wrap(engine, group, backend: str, timeout: float):
+    """Rank 0's engine: broadcast each call, and watch that the group answers."""
+    from llm_server.distributed.engine import LockstepEngine
+    from llm_server.distributed.transport import GroupTransport
+
+    lockstep = LockstepEngine(engine, GroupTransport(group), group.size(), backend)
+    lockstep.on_lost = shut_down
+    watch(lockstep, timeout)
+    return lockstep
+
+
+LOST: list[str] = []  # why the group was lost, once it was (the CLI then exits non-zero)
+SERVICES: list = []  # rank 0's service (attach): its requests are failed when a step hangs
+
+
+def attach(service) -> None:
+    SERVICES.append(service)
+
+
+def shut_down(reason: str, hung: bool = False, grace: float = 5.0) -> None:
+    """The group is gone: drain the server (new requests get 503) and exit non-zero; a
+    server stuck in a hung collective is ended after `grace` seconds."""
+    LOST.append(reason)
+    if hung:  # the scheduler thread cannot fail its requests: answer them from here
+        for service in SERVICES:
+            fail_requests(service.scheduler, reason)
+    os.kill(os.getpid(), signal.SIGTERM)
+    timer = threading.Timer(grace, _exit_now)
+    timer.daemon = True
+    timer.start()
+
+
+def fail_requests(scheduler, reason: str) -> None:
+    """Finish every running and queued request of a scheduler stuck in a hung step with
+    `reason` (the API answers 503). Only for a stuck thread: it emits nothing any more."""
+    from llm_server.decoding import FinishReason
+    from llm_server.scheduler.request import FinishEvent
+
+    with scheduler._cond:
+        reqs = [*scheduler._queue, *scheduler._running.values()]
+    for req in reqs:
+        req.emit(
+            FinishEvent(
+                reason=FinishReason.ERROR,
+                prompt_tokens=len(req.prompt),
+                completion_tokens=len(req.decoder.tokens),
+                timings=req.timings(),
+                error=reason,
+                cached_tokens=req.cached_tokens,
+            )
+        )
+
+
+def _exit_now() -> None:
+    log.error("%s; exiting", LOST[0] if LOST else "the distributed group was lost")
+    sys.stderr.flush()
+    os._exit(EXIT_GROUP_LOST)
+
+
+def watch(engine, timeout: float) -> threading.Thread:
+    """Mark the group lost when a call of `engine` has not returned in `timeout` seconds."""
+
+    def loop() -> None:
+        while engine.lost is None:
+            time.sleep(min(1.0, timeout / 4))
+            since = engine.busy_since
+            if since is not None and time.monotonic() - since > timeout:
+                waited = time.monotonic() - since
+                engine.lose(f"no answer for {waited:.0f} s (a rank died or hangs)", hung=True)
+                return
+
+    thread = threading.Thread(target=loop, name="group-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
+def follow_main(args: argparse.Namespace, model_path: Path, group) -> int:
+    """A follower rank: load the shard, run rank 0's calls until it stops."""
+    from llm_server.distributed.follower import follow
+    from llm_server.distributed.transport import GroupTransport
+
+    engine = build_engine(args, model_path, group)
+    count = follow(engine, GroupTransport(group))
+    log.info("rank %d: rank 0 stopped after %d calls", group.rank(), count)
+    return 0
+
+
+def launch_hosts(argv: list[str], hostfile: str, backend: str) -> int:
+    """Re-run this command on every host of `hostfile` through `mlx.launch`."""
+    import subprocess
+
+    rest, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--hosts":
+            skip = True
+        elif not arg.startswith("--hosts="):
+            rest.append(arg)
+    if "--distributed" not in rest and not any(a.startswith("--distributed=") for a in rest):
+        rest += ["--distributed", backend]
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    cmd = [str(launcher), "--backend", backend, "--hostfile", hostfile]
+    cmd += ["--python", sys.executable, __file__, *rest]
+    return subprocess.call(cmd)
+
+
+if __name__ == "__main__":  # the program mlx.launch starts on each host
+    from llm_server.cli import main
+
+    main(sys.argv[1:])

@@ -1,0 +1,240 @@
+"""The fused decode step (one new token per row) as a compiled MLX graph, built once per shape.
+
+An eager decode step rebuilds its graph in Python every token (~2,800 ops on SmolLM2, ~4 ms
+of Python on 2 CPU cores). Here the step is traced once per (rows, KV capacity) with
+`mx.compile` and replayed from C++ after that; elementwise chains also fuse into single
+kernels. Everything that changes from step to step is an input array: the token ids, each
+row's position, the store rows, and the KV store itself (returned updated, so the compiled
+function stays pure). Attention reads a fixed span of each row's store (the longest history
+rounded up to SPAN positions) with a per-row mask, so a graph serves SPAN tokens of the longest
+row; the store's capacity (grown in `row_cache.GROW` steps) is part of the shape too.
+
+Masked positions get probability exactly 0, so each row's logits are the same sums as the
+eager forward's, in a longer (zero-padded) summation: equal within float32 rounding (the tests
+hold them to 1e-5) and the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from llm_server.engines import cpu_kernels
+
+MAX_GRAPHS = 48  # compiled graphs kept (each is a small tape of ops; weights are shared)
+# attention reads each row's first `span` store positions, span = the step's longest history
+# rounded up to this: softmax's exp costs ~12 ns per position on the CPU, so reading the whole
+# capacity (up to GROW - 1 masked positions) costs more than a new graph every SPAN tokens
+# (a trace takes ~15 ms, once per SPAN tokens of the longest row)
+SPAN = 64
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a compiled step is specialised to."""
+
+    batch: int  # rows in the step (B)
+    capacity: int  # KV positions per store row (the store's current capacity)
+    span: int  # positions attention reads per row (<= capacity)
+    store_rows: int  # rows of the store
+    all_rows: bool  # the step's rows are exactly range(store_rows): no gather
+    split: bool  # products split across two CPU streams
+    streams: tuple[str, ...]  # the split streams (thread-local: a new thread retraces)
+
+
+class CompiledSteps:
+    """Compiled decode steps of one `FusedDecoder`, keyed by `StepShape` (least recently used
+    dropped past MAX_GRAPHS)."""
+
+    def __init__(self, decoder) -> None:
+        self.decoder = decoder
+        self.rotation = _Rotation.of(decoder.table, decoder.layers[0].head_dim)
+        self._graphs: OrderedDict[StepShape, Callable] = OrderedDict()
+        self._lock = threading.Lock()
+        self.traces = 0  # graphs built (tests and benchmarks read it)
+
+    def run(
+        self,
+        ids: mx.array,
+        rows: list[int],
+        starts: list[int],
+        keys: list[mx.array],
+        values: list[mx.array],
+        split: bool,
+    ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
+        """One token per row: ids [B, 1] -> (logits [B, vocab], updated keys, updated values).
+
+        `keys`/`values`: the store's arrays per layer, [store_rows, KV, capacity, Dh].
+        """
+        store_rows, _, capacity, _ = keys[0].shape
+        streams = tuple(repr(s) for s in cpu_kernels.split_streams()) if split else ()
+        shape = StepShape(
+            batch=len(rows),
+            capacity=capacity,
+            span=min(capacity, -(-(max(starts) + 1) // SPAN) * SPAN),
+            store_rows=store_rows,
+            all_rows=rows == list(range(store_rows)),
+            split=split,
+            streams=streams,
+        )
+        fn = self._graph(shape)
+        pos = mx.array(starts, dtype=mx.int32)
+        row_ids = mx.array(rows, dtype=mx.int32)
+        out = fn(ids, pos, row_ids, *keys, *values)
+        n = len(keys)
+        return out[0], list(out[1 : 1 + n]), list(out[1 + n :])
+
+    def _graph(self, shape: StepShape) -> Callable:
+        with self._lock:
+            fn = self._graphs.get(shape)
+            if fn is not None:
+                self._graphs.move_to_end(shape)
+                return fn
+            fn = mx.compile(self._step_fn(shape))
+            self._graphs[shape] = fn
+            self.traces += 1
+            while len(self._graphs) > MAX_GRAPHS:
+                self._graphs.popitem(last=False)
+            return fn
+
+    def _step_fn(self, shape: StepShape) -> Callable:
+        decoder, rotation = self.decoder, self.rotation
+        layers = len(decoder.layers)
+
+        def step(ids, pos, row_ids, *kv):
+            keys, values = list(kv[:layers]), list(kv[layers:])
+            # [B, 1, 1, span]: row b attends to positions 0..pos[b]
+            mask = (mx.arange(shape.span)[None, :] <= pos[:, None])[:, None, None, :]
+            write = _writer(shape, pos, row_ids)
+            read = _reader(shape, row_ids)
+            logits, new_keys, new_values = _body(
+                decoder, rotation, ids, pos, mask, keys, values, write, read, shape.split
+            )
+            return (logits, *new_keys, *new_values)
+
+        return step
+
+
+@dataclass(frozen=True)
+class _Rotation:
+    """Rotary embedding as x * cos2 + (x @ swap) * sin2: one product and one fused kernel per
+    layer for queries and keys together (the half-split form takes two slices, two kernels
+    and a concatenation for each)."""
+
+    cos2: mx.array  # [positions, Dh] = [cos | cos]
+    sin2: mx.array  # [positions, Dh] = [-sin | sin]
+    swap: mx.array  # [Dh, Dh] permutation: x @ swap = [x2 | x1]
+
+    @classmethod
+    def of(cls, table: mx.array | None, head_dim: int) -> _Rotation | None:
+        if table is None:
+            return None
+        half = head_dim // 2
+        cos, sin = table[:, :half], table[:, half:]
+        idx = mx.arange(head_dim)
+        swap = (idx[:, None] == ((idx[None, :] + half) % head_dim)).astype(table.dtype)
+        out = cls(mx.concatenate([cos, cos], -1), mx.concatenate([-sin, sin], -1), swap)
+        mx.eval(out.cos2, out.sin2, out.swap)
+        return out
+
+
+@mx.compile
+def _rotate(x: mx.array, swapped: mx.array, cos2: mx.array, sin2: mx.array) -> mx.array:
+    return x * cos2 + swapped * sin2
+
+
+@mx.compile
+def _silu_mul(gate: mx.array, up: mx.array) -> mx.array:
+    return gate * mx.sigmoid(gate) * up
+
+
+@mx.compile
+def _masked_scores(scores: mx.array, mask: mx.array, scale: mx.array) -> mx.array:
+    return mx.where(mask, scores * scale, mx.array(-float("inf"), scores.dtype))
+
+
+def _attention(layer, queries, keys, values, mask, split: bool) -> mx.array:
+    """queries [B, H, Dh] over keys/values [B, KV, span, Dh] -> [B, H, Dh] (query heads of a
+    KV head side by side).
+
+    With BLIS held to one thread (a split step) the grouped products, [H/KV, Dh] @ [Dh, span]
+    per (row, KV head), beat MLX's attention fallback (one [1, Dh] product per query head):
+    55 vs 73 us per layer at 1 row, 194 vs 237 at 4 rows (span 256, SmolLM2's heads). With BLIS
+    threading they are slower (it forks both cores for each tiny product), so unsplit steps
+    keep `mx.fast.scaled_dot_product_attention`.
+    """
+    b, nh, hd = queries.shape
+    nkv = keys.shape[1]
+    if not split:
+        out = mx.fast.scaled_dot_product_attention(
+            queries[:, :, None], keys, values, scale=layer.scale, mask=mask
+        )
+        return out.reshape(b, nh, hd)
+    grouped = queries.reshape(b, nkv, nh // nkv, hd)
+    scores = grouped @ keys.swapaxes(-1, -2)  # [B, KV, H / KV, span]
+    scale = mx.array(layer.scale, scores.dtype)
+    probs = mx.softmax(_masked_scores(scores, mask, scale), axis=-1, precise=True)
+    return (probs @ values).reshape(b, nh, hd)
+
+
+def _body(decoder, rotation, ids, pos, mask, keys, values, write, read, split: bool):
+    """One token per row through every layer: ids [B, 1], pos [B] int32, mask [B, 1, 1, span]
+    bool; `write(store, new)` puts a layer's new entries into its store array, `read(store)`
+    returns the step's rows of it [B, KV, span, Dh]. Returns (logits [B, vocab] float32, the
+    updated keys and values per layer).
+
+    Activations stay 2-D, [B, features] (one position per row): a product is then one plain
+    matmul, without the broadcast/flatten views a [B, 1, features] input adds.
+    """
+    inner = decoder.model.model
+    b = ids.shape[0]
+    x = inner.embed_tokens(ids.reshape(b))  # [B, dim]
+    if rotation is not None:
+        cos2, sin2 = rotation.cos2[pos][:, None], rotation.sin2[pos][:, None]  # [B, 1, Dh]
+    new_keys, new_values = [], []
+    for i, layer in enumerate(decoder.layers):
+        hd, nh, nkv = layer.head_dim, layer.heads, layer.kv_heads
+        qkv = layer.qkv(layer.norm_in(x), split)  # [B, (H + 2 KV) * Dh]
+        qk = qkv[:, : (nh + nkv) * hd].reshape(b, nh + nkv, hd)
+        v = qkv[:, (nh + nkv) * hd :].reshape(b, nkv, 1, hd)
+        if layer.q_norm is not None:
+            qk = mx.concatenate([layer.q_norm(qk[:, :nh]), layer.k_norm(qk[:, nh:])], axis=1)
+        if rotation is None:
+            qk = layer.rope(qk[:, :, None], offset=pos)[:, :, 0]
+        else:
+            swapped = (qk.reshape(b * (nh + nkv), hd) @ rotation.swap).reshape(qk.shape)
+            qk = _rotate(qk, swapped, cos2, sin2)
+        new_keys.append(write(keys[i], qk[:, nh:, None]))
+        new_values.append(write(values[i], v))
+        out = _attention(layer, qk[:, :nh], read(new_keys[i]), read(new_values[i]), mask, split)
+        x = x + layer.o(out.reshape(b, nh * hd), split)
+        gate, up = layer.gate_up.pair(layer.norm_post(x), split)
+        x = x + layer.down(_silu_mul(gate, up), split)
+    logits = decoder.lm_head(inner.norm(x), split).astype(mx.float32)
+    return logits, new_keys, new_values
+
+
+def _writer(shape: StepShape, pos: mx.array, row_ids: mx.array) -> Callable:
+    """store [R, KV, cap, Dh], new [B, KV, 1, Dh] -> store with each row's new entry written."""
+
+    def write(store: mx.array, new: mx.array) -> mx.array:
+        if shape.batch > 1:  # one scatter for every row (in place, as the slice update)
+            store[row_ids, :, pos] = new[:, :, 0]
+            return store
+        return mx.slice_update(store, new, mx.stack([row_ids[0], pos[0]]), axes=(0, 2))
+
+    return write
+
+
+def _reader(shape: StepShape, row_ids: mx.array) -> Callable:
+    """store [R, KV, cap, Dh] -> the step's rows [B, KV, span, Dh]."""
+
+    def read(store: mx.array) -> mx.array:
+        rows = store if shape.all_rows else mx.take(store, row_ids, axis=0)
+        return rows if shape.span == shape.capacity else rows[:, :, : shape.span]
+
+    return read
