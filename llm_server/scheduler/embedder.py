@@ -11,10 +11,7 @@ equals embedding it alone, up to float32 rounding.
 from __future__ import annotations
 
 import collections
-import heapq
-import itertools
 import logging
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -23,14 +20,13 @@ import numpy as np
 
 from llm_server.engines.base import EmbeddingsUnsupported, Engine
 from llm_server.pooling import EmbeddingConfig, PoolAccumulator
-from llm_server.scheduler.request import QueueFull, SchedulerClosed
 from llm_server.scheduler.scorer import (
     MAX_SCORE_BATCH,
     TRACE_LIMIT,
-    batch_size,
     chunk_sizes,
     padded_rows,
 )
+from llm_server.scheduler.shortest_first import ShortestFirstQueue
 
 log = logging.getLogger(__name__)
 
@@ -100,15 +96,8 @@ class Embedder:
         retry_after: float = 1.0,
     ) -> None:
         self.config = config
-        self._wake = wake
         self.max_batch = max_batch
-        self.max_queued = max_queued
-        self.retry_after = retry_after
-        self._lock = threading.RLock()
-        self._heap: list[tuple[int, int, _Queued]] = []  # (length, arrival, input)
-        self._arrivals = itertools.count()
-        self._requests = 0
-        self._closed = False
+        self._queue = ShortestFirstQueue(wake, max_queued, retry_after, "embedding")
         self._batch: _Batch | None = None  # owned by the scheduler thread
         # (rows, q) of recent forwards, for tests and diagnostics
         self.forwards: collections.deque[tuple[int, int]] = collections.deque(maxlen=TRACE_LIMIT)
@@ -118,34 +107,16 @@ class Embedder:
     def submit(self, inputs: list[list[int]]) -> EmbedRequest:
         """Queue every input of one request; raises QueueFull/SchedulerClosed."""
         req = EmbedRequest([list(p) for p in inputs])
-        with self._lock:
-            if self._closed:
-                raise SchedulerClosed("the server is shutting down")
-            if self._requests >= self.max_queued:
-                raise QueueFull(0, self._requests, self.retry_after)
-            for i, p in enumerate(req.inputs):
-                heapq.heappush(self._heap, (len(p), next(self._arrivals), _Queued(req, i)))
-            self._requests += 1
-        req.future.add_done_callback(self._request_done)
-        self._wake()
+        self._queue.push(req, [_Queued(req, i) for i in range(len(req.inputs))])
         return req
 
-    def _request_done(self, _: Future) -> None:
-        with self._lock:
-            self._requests -= 1
-
     def pending(self) -> bool:
-        with self._lock:
-            return self._batch is not None or bool(self._heap)
+        return self._batch is not None or bool(self._queue)
 
     def close(self) -> None:
         """Refuse new requests and fail the queued ones."""
-        with self._lock:
-            self._closed = True
-            queued = [item for _, _, item in self._heap]
-            self._heap.clear()
-        for item in queued:
-            self._fail(item.request, SchedulerClosed("the server shut down before embedding"))
+        for item in self._queue.close():
+            self._fail(item.request, self._queue.closed_error())
 
     # -- the scheduler thread --------------------------------------------------------
 
@@ -171,14 +142,7 @@ class Embedder:
 
     def _open(self, engine: Engine) -> _Batch | None:
         cap = self.max_batch if engine.dynamic_shapes else min(self.max_batch, engine.rows)
-        with self._lock:
-            live = [e for e in self._heap if not e[2].request.abandoned]
-            if len(live) != len(self._heap):
-                self._heap = live
-                heapq.heapify(self._heap)
-            lengths = [e[0] for e in heapq.nsmallest(cap, self._heap)]
-            taken = [heapq.heappop(self._heap)[2] for _ in range(batch_size(lengths, cap))]
-        members = [m for m in taken if m.request.claim()]
+        members = [m for m in self._queue.take(cap) if m.request.claim()]
         if not members:
             return None
         if not supports_embeddings(engine):

@@ -11,10 +11,8 @@ when all of its prompts have been scored.
 from __future__ import annotations
 
 import collections
-import heapq
 import itertools
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -23,7 +21,7 @@ import numpy as np
 
 from llm_server.decoding import MAX_TOP_LOGPROBS
 from llm_server.engines.base import SCORE_BUCKETS, SCORE_CHUNK, Engine, ScoreChunkResult
-from llm_server.scheduler.request import QueueFull, SchedulerClosed
+from llm_server.scheduler.shortest_first import ShortestFirstQueue
 
 log = logging.getLogger(__name__)
 
@@ -128,21 +126,6 @@ def check_prompts(prompts: Sequence[Sequence[int]], context_length: int, top_k: 
             )
 
 
-def batch_size(lengths: Sequence[int], max_rows: int) -> int:
-    """How many of `lengths` (sorted ascending) form one batch (C2).
-
-    Takes prompts in order and stops before a third of the batch's positions
-    (rows x longest) would be padding; the first prompt is always taken.
-    """
-    n, total = 0, 0
-    for length in lengths[:max_rows]:
-        positions = (n + 1) * length
-        if n and 3 * (positions - total - length) >= positions:
-            break
-        n, total = n + 1, total + length
-    return n
-
-
 def chunk_sizes(length: int, context_length: int, buckets: bool = True) -> list[int]:
     """Positions per forward for a batch `length` long (C3, C4).
 
@@ -178,15 +161,8 @@ class Scorer:
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
-        self._wake = wake
         self.max_batch = max_batch
-        self.max_queued = max_queued
-        self.retry_after = retry_after
-        self._lock = threading.RLock()
-        self._heap: list[tuple[int, int, _Queued]] = []  # (length, arrival, prompt)
-        self._arrivals = itertools.count()
-        self._requests = 0  # requests with prompts still queued or running
-        self._closed = False
+        self._queue = ShortestFirstQueue(wake, max_queued, retry_after, "scoring")
         self._batch: _Batch | None = None  # owned by the scheduler thread
         self._batch_seqs = itertools.count(1)
         self.trace: collections.deque[ScoreForward] = collections.deque(maxlen=TRACE_LIMIT)
@@ -196,34 +172,16 @@ class Scorer:
     def submit(self, prompts: list[list[int]], top_k: int, generate_one: bool) -> ScoreRequest:
         """Queue every prompt of one request together (C1); raises QueueFull/SchedulerClosed."""
         req = ScoreRequest([list(p) for p in prompts], top_k, generate_one)
-        with self._lock:
-            if self._closed:
-                raise SchedulerClosed("the server is shutting down")
-            if self._requests >= self.max_queued:
-                raise QueueFull(0, self._requests, self.retry_after)
-            for i, p in enumerate(req.prompts):
-                heapq.heappush(self._heap, (len(p), next(self._arrivals), _Queued(req, i)))
-            self._requests += 1
-        req.future.add_done_callback(self._request_done)
-        self._wake()
+        self._queue.push(req, [_Queued(req, i) for i in range(len(req.prompts))])
         return req
 
-    def _request_done(self, _: Future) -> None:
-        with self._lock:
-            self._requests -= 1
-
     def pending(self) -> bool:
-        with self._lock:
-            return self._batch is not None or bool(self._heap)
+        return self._batch is not None or bool(self._queue)
 
     def close(self) -> None:
         """Refuse new requests and fail the queued ones (the scheduler thread has stopped)."""
-        with self._lock:
-            self._closed = True
-            queued = [item for _, _, item in self._heap]
-            self._heap.clear()
-        for item in queued:
-            self._fail(item.request, SchedulerClosed("the server shut down before scoring"))
+        for item in self._queue.close():
+            self._fail(item.request, self._queue.closed_error())
 
     # -- the scheduler thread --------------------------------------------------------
 
@@ -247,14 +205,7 @@ class Scorer:
     def _open(self, engine: Engine) -> _Batch | None:
         """Take the next batch off the queue (C2) and open a scoring session for it."""
         cap = self.max_batch if engine.dynamic_shapes else min(self.max_batch, engine.rows)
-        with self._lock:
-            live = [e for e in self._heap if not e[2].request.abandoned]
-            if len(live) != len(self._heap):
-                self._heap = live
-                heapq.heapify(self._heap)
-            lengths = [e[0] for e in heapq.nsmallest(cap, self._heap)]
-            taken = [heapq.heappop(self._heap)[2] for _ in range(batch_size(lengths, cap))]
-        members = [m for m in taken if m.request.claim()]
+        members = [m for m in self._queue.take(cap) if m.request.claim()]
         if not members:
             return None
         pad = engine.padded_shapes

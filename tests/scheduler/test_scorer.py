@@ -17,10 +17,10 @@ from llm_server.scheduler.scorer import (
     ScoredPrompt,
     Scorer,
     ScoringError,
-    batch_size,
     chunk_sizes,
     padded_rows,
 )
+from llm_server.scheduler.shortest_first import batch_size
 
 TOL = 1e-4  # float32 scores, padded batch vs alone
 
