@@ -22,7 +22,7 @@ import numpy as np
 from llm_server import blas
 from llm_server.engines import cpu_kernels, quantized
 from llm_server.engines.bare_checkpoint import model_classes
-from llm_server.engines.base import EmbeddingsUnsupported, EngineError, ScoreChunkResult
+from llm_server.engines.base import EngineError
 from llm_server.engines.fused_decode import FusedDecoder
 from llm_server.engines.layout import (
     GROUPED_SCORE_MODULES,
@@ -36,12 +36,12 @@ from llm_server.engines.layout import (
     model_family,
     row_views,
 )
+from llm_server.engines.mlx_sessions import SessionRunner
 from llm_server.engines.mlx_steps import StepRunner
 from llm_server.engines.prefix_cache import PrefixCache
 from llm_server.engines.probe import supports_batching
 from llm_server.engines.row_cache import ForwardPlan, RowStore, row_mask
 from llm_server.engines.row_state import StateStore
-from llm_server.engines.score_reduce import reduce_logits_mlx, reduce_logprobs
 from llm_server.engines.selfcheck import VERIFIED_FAMILIES, row_forward_problem
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ PREFILL_CHUNK = 512  # prompt positions per prefill forward (bounds activation m
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
-class MLXEngine(StepRunner):
+class MLXEngine(StepRunner, SessionRunner):
     """Engine protocol implementation on MLX (Metal on a Mac, the CPU on Linux)."""
 
     name = "mlx"
@@ -441,90 +441,6 @@ class MLXEngine(StepRunner):
             all_rows=rows == list(range(self.rows)),
             group_axis=self._grouped_scores,
         )
-
-    # -- scoring session -------------------------------------------------------------
-
-    def score_begin(self, batch: int) -> None:
-        if batch < 1:
-            raise ValueError("a scoring batch needs at least one row")
-        self._score_cache = make_cache(self.model)
-        self._score_offset = 0
-
-    def score_chunk(self, tokens: np.ndarray, targets: np.ndarray, top_k: int) -> ScoreChunkResult:
-        if self._score_cache is None:
-            raise RuntimeError("score_begin() must be called before score_chunk()")
-        n, q = tokens.shape
-        if self._score_offset + q > self.context_length:
-            raise ValueError(f"scoring past the context of {self.context_length} positions")
-        ids = mx.array(np.asarray(tokens, dtype=np.int32))
-        split = self._split(n * q)
-        with blas.threads(1) if split else nullcontext():  # as in _forward_rows
-            try:
-                if self._fused is not None:
-                    mask = "causal" if q > 1 else None  # every row at the same offset
-                    starts = [self._score_offset] * n
-                    logits = self._fused.forward(
-                        ids, self._score_cache, starts, mask, split, last_only=False
-                    )
-                else:
-                    logits = self.model(ids, cache=self._score_cache)
-                if cpu_kernels.on_cpu():
-                    result = reduce_logprobs(cpu_kernels.log_softmax(logits), targets, top_k)
-                else:
-                    result = reduce_logits_mlx(logits, targets, top_k)
-            except Exception as exc:  # noqa: BLE001
-                raise EngineError(f"scoring forward failed: {exc}") from exc
-        self._score_offset += q
-        return result
-
-    def score_end(self) -> None:
-        self._score_cache = None
-        self._score_offset = 0
-
-    # -- embedding session (its own cache: a scoring batch may be open meanwhile) ------
-
-    def embed_begin(self, batch: int) -> None:
-        """Open a fresh embedding session of `batch` rows, separate from decode and scoring."""
-        if batch < 1:
-            raise ValueError("an embedding batch needs at least one row")
-        self._embed_cache = make_cache(self.model)
-        self._embed_offset = 0
-
-    def embed_chunk(self, tokens: np.ndarray) -> np.ndarray:
-        """Final-norm hidden states [N, q, hidden] float32 of `tokens` [N, q] at the session's
-        cursor (the scoring forward without the LM head)."""
-        if getattr(self, "_embed_cache", None) is None:
-            raise RuntimeError("embed_begin() must be called before embed_chunk()")
-        q = tokens.shape[1]
-        if self._embed_offset + q > self.context_length:
-            raise ValueError(f"embedding past the context of {self.context_length} positions")
-        if self._inner is None:
-            raise EmbeddingsUnsupported(f"{self.model_type}: no decoder stack known to embed with")
-        ids = mx.array(np.asarray(tokens, dtype=np.int32))
-        try:
-            stack = getattr(self.model, self._inner)
-            hidden = stack(ids, cache=self._embed_cache).astype(mx.float32)
-            mx.eval(hidden)
-        except Exception as exc:  # noqa: BLE001
-            raise EngineError(f"embedding forward failed: {exc}") from exc
-        if hidden.ndim != 3 or hidden.shape[-1] == self.vocab_size:  # a wrapper gave logits
-            raise EmbeddingsUnsupported(
-                f"{self.model_type}: the decoder stack does not return hidden states"
-            )
-        self._embed_offset += q
-        return np.array(hidden)
-
-    def embed_end(self) -> None:
-        self._embed_cache = None
-        self._embed_offset = 0
-
-    def all_position_logits(self, tokens: np.ndarray) -> np.ndarray:
-        """Logits [N, q, vocab] of a padded batch on a fresh scoring cache (tests, tools)."""
-        cache = make_cache(self.model)
-        ids = mx.array(np.asarray(tokens, dtype=np.int32))
-        logits = self.model(ids, cache=cache).astype(mx.float32)
-        mx.eval(logits)
-        return np.array(logits)
 
 
 @dataclass
