@@ -2,18 +2,22 @@
 
 Chat: each choice's message content (character index), finish_reason, logprob tokens (token
 index). Responses / Messages: the kinds of the output items / content blocks, each one's text
-(calls as name and arguments), then status / stop_reason. Completions: each choice's text (character index), logprob tokens and values (token
+(calls as name and arguments), then status / stop_reason. Embeddings: each vector within
+EMBEDDING_TOLERANCE (float or base64), by index. Completions: each choice's text (character index), logprob tokens and values (token
 index; values within LOGPROB_TOLERANCE), finish_reason. Errors: status and error code. Other
 endpoints: the whole body, less the fields that change on every call.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import math
+import struct
 from dataclasses import dataclass
 
 LOGPROB_TOLERANCE = 1e-3  # nats; batched and serial float32 scoring agree far closer than this
+EMBEDDING_TOLERANCE = 1e-4  # per component; batched and alone agree within 1e-5 (float32)
 VOLATILE = {"id", "created", "system_fingerprint"}
 
 
@@ -30,8 +34,8 @@ class Difference:
 
 def is_deterministic(endpoint: str, request: dict) -> bool:
     """True when the request must give the same output every time (temperature 0, scoring)."""
-    if not endpoint.startswith("/v1/"):
-        return True  # tokenizer routes and the like
+    if not endpoint.startswith("/v1/") or endpoint.endswith("/embeddings"):
+        return True  # tokenizer routes, embeddings and the like
     max_tokens = request.get("max_tokens", request.get("max_completion_tokens"))
     scoring = bool(request.get("echo")) and request.get("logprobs") is not None
     legacy = endpoint.endswith("/completions") and not endpoint.endswith("/chat/completions")
@@ -67,6 +71,8 @@ def compare(
         )
     if endpoint.endswith("/completions"):
         return _compare_choices(logged, replayed, _completion_choice)
+    if endpoint.endswith("/embeddings"):
+        return _compare_embeddings(logged, replayed)
     a = {k: v for k, v in logged.items() if k not in VOLATILE}
     b = {k: v for k, v in replayed.items() if k not in VOLATILE}
     return None if a == b else Difference("body", logged=a, replayed=b)
@@ -90,6 +96,27 @@ def _compare_parts(
         if diff is not None:
             return diff
     return None
+
+
+def _vector(embedding: list | str) -> list[float]:
+    if isinstance(embedding, str):  # base64 of little-endian float32
+        raw = base64.b64decode(embedding)
+        return list(struct.unpack(f"<{len(raw) // 4}f", raw))
+    return [float(x) for x in embedding]
+
+
+def _compare_embeddings(logged: dict, replayed: dict) -> Difference | None:
+    a, b = logged.get("data") or [], replayed.get("data") or []
+    if len(a) != len(b):
+        return Difference("data", logged=len(a), replayed=len(b))
+    for i, (ea, eb) in enumerate(zip(a, b, strict=True)):
+        va, vb = _vector(ea.get("embedding") or []), _vector(eb.get("embedding") or [])
+        if len(va) != len(vb):
+            return Difference(f"data[{i}].embedding", logged=len(va), replayed=len(vb))
+        for j, (x, y) in enumerate(zip(va, vb, strict=True)):
+            if abs(x - y) > EMBEDDING_TOLERANCE:
+                return Difference(f"data[{i}].embedding", j, "component", x, y)
+    return _same("usage", logged.get("usage"), replayed.get("usage"))
 
 
 def _item_text(item: dict, key: str) -> str:

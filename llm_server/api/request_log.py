@@ -30,6 +30,7 @@ LOGGED_PATHS = frozenset(
     {
         "/v1/chat/completions",
         "/v1/completions",
+        "/v1/embeddings",
         "/v1/responses",
         "/v1/messages",
         "/v1/messages/count_tokens",
