@@ -13,6 +13,7 @@ from pathlib import Path
 
 from llm_server.model_source import ModelSource, ModelSourceError, resolve_model_source
 from llm_server.scheduler.batch import DEFAULT_SPEC_TOKENS, DEFAULT_SPECULATIVE, DEFAULT_STEP_TOKENS
+from llm_server.tools.registry import PARSERS
 
 log = logging.getLogger("llm_server")
 
@@ -151,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tool-parser",
-        choices=["hermes", "qwen3_coder", "llama3_json", "mistral", "harmony"],
+        choices=list(PARSERS),
         help="the tool-call syntax to parse and constrain (default: detected from the chat "
         "template)",
     )

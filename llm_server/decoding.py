@@ -94,6 +94,7 @@ class Sampler:
         self.temperature = params.temperature
         self.top_p = params.top_p
         self.rng = np.random.default_rng(params.seed)
+        self._reshapes = params.reshapes_logits  # fixed per request; adjust() runs every step
         bias = dict(params.logit_bias)
         self._bias_ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
         self._bias = np.fromiter(bias.values(), dtype=np.float64, count=len(bias))
@@ -115,9 +116,9 @@ class Sampler:
     def adjust(self, logits: np.ndarray) -> np.ndarray:
         """logits [vocab] -> the logits after logit_bias, then the repetition penalty, then the
         frequency and presence penalties (a float64 copy; `logits` itself when none is on)."""
-        p = self.params
-        if not p.reshapes_logits:
+        if not self._reshapes:
             return logits
+        p = self.params
         z = logits.astype(np.float64)
         if self._bias_ids.size:
             z[self._bias_ids] += self._bias
@@ -155,12 +156,14 @@ class Sampler:
         if self.top_p < 1.0:
             keep = _nucleus(probs, self.top_p)
             ids = keep if ids is None else ids[keep]
-            probs = probs[keep] / probs[keep].sum()
+            probs = probs[keep]
+            probs /= probs.sum()
         if self.params.min_p > 0.0:
             keep = np.flatnonzero(probs >= self.params.min_p * probs.max())
             if keep.size < probs.size:
                 ids = keep if ids is None else ids[keep]
-                probs = probs[keep] / probs[keep].sum()
+                probs = probs[keep]
+                probs /= probs.sum()
         return ids, probs
 
     def _sample(self, z: np.ndarray) -> int:

@@ -105,9 +105,8 @@ class ModelService:
             spec_tokens=config.spec_tokens,
         )
         # Scoring runs between decode steps on the engine's separate scoring session (C1).
-        self.scorer = Scorer(
-            wake=self.scheduler.wake, max_queued=config.concurrent_requests + config.max_queued
-        )
+        pump_queued = config.concurrent_requests + config.max_queued  # requests per pump
+        self.scorer = Scorer(wake=self.scheduler.wake, max_queued=pump_queued)
         # Embeddings run the same way, on their own session; the two pumps take turns.
         self.embedding: EmbeddingConfig | None = None
         self.embedding_error: str | None = None  # why embeddings are refused, if they are
@@ -120,9 +119,7 @@ class ModelService:
         self.embedder: Embedder | None = None
         if self.embedding is not None:
             self.embedder = Embedder(
-                self.embedding,
-                wake=self.scheduler.wake,
-                max_queued=config.concurrent_requests + config.max_queued,
+                self.embedding, wake=self.scheduler.wake, max_queued=pump_queued
             )
             pumps.append(self.embedder)
         self.scheduler.pump = Pumps(pumps)

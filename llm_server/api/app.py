@@ -71,7 +71,7 @@ def _needs_lm_head(handler):
     async def route(request: Request) -> Response:
         service = request.app.state.llm.service
         engine = service.engine if service is not None else None
-        if engine is not None and not getattr(engine, "has_lm_head", True):
+        if engine is not None and not engine.has_lm_head:
             raise APIError(
                 400,
                 "this model is an embedding checkpoint without a language-model head; "

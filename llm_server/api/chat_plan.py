@@ -68,6 +68,18 @@ class ChatPlan:
         return ChatOutput(parser, splitter, max_calls)
 
 
+def chat_prompt(service: ModelService, chat: ChatRequest) -> list[int]:
+    """The prompt token ids of `chat` through the model's chat template (a template's own
+    error is a 400 on `messages`)."""
+    template_tools = [t.template_dict() for t in chat.tools.tools] or None
+    try:
+        return service.tokenizer.apply_chat_template(
+            list(chat.messages), template_tools, chat.template_kwargs
+        )
+    except ChatTemplateError as exc:
+        raise invalid("messages", str(exc)) from None
+
+
 async def plan_chat(service: ModelService, chat: ChatRequest) -> ChatPlan:
     """Validate the tool/reasoning fields against the model and build the plan (400s here)."""
     tok, syntax, tools = service.tokenizer, service.syntax, chat.tools
@@ -82,11 +94,7 @@ async def plan_chat(service: ModelService, chat: ChatRequest) -> ChatPlan:
             "response_format",
             "response_format cannot be combined with tools unless tool_choice is 'none'",
         )
-    template_tools = [t.template_dict() for t in tools.tools] or None
-    try:
-        prompt = tok.apply_chat_template(list(chat.messages), template_tools, chat.template_kwargs)
-    except ChatTemplateError as exc:
-        raise invalid("messages", str(exc)) from None
+    prompt = chat_prompt(service, chat)
     tail = tok.decode(prompt[-16:], skip_special_tokens=False)
     thinking_open = syntax.reasoning == "think" and prompt_opens_thinking(tail)
     markers = MARKERS + THINK_MARKERS.get(syntax.reasoning or "", ())

@@ -9,14 +9,16 @@ client disconnect cancels, S5) and the same output assembly (ChatOutput).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from typing import Any
 
 from starlette.requests import Request
 
 from llm_server.api.chat_plan import ChatPlan, plan_chat
 from llm_server.api.common import admit_all, check_prompt, record_finish
-from llm_server.api.schemas import ChatRequest
+from llm_server.api.errors import APIError
+from llm_server.api.schemas import ChatRequest, parse_chat
 from llm_server.api.streaming import Collected, merge_events
 from llm_server.decoding import FinishReason
 from llm_server.scheduler import FinishEvent, TokenEvent
@@ -24,6 +26,36 @@ from llm_server.service import GenerationHandle, ModelService
 from llm_server.tools.output import ChatOutput
 
 TAIL = 16  # token ids kept for telling which stop sequence ended an answer
+
+
+def parse_translated(
+    messages: list[dict[str, Any]],
+    fields: dict[str, Any],
+    service: ModelService,
+    rename: Callable[[str | None], str | None],
+) -> ChatRequest:
+    """An adapter's chat `messages` and other chat `fields` as a ChatRequest under every chat
+    rule; a 400 names the adapter's field (`rename`). A message's `reasoning_content` is kept as
+    given: the thinking of earlier turns reaches templates that show it (Qwen3 in a tool loop)."""
+    body = {
+        "messages": [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages],
+        **fields,
+    }
+    try:
+        chat = parse_chat(
+            body,
+            service.config.default_max_tokens,
+            service.token_id_limit,
+            service.sampling_defaults,
+        )
+    except APIError as exc:
+        exc.param = rename(exc.param)
+        raise
+    merged = tuple(
+        {**m, "reasoning_content": src["reasoning_content"]} if "reasoning_content" in src else m
+        for m, src in zip(chat.messages, messages, strict=True)
+    )
+    return replace(chat, messages=merged)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@
 `tool_result` blocks `tool` messages (each must answer a `tool_use` of the assistant message
 just before); `thinking` blocks the assistant's `reasoning_content`; `tools` (`input_schema`),
 `tool_choice` (auto/any/tool/none), `stop_sequences`, `top_k` and `thinking` their chat fields.
+`metadata.user_id` and `service_tier` (one tier) are checked and need nothing more here.
 `parse_chat` then applies every chat rule unchanged. Errors name the Anthropic field.
 """
 
@@ -12,8 +13,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from llm_server.api.errors import APIError, invalid
-from llm_server.api.schemas import MAX_STOP_LENGTH, ChatRequest, parse_chat
+from llm_server.api.chat_run import parse_translated
+from llm_server.api.errors import invalid
+from llm_server.api.schemas import MAX_STOP_LENGTH, ChatRequest
 from llm_server.service import ModelService
 
 MIN_THINKING_BUDGET = 1  # Anthropic asks for 1024 or more; smaller budgets work here too
@@ -23,6 +25,7 @@ UNSUPPORTED = {
     "mcp_servers": "MCP servers are not supported; give the tools as 'tools'",
     "output_format": "'output_format' is not supported on this server",
 }
+SERVICE_TIERS = ("auto", "standard_only")  # one tier here: both mean it
 CHAT_TO_MESSAGES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
 
 
@@ -34,6 +37,9 @@ def parse_messages_request(
     for key, why in UNSUPPORTED.items():
         if body.get(key) is not None:
             raise invalid(key, why)
+    if body.get("service_tier") not in (None, *SERVICE_TIERS):
+        raise invalid("service_tier", "'service_tier' must be 'auto' or 'standard_only'")
+    _metadata(body.get("metadata"))
     max_tokens = body.get("max_tokens")
     if max_tokens is None and not count_only:
         raise invalid("max_tokens", "'max_tokens' is required")
@@ -53,8 +59,7 @@ def parse_messages_request(
     tools = _tools(body.get("tools"))
     choice, parallel = _tool_choice(body.get("tool_choice"))
     template_kwargs, budget = _thinking(body.get("thinking"), max_tokens, service, count_only)
-    chat_body: dict[str, Any] = {
-        "messages": [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages],
+    fields: dict[str, Any] = {
         "model": body.get("model"),
         "stream": body.get("stream"),
         "temperature": temperature,
@@ -67,23 +72,23 @@ def parse_messages_request(
         "parallel_tool_calls": parallel,
         "chat_template_kwargs": template_kwargs,
     }
-    try:
-        chat = parse_chat(
-            chat_body,
-            service.config.default_max_tokens,
-            service.token_id_limit,
-            service.sampling_defaults,
-        )
-    except APIError as exc:
-        exc.param = _renamed(exc.param)
-        raise
+    chat = parse_translated(messages, fields, service, _renamed)
     if len(body.get("stop_sequences") or ()) > 4:  # parse_chat saw the first four only
         chat = replace(chat, params=replace(chat.params, stop=tuple(body["stop_sequences"])))
-    merged = tuple(
-        {**m, "reasoning_content": src["reasoning_content"]} if "reasoning_content" in src else m
-        for m, src in zip(chat.messages, messages, strict=True)
-    )
-    return replace(chat, messages=merged, thinking_budget=budget)
+    return replace(chat, thinking_budget=budget)
+
+
+def _metadata(metadata: Any) -> None:
+    """Anthropic's `metadata` holds only `user_id` (an opaque id, nothing to do with it here)."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise invalid("metadata", "'metadata' must be an object")
+    for key, value in metadata.items():
+        if key != "user_id":
+            raise invalid(f"metadata.{key}", f"'metadata.{key}' is not supported; only user_id")
+        if value is not None and not isinstance(value, str):
+            raise invalid("metadata.user_id", "'metadata.user_id' must be a string")
 
 
 def _renamed(param: str | None) -> str | None:

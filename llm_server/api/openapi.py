@@ -4,6 +4,17 @@ from __future__ import annotations
 
 from llm_server.api import openapi_agents as agents
 from llm_server.api import openapi_tools as tools
+from llm_server.api.openapi_common import (
+    BOOL,
+    INT,
+    NUM,
+    STR,
+    json_response,
+    list_of,
+    nullable,
+    post,
+    ref,
+)
 from llm_server.api.openapi_embeddings import EMBEDDING_SCHEMAS
 from llm_server.api.schemas import MAX_LOGIT_BIAS, MAX_N
 from llm_server.decoding import MAX_TOP_LOGPROBS
@@ -11,28 +22,16 @@ from llm_server.decoding import MAX_TOP_LOGPROBS
 OPENAPI_VERSION = "3.0.3"
 
 
-def _ref(name: str) -> dict:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def _nullable(schema: dict) -> dict:
-    return {**schema, "nullable": True}
-
-
-_INT = {"type": "integer"}
-_NUM = {"type": "number"}
-_STR = {"type": "string"}
-_BOOL = {"type": "boolean"}
 _IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
 
-_STOP = _nullable(
-    {"oneOf": [_STR, {"type": "array", "items": {**_STR, "minLength": 1}, "maxItems": 4}]}
+_STOP = nullable(
+    {"oneOf": [STR, {"type": "array", "items": {**STR, "minLength": 1}, "maxItems": 4}]}
 )
 _SAMPLING = {
-    "model": _STR,
+    "model": STR,
     "temperature": {"type": "number", "minimum": 0, "maximum": 2},
     "top_p": {"type": "number", "minimum": 0, "maximum": 1},
-    "seed": _nullable({"type": "integer", "minimum": 0}),
+    "seed": nullable({"type": "integer", "minimum": 0}),
     "stop": _STOP,
     "n": {"type": "integer", "minimum": 1, "maximum": MAX_N},
     "top_k": {"type": "integer", "minimum": -1},
@@ -45,7 +44,7 @@ _SAMPLING = {
     },
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "logit_bias": _nullable(
+    "logit_bias": nullable(
         {
             "type": "object",
             "description": "token id (a string of digits) -> bias added to its logit",
@@ -53,17 +52,17 @@ _SAMPLING = {
             "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
         }
     ),
-    "stream": _BOOL,
-    "stream_options": _nullable({"type": "object", "properties": {"include_usage": _BOOL}}),
+    "stream": BOOL,
+    "stream_options": nullable({"type": "object", "properties": {"include_usage": BOOL}}),
 }
 _USAGE = {
     "type": "object",
     "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
     "properties": {
-        "prompt_tokens": _INT,
-        "completion_tokens": _INT,
-        "total_tokens": _INT,
-        "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": _INT}},
+        "prompt_tokens": INT,
+        "completion_tokens": INT,
+        "total_tokens": INT,
+        "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": INT}},
         "completion_tokens_details": tools.COMPLETION_DETAILS,
     },
 }
@@ -71,17 +70,17 @@ _TOP_ENTRY = {
     "type": "object",
     "required": ["token", "logprob"],
     "properties": {
-        "token": _STR,
-        "logprob": _NUM,
-        "bytes": _nullable({"type": "array", "items": _INT}),
+        "token": STR,
+        "logprob": NUM,
+        "bytes": nullable({"type": "array", "items": INT}),
     },
 }
-_CHAT_LOGPROBS = _nullable(
+_CHAT_LOGPROBS = nullable(
     {
         "type": "object",
         "required": ["content"],
         "properties": {
-            "content": _nullable(
+            "content": nullable(
                 {
                     "type": "array",
                     "items": {
@@ -93,27 +92,27 @@ _CHAT_LOGPROBS = _nullable(
                     },
                 }
             ),
-            "refusal": _nullable({"type": "array", "items": _TOP_ENTRY}),
+            "refusal": nullable({"type": "array", "items": _TOP_ENTRY}),
         },
     }
 )
-_COMPLETION_LOGPROBS = _nullable(
+_COMPLETION_LOGPROBS = nullable(
     {
         "type": "object",
         "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
         "properties": {
-            "tokens": {"type": "array", "items": _STR},
-            "token_logprobs": {"type": "array", "items": _nullable(_NUM)},
+            "tokens": {"type": "array", "items": STR},
+            "token_logprobs": {"type": "array", "items": nullable(NUM)},
             "top_logprobs": {
                 "type": "array",
-                "items": _nullable({"type": "object", "additionalProperties": _NUM}),
+                "items": nullable({"type": "object", "additionalProperties": NUM}),
             },
-            "text_offset": {"type": "array", "items": _INT},
+            "text_offset": {"type": "array", "items": INT},
         },
     }
 )
 _FINISH = {"type": "string", "enum": ["stop", "length"]}
-_ENVELOPE = {"id": _STR, "created": _INT, "model": _STR, "system_fingerprint": _STR}
+_ENVELOPE = {"id": STR, "created": INT, "model": STR, "system_fingerprint": STR}
 
 SCHEMAS: dict[str, dict] = {
     "Error": {
@@ -124,10 +123,10 @@ SCHEMAS: dict[str, dict] = {
                 "type": "object",
                 "required": ["message", "type", "param", "code"],
                 "properties": {
-                    "message": _STR,
-                    "type": _STR,
-                    "param": _nullable(_STR),
-                    "code": _nullable(_STR),
+                    "message": STR,
+                    "type": STR,
+                    "param": nullable(STR),
+                    "code": nullable(STR),
                 },
             }
         },
@@ -140,10 +139,10 @@ SCHEMAS: dict[str, dict] = {
                 "type": "string",
                 "enum": ["system", "user", "assistant", "developer", "tool"],
             },
-            "content": _nullable(
+            "content": nullable(
                 {
                     "oneOf": [
-                        _STR,
+                        STR,
                         {
                             "type": "array",
                             "items": {
@@ -151,7 +150,7 @@ SCHEMAS: dict[str, dict] = {
                                 "required": ["type", "text"],
                                 "properties": {
                                     "type": {"type": "string", "enum": ["text"]},
-                                    "text": _STR,
+                                    "text": STR,
                                 },
                             },
                         },
@@ -165,15 +164,15 @@ SCHEMAS: dict[str, dict] = {
         "type": "object",
         "required": ["messages"],
         "properties": {
-            "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
+            "messages": {"type": "array", "minItems": 1, "items": ref("ChatMessage")},
             **_SAMPLING,
-            "max_tokens": _nullable({"type": "integer", "minimum": 1}),
-            "max_completion_tokens": _nullable({"type": "integer", "minimum": 1}),
-            "logprobs": _nullable(_BOOL),
-            "top_logprobs": _nullable(
+            "max_tokens": nullable({"type": "integer", "minimum": 1}),
+            "max_completion_tokens": nullable({"type": "integer", "minimum": 1}),
+            "logprobs": nullable(BOOL),
+            "top_logprobs": nullable(
                 {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}
             ),
-            "response_format": _nullable(
+            "response_format": nullable(
                 {
                     "type": "object",
                     "required": ["type"],
@@ -198,7 +197,7 @@ SCHEMAS: dict[str, dict] = {
                     "type": "object",
                     "required": ["index", "message", "finish_reason"],
                     "properties": {
-                        "index": _INT,
+                        "index": INT,
                         "message": tools.RESPONSE_MESSAGE,
                         "finish_reason": tools.CHAT_FINISH,
                         "logprobs": _CHAT_LOGPROBS,
@@ -214,16 +213,16 @@ SCHEMAS: dict[str, dict] = {
         "properties": {
             "prompt": {
                 "oneOf": [
-                    {**_STR, "minLength": 1},
-                    {"type": "array", "minItems": 1, "items": {**_STR, "minLength": 1}},
+                    {**STR, "minLength": 1},
+                    {"type": "array", "minItems": 1, "items": {**STR, "minLength": 1}},
                     {**_IDS, "minItems": 1},
                     {"type": "array", "minItems": 1, "items": {**_IDS, "minItems": 1}},
                 ]
             },
             **_SAMPLING,
-            "max_tokens": _nullable({"type": "integer", "minimum": 0}),
-            "echo": _nullable(_BOOL),
-            "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}),
+            "max_tokens": nullable({"type": "integer", "minimum": 0}),
+            "echo": nullable(BOOL),
+            "logprobs": nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}),
         },
     },
     "Completion": {
@@ -238,8 +237,8 @@ SCHEMAS: dict[str, dict] = {
                     "type": "object",
                     "required": ["index", "text", "finish_reason"],
                     "properties": {
-                        "index": _INT,
-                        "text": _STR,
+                        "index": INT,
+                        "text": STR,
                         "finish_reason": _FINISH,
                         "logprobs": _COMPLETION_LOGPROBS,
                     },
@@ -248,80 +247,72 @@ SCHEMAS: dict[str, dict] = {
             "usage": _USAGE,
         },
     },
-    "ModelList": {
-        "type": "object",
-        "required": ["object", "data"],
-        "properties": {
-            "object": {"type": "string", "enum": ["list"]},
-            "data": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "required": ["id", "object", "created", "owned_by"],
-                    "properties": {"id": _STR, "object": _STR, "created": _INT, "owned_by": _STR},
-                },
-            },
-        },
-    },
+    "ModelList": list_of(
+        {
+            "type": "object",
+            "required": ["id", "object", "created", "owned_by"],
+            "properties": {"id": STR, "object": STR, "created": INT, "owned_by": STR},
+        }
+    ),
     "Health": {
         "type": "object",
         "required": ["status", "ready", "model"],
         "properties": {
             "status": {"type": "string", "enum": ["ok", "loading", "draining"]},
-            "ready": _BOOL,
-            "model": _STR,
-            "blas": _nullable(_STR),
-            "engine": _STR,
-            "batching": _BOOL,
-            "rows_busy": _INT,
-            "queue_length": _INT,
+            "ready": BOOL,
+            "model": STR,
+            "blas": nullable(STR),
+            "engine": STR,
+            "batching": BOOL,
+            "rows_busy": INT,
+            "queue_length": INT,
         },
     },
     "TokenizeRequest": {
         "type": "object",
         "properties": {
-            "model": _STR,
-            "prompt": _STR,
-            "add_special_tokens": _BOOL,
-            "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
+            "model": STR,
+            "prompt": STR,
+            "add_special_tokens": BOOL,
+            "messages": {"type": "array", "minItems": 1, "items": ref("ChatMessage")},
         },
     },
     "TokenizeResponse": {
         "type": "object",
         "required": ["count", "max_model_len", "tokens"],
         "properties": {
-            "count": _INT,
-            "max_model_len": _INT,
-            "tokens": {"type": "array", "items": _INT},
-            "token_strs": {"type": "array", "items": _STR},
+            "count": INT,
+            "max_model_len": INT,
+            "tokens": {"type": "array", "items": INT},
+            "token_strs": {"type": "array", "items": STR},
         },
     },
     "DetokenizeRequest": {
         "type": "object",
         "required": ["tokens"],
-        "properties": {"model": _STR, "tokens": _IDS},
+        "properties": {"model": STR, "tokens": _IDS},
     },
     "DetokenizeResponse": {
         "type": "object",
         "required": ["prompt"],
-        "properties": {"prompt": _STR},
+        "properties": {"prompt": STR},
     },
     "TokenizerInfo": {
         "type": "object",
         "required": ["eos_token", "bos_token", "pad_token", "chat_template", "name_or_path"],
         "properties": {
-            "name_or_path": _STR,
-            "tokenizer_class": _STR,
-            "eos_token": _nullable(_STR),
-            "eos_token_id": _nullable(_INT),
-            "bos_token": _nullable(_STR),
-            "bos_token_id": _nullable(_INT),
-            "pad_token": _nullable(_STR),
-            "pad_token_id": _nullable(_INT),
-            "unk_token": _nullable(_STR),
-            "chat_template": _nullable(_STR),
-            "model_max_length": _INT,
-            "vocab_size": _INT,
+            "name_or_path": STR,
+            "tokenizer_class": STR,
+            "eos_token": nullable(STR),
+            "eos_token_id": nullable(INT),
+            "bos_token": nullable(STR),
+            "bos_token_id": nullable(INT),
+            "pad_token": nullable(STR),
+            "pad_token_id": nullable(INT),
+            "unk_token": nullable(STR),
+            "chat_template": nullable(STR),
+            "model_max_length": INT,
+            "vocab_size": INT,
         },
     },
 }
@@ -341,36 +332,29 @@ _ERROR_STATUSES = {
 _SSE_EVENT = {
     "type": "object",
     "required": ["data"],
-    "properties": {"data": _STR, "event": _STR, "id": _STR},
+    "properties": {"data": STR, "event": STR, "id": STR},
 }
 
 
-def _json(schema_name: str, description: str) -> dict:
-    return {
-        "description": description,
-        "content": {"application/json": {"schema": _ref(schema_name)}},
-    }
+_POST_ERRORS = ("400", "401", "404", "413", "415", "429", "503")
 
 
 def _errors(*statuses: str) -> dict:
-    return {s: _json("Error", _ERROR_STATUSES[s]) for s in statuses}
+    return {s: json_response("Error", _ERROR_STATUSES[s]) for s in statuses}
 
 
-def _post(op_id: str, summary: str, request: str, response: str, stream: bool = False) -> dict:
-    ok = _json(response, "success")
+def _post(
+    op_id: str,
+    summary: str,
+    request: str,
+    response: str,
+    stream: bool = False,
+    errors: tuple[str, ...] = _POST_ERRORS,
+) -> dict:
+    ok = json_response(response, "success")
     if stream:
         ok["content"]["text/event-stream"] = {"schema": _SSE_EVENT}
-    return {
-        "post": {
-            "operationId": op_id,
-            "summary": summary,
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": _ref(request)}},
-            },
-            "responses": {"200": ok, **_errors("400", "401", "404", "413", "415", "429", "503")},
-        }
-    }
+    return post(op_id, summary, request, ok, _errors(*errors))
 
 
 def _get(op_id: str, summary: str, response: dict, *errors: str) -> dict:
@@ -385,18 +369,7 @@ def _get(op_id: str, summary: str, response: dict, *errors: str) -> dict:
 
 def openapi_schema() -> dict:
     """The whole OpenAPI document."""
-    tokenize_post = _post(
-        "tokenize", "Token ids for a prompt or messages", "TokenizeRequest", "TokenizeResponse"
-    )
-    tokenize_post["post"]["responses"] = {
-        k: v for k, v in tokenize_post["post"]["responses"].items() if k != "429"
-    }
-    detok_post = _post(
-        "detokenize", "Text for token ids", "DetokenizeRequest", "DetokenizeResponse"
-    )
-    detok_post["post"]["responses"] = {
-        k: v for k, v in detok_post["post"]["responses"].items() if k != "429"
-    }
+    no_queue = tuple(s for s in _POST_ERRORS if s != "429")  # tokenizing never waits for a row
     return {
         "openapi": OPENAPI_VERSION,
         "info": {
@@ -426,23 +399,40 @@ def openapi_schema() -> dict:
                 "EmbeddingList",
             ),
             "/v1/models": _get(
-                "listModels", "The served model", _json("ModelList", "the served model"), "401"
+                "listModels",
+                "The served model",
+                json_response("ModelList", "the served model"),
+                "401",
             ),
-            "/health": _get("health", "Readiness and load", _json("Health", "ready"), "503"),
+            "/health": _get(
+                "health", "Readiness and load", json_response("Health", "ready"), "503"
+            ),
             "/metrics": _get(
                 "metrics",
                 "Prometheus metrics",
                 {
                     "description": "Prometheus text format",
-                    "content": {"text/plain": {"schema": _STR}},
+                    "content": {"text/plain": {"schema": STR}},
                 },
             ),
-            "/tokenize": tokenize_post,
-            "/detokenize": detok_post,
+            "/tokenize": _post(
+                "tokenize",
+                "Token ids for a prompt or messages",
+                "TokenizeRequest",
+                "TokenizeResponse",
+                errors=no_queue,
+            ),
+            "/detokenize": _post(
+                "detokenize",
+                "Text for token ids",
+                "DetokenizeRequest",
+                "DetokenizeResponse",
+                errors=no_queue,
+            ),
             "/tokenizer_info": _get(
                 "tokenizerInfo",
                 "Special tokens and chat template",
-                _json("TokenizerInfo", "info"),
+                json_response("TokenizerInfo", "info"),
                 "503",
             ),
             **agents.paths(),

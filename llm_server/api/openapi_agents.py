@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-_STR = {"type": "string"}
-_INT = {"type": "integer"}
-_OBJ = {"type": "object"}
-_BOOL = {"type": "boolean"}
-
-
-def _n(schema: dict) -> dict:
-    return {**schema, "nullable": True}
-
-
-def _ref(name: str) -> dict:
-    return {"$ref": f"#/components/schemas/{name}"}
-
+from llm_server.api.openapi_common import BOOL, INT, OBJ, STR, json_response, nullable, post
 
 _TEXT_PART = {
     "type": "object",
     "required": ["type", "text"],
     "properties": {
         "type": {"type": "string", "enum": ["input_text", "output_text"]},
-        "text": _STR,
+        "text": STR,
     },
 }
 _INPUT_ITEM = {
@@ -34,26 +22,26 @@ _INPUT_ITEM = {
             "enum": ["message", "function_call", "function_call_output", "reasoning"],
         },
         "role": {"type": "string", "enum": ["user", "assistant", "system", "developer"]},
-        "content": {"oneOf": [_STR, {"type": "array", "items": _TEXT_PART}]},
-        "call_id": _STR,
-        "name": _STR,
-        "arguments": _STR,
-        "output": _STR,
+        "content": {"oneOf": [STR, {"type": "array", "items": _TEXT_PART}]},
+        "call_id": STR,
+        "name": STR,
+        "arguments": STR,
+        "output": STR,
     },
 }
 _OUTPUT_ITEM = {
     "type": "object",
     "required": ["id", "type"],
     "properties": {
-        "id": _STR,
+        "id": STR,
         "type": {"type": "string", "enum": ["message", "function_call", "reasoning"]},
-        "status": _STR,
-        "role": _STR,
-        "content": {"type": "array", "items": _OBJ},
-        "summary": {"type": "array", "items": _OBJ},
-        "call_id": _STR,
-        "name": _STR,
-        "arguments": _STR,
+        "status": STR,
+        "role": STR,
+        "content": {"type": "array", "items": OBJ},
+        "summary": {"type": "array", "items": OBJ},
+        "call_id": STR,
+        "name": STR,
+        "arguments": STR,
     },
 }
 _ANT_BLOCK = {
@@ -61,13 +49,13 @@ _ANT_BLOCK = {
     "required": ["type"],
     "properties": {
         "type": {"type": "string", "enum": ["text", "tool_use", "tool_result", "thinking"]},
-        "text": _STR,
-        "id": _STR,
-        "name": _STR,
-        "input": _OBJ,
-        "tool_use_id": _STR,
-        "content": {"oneOf": [_STR, {"type": "array", "items": _OBJ}]},
-        "thinking": _STR,
+        "text": STR,
+        "id": STR,
+        "name": STR,
+        "input": OBJ,
+        "tool_use_id": STR,
+        "content": {"oneOf": [STR, {"type": "array", "items": OBJ}]},
+        "thinking": STR,
     },
 }
 _ANT_MESSAGES = {
@@ -78,7 +66,7 @@ _ANT_MESSAGES = {
         "required": ["role", "content"],
         "properties": {
             "role": {"type": "string", "enum": ["user", "assistant"]},
-            "content": {"oneOf": [_STR, {"type": "array", "items": _ANT_BLOCK}]},
+            "content": {"oneOf": [STR, {"type": "array", "items": _ANT_BLOCK}]},
         },
     },
 }
@@ -89,14 +77,14 @@ _ANT_TOOLS = {
         "required": ["name", "input_schema"],
         "properties": {
             "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
-            "description": _STR,
-            "input_schema": _OBJ,
+            "description": STR,
+            "input_schema": OBJ,
         },
     },
 }
 _ANT_PROMPT = {
-    "model": _STR,
-    "system": {"oneOf": [_STR, {"type": "array", "items": _OBJ}]},
+    "model": STR,
+    "system": {"oneOf": [STR, {"type": "array", "items": OBJ}]},
     "messages": _ANT_MESSAGES,
     "tools": _ANT_TOOLS,
     "tool_choice": {
@@ -104,8 +92,8 @@ _ANT_PROMPT = {
         "required": ["type"],
         "properties": {
             "type": {"type": "string", "enum": ["auto", "any", "tool", "none"]},
-            "name": _STR,
-            "disable_parallel_tool_use": _BOOL,
+            "name": STR,
+            "disable_parallel_tool_use": BOOL,
         },
     },
     "thinking": {
@@ -123,45 +111,48 @@ SCHEMAS: dict[str, dict] = {
         "type": "object",
         "required": ["input"],
         "properties": {
-            "model": _STR,
-            "input": {"oneOf": [{**_STR, "minLength": 1}, {"type": "array", "items": _INPUT_ITEM}]},
-            "instructions": _n(_STR),
-            "previous_response_id": _n(_STR),
-            "store": _n(_BOOL),
-            "stream": _n(_BOOL),
-            "max_output_tokens": _n({"type": "integer", "minimum": 1}),
-            "temperature": _n({"type": "number", "minimum": 0, "maximum": 2}),
-            "top_p": _n({"type": "number", "minimum": 0, "maximum": 1}),
-            "tools": _n({"type": "array", "items": _OBJ}),
-            "tool_choice": _n(
-                {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]}, _OBJ]}
+            "model": STR,
+            "input": {"oneOf": [{**STR, "minLength": 1}, {"type": "array", "items": _INPUT_ITEM}]},
+            "instructions": nullable(STR),
+            "previous_response_id": nullable(STR),
+            "store": nullable(BOOL),
+            "stream": nullable(BOOL),
+            "max_output_tokens": nullable({"type": "integer", "minimum": 1}),
+            "temperature": nullable({"type": "number", "minimum": 0, "maximum": 2}),
+            "top_p": nullable({"type": "number", "minimum": 0, "maximum": 1}),
+            "tools": nullable({"type": "array", "items": OBJ}),
+            "tool_choice": nullable(
+                {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]}, OBJ]}
             ),
-            "parallel_tool_calls": _n(_BOOL),
-            "text": _n({"type": "object", "properties": {"format": _OBJ}}),
-            "reasoning": _n(
-                {"type": "object", "properties": {"effort": _n(_STR), "summary": _n(_STR)}}
+            "parallel_tool_calls": nullable(BOOL),
+            "text": nullable({"type": "object", "properties": {"format": OBJ}}),
+            "reasoning": nullable(
+                {
+                    "type": "object",
+                    "properties": {"effort": nullable(STR), "summary": nullable(STR)},
+                }
             ),
-            "metadata": _n(_OBJ),
+            "metadata": nullable(OBJ),
         },
     },
     "Response": {
         "type": "object",
         "required": ["id", "object", "created_at", "model", "status", "output"],
         "properties": {
-            "id": _STR,
+            "id": STR,
             "object": {"type": "string", "enum": ["response"]},
-            "created_at": _INT,
-            "model": _STR,
+            "created_at": INT,
+            "model": STR,
             "status": {"type": "string", "enum": ["completed", "incomplete", "failed"]},
             "output": {"type": "array", "items": _OUTPUT_ITEM},
-            "usage": _n(
+            "usage": nullable(
                 {
                     "type": "object",
                     "required": ["input_tokens", "output_tokens", "total_tokens"],
                     "properties": {
-                        "input_tokens": _INT,
-                        "output_tokens": _INT,
-                        "total_tokens": _INT,
+                        "input_tokens": INT,
+                        "output_tokens": INT,
+                        "total_tokens": INT,
                     },
                 }
             ),
@@ -170,7 +161,7 @@ SCHEMAS: dict[str, dict] = {
     "ResponseDeleted": {
         "type": "object",
         "required": ["id", "object", "deleted"],
-        "properties": {"id": _STR, "object": _STR, "deleted": _BOOL},
+        "properties": {"id": STR, "object": STR, "deleted": BOOL},
     },
     "MessagesRequest": {
         "type": "object",
@@ -178,36 +169,36 @@ SCHEMAS: dict[str, dict] = {
         "properties": {
             **_ANT_PROMPT,
             "max_tokens": {"type": "integer", "minimum": 1},
-            "stop_sequences": {"type": "array", "items": {**_STR, "minLength": 1}, "maxItems": 16},
+            "stop_sequences": {"type": "array", "items": {**STR, "minLength": 1}, "maxItems": 16},
             "temperature": {"type": "number", "minimum": 0, "maximum": 1},
             "top_p": {"type": "number", "minimum": 0, "maximum": 1},
             "top_k": {"type": "integer", "minimum": 0},
-            "stream": _BOOL,
-            "metadata": _OBJ,
+            "stream": BOOL,
+            "metadata": OBJ,
         },
     },
     "Message": {
         "type": "object",
         "required": ["id", "type", "role", "content", "stop_reason", "usage"],
         "properties": {
-            "id": _STR,
+            "id": STR,
             "type": {"type": "string", "enum": ["message"]},
             "role": {"type": "string", "enum": ["assistant"]},
-            "model": _STR,
+            "model": STR,
             "content": {"type": "array", "items": _ANT_BLOCK},
             "stop_reason": {
                 "type": "string",
                 "enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use"],
             },
-            "stop_sequence": _n(_STR),
+            "stop_sequence": nullable(STR),
             "usage": {
                 "type": "object",
                 "required": ["input_tokens", "output_tokens"],
                 "properties": {
-                    "input_tokens": _INT,
-                    "output_tokens": _INT,
-                    "cache_read_input_tokens": _INT,
-                    "cache_creation_input_tokens": _INT,
+                    "input_tokens": INT,
+                    "output_tokens": INT,
+                    "cache_read_input_tokens": INT,
+                    "cache_creation_input_tokens": INT,
                 },
             },
         },
@@ -220,7 +211,7 @@ SCHEMAS: dict[str, dict] = {
     "CountTokens": {
         "type": "object",
         "required": ["input_tokens"],
-        "properties": {"input_tokens": _INT},
+        "properties": {"input_tokens": INT},
     },
     "AnthropicError": {
         "type": "object",
@@ -230,13 +221,13 @@ SCHEMAS: dict[str, dict] = {
             "error": {
                 "type": "object",
                 "required": ["type", "message"],
-                "properties": {"type": _STR, "message": _STR},
+                "properties": {"type": STR, "message": STR},
             },
         },
     },
 }
 
-_SSE = {"schema": {"type": "object", "properties": {"event": _STR, "data": _STR}}}
+_SSE = {"schema": {"type": "object", "properties": {"event": STR, "data": STR}}}
 _ANT_ERRORS = {
     "400": "invalid field (the message names it)",
     "401": "missing or wrong API key (x-api-key or Bearer, when a key is set)",
@@ -248,28 +239,14 @@ _ANT_ERRORS = {
 }
 
 
-def _json(name: str, description: str) -> dict:
-    return {"description": description, "content": {"application/json": {"schema": _ref(name)}}}
-
-
 def _post(op: str, summary: str, request: str, response: str, error: str, stream: bool) -> dict:
-    ok = _json(response, "success")
+    ok = json_response(response, "success")
     if stream:
         ok["content"]["text/event-stream"] = _SSE
-    errors = {s: _json(error, d) for s, d in _ANT_ERRORS.items()}
+    errors = {s: json_response(error, d) for s, d in _ANT_ERRORS.items()}
     if error == "Error":
-        errors["404"] = _json(error, "unknown model or previous_response_id")
-    return {
-        "post": {
-            "operationId": op,
-            "summary": summary,
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": _ref(request)}},
-            },
-            "responses": {"200": ok, **errors},
-        }
-    }
+        errors["404"] = json_response(error, "unknown model or previous_response_id")
+    return post(op, summary, request, ok, errors)
 
 
 def _by_id(op: str, summary: str, response: str, method: str) -> dict:
@@ -277,11 +254,11 @@ def _by_id(op: str, summary: str, response: str, method: str) -> dict:
         method: {
             "operationId": op,
             "summary": summary,
-            "parameters": [{"name": "response_id", "in": "path", "required": True, "schema": _STR}],
+            "parameters": [{"name": "response_id", "in": "path", "required": True, "schema": STR}],
             "responses": {
-                "200": _json(response, "the stored response"),
-                "401": _json("Error", _ANT_ERRORS["401"]),
-                "404": _json("Error", "no stored response with this id"),
+                "200": json_response(response, "the stored response"),
+                "401": json_response("Error", _ANT_ERRORS["401"]),
+                "404": json_response("Error", "no stored response with this id"),
             },
         }
     }

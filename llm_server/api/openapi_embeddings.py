@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from llm_server.api.openapi_common import INT, STR, list_of
 from llm_server.api.routes_embeddings import ENCODINGS, INPUT_TYPES, MAX_INPUTS
 
-_INT = {"type": "integer"}
-_STR = {"type": "string"}
 _IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
 
 EMBEDDING_SCHEMAS: dict[str, dict] = {
@@ -15,52 +14,44 @@ EMBEDDING_SCHEMAS: dict[str, dict] = {
         "properties": {
             "input": {
                 "oneOf": [
-                    {**_STR, "minLength": 1},
+                    {**STR, "minLength": 1},
                     {
                         "type": "array",
                         "minItems": 1,
                         "maxItems": MAX_INPUTS,
-                        "items": {**_STR, "minLength": 1},
+                        "items": {**STR, "minLength": 1},
                     },
                     _IDS,
                     {"type": "array", "minItems": 1, "maxItems": MAX_INPUTS, "items": _IDS},
                 ]
             },
-            "model": _STR,
+            "model": STR,
             "encoding_format": {"type": "string", "enum": list(ENCODINGS)},
             "dimensions": {"type": "integer", "minimum": 1},
             "input_type": {"type": "string", "enum": list(INPUT_TYPES)},
-            "user": _STR,
+            "user": STR,
         },
     },
-    "EmbeddingList": {
-        "type": "object",
-        "required": ["object", "data", "model", "usage"],
-        "properties": {
-            "object": {"type": "string", "enum": ["list"]},
-            "data": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "required": ["object", "index", "embedding"],
-                    "properties": {
-                        "object": {"type": "string", "enum": ["embedding"]},
-                        "index": _INT,
-                        "embedding": {
-                            "oneOf": [
-                                {"type": "array", "items": {"type": "number"}},
-                                {**_STR, "description": "base64 of little-endian float32"},
-                            ]
-                        },
-                    },
+    "EmbeddingList": list_of(
+        {
+            "type": "object",
+            "required": ["object", "index", "embedding"],
+            "properties": {
+                "object": {"type": "string", "enum": ["embedding"]},
+                "index": INT,
+                "embedding": {
+                    "oneOf": [
+                        {"type": "array", "items": {"type": "number"}},
+                        {**STR, "description": "base64 of little-endian float32"},
+                    ]
                 },
             },
-            "model": _STR,
-            "usage": {
-                "type": "object",
-                "required": ["prompt_tokens", "total_tokens"],
-                "properties": {"prompt_tokens": _INT, "total_tokens": _INT},
-            },
         },
-    },
+        model=STR,
+        usage={
+            "type": "object",
+            "required": ["prompt_tokens", "total_tokens"],
+            "properties": {"prompt_tokens": INT, "total_tokens": INT},
+        },
+    ),
 }

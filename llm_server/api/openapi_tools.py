@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
-_STR = {"type": "string"}
-_INT = {"type": "integer"}
-_OBJ = {"type": "object"}
+from llm_server.api.openapi_common import INT, OBJ, STR
 
-_FUNCTION_CALL = {
-    "type": "object",
-    "required": ["id", "type", "function"],
-    "properties": {
-        "id": _STR,
-        "type": {"type": "string", "enum": ["function"]},
-        "function": {
-            "type": "object",
-            "required": ["name", "arguments"],
-            "properties": {"name": _STR, "arguments": _STR},
+
+def _function(required: list[str], properties: dict) -> dict:
+    """{"type": "function", "function": {...}}: a tool, a tool choice or a call."""
+    return {
+        "type": "object",
+        "required": ["type", "function"],
+        "properties": {
+            "type": {"type": "string", "enum": ["function"]},
+            "function": {"type": "object", "required": required, "properties": properties},
         },
-    },
+    }
+
+
+_CALL = _function(["name", "arguments"], {"name": STR, "arguments": STR})
+_FUNCTION_CALL = {
+    **_CALL,
+    "required": ["id", *_CALL["required"]],
+    "properties": {"id": STR, **_CALL["properties"]},
 }
 
 # ChatCompletionRequest properties
@@ -25,40 +29,21 @@ REQUEST_FIELDS: dict[str, dict] = {
     "tools": {
         "type": "array",
         "nullable": True,
-        "items": {
-            "type": "object",
-            "required": ["type", "function"],
-            "properties": {
-                "type": {"type": "string", "enum": ["function"]},
-                "function": {
-                    "type": "object",
-                    "required": ["name"],
-                    "properties": {
-                        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
-                        "description": _STR,
-                        "parameters": _OBJ,
-                        "strict": {"type": "boolean"},
-                    },
-                },
+        "items": _function(
+            ["name"],
+            {
+                "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                "description": STR,
+                "parameters": OBJ,
+                "strict": {"type": "boolean"},
             },
-        },
+        ),
     },
     "tool_choice": {
         "nullable": True,
         "oneOf": [
             {"type": "string", "enum": ["none", "auto", "required"]},
-            {
-                "type": "object",
-                "required": ["type", "function"],
-                "properties": {
-                    "type": {"type": "string", "enum": ["function"]},
-                    "function": {
-                        "type": "object",
-                        "required": ["name"],
-                        "properties": {"name": _STR},
-                    },
-                },
-            },
+            _function(["name"], {"name": STR}),
         ],
     },
     "parallel_tool_calls": {"type": "boolean", "nullable": True},
@@ -73,8 +58,8 @@ REQUEST_FIELDS: dict[str, dict] = {
 # ChatMessage properties (history of calls and their results)
 MESSAGE_FIELDS: dict[str, dict] = {
     "tool_calls": {"type": "array", "items": _FUNCTION_CALL},
-    "tool_call_id": _STR,
-    "name": _STR,
+    "tool_call_id": STR,
+    "name": STR,
 }
 
 # the response message
@@ -83,11 +68,11 @@ RESPONSE_MESSAGE = {
     "required": ["role", "content"],
     "properties": {
         "role": {"type": "string", "enum": ["assistant"]},
-        "content": {**_STR, "nullable": True},
+        "content": {**STR, "nullable": True},
         "tool_calls": {"type": "array", "items": _FUNCTION_CALL},
-        "reasoning_content": {**_STR, "nullable": True},
-        "reasoning": {**_STR, "nullable": True},
+        "reasoning_content": {**STR, "nullable": True},
+        "reasoning": {**STR, "nullable": True},
     },
 }
 CHAT_FINISH = {"type": "string", "enum": ["stop", "length", "tool_calls"]}
-COMPLETION_DETAILS = {"type": "object", "properties": {"reasoning_tokens": _INT}}
+COMPLETION_DETAILS = {"type": "object", "properties": {"reasoning_tokens": INT}}

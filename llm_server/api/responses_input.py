@@ -10,11 +10,12 @@ every chat rule (sampling ranges, tool specs, template kwargs) unchanged.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
+from llm_server.api.chat_run import parse_translated
 from llm_server.api.errors import APIError, invalid
-from llm_server.api.schemas import ChatRequest, parse_chat
+from llm_server.api.schemas import ChatRequest
 from llm_server.service import ModelService
 
 ROLES = ("user", "assistant", "system", "developer")
@@ -28,6 +29,7 @@ UNSUPPORTED = {
     "max_tool_calls": "'max_tool_calls' is not supported; use 'parallel_tool_calls': false",
     "top_logprobs": "'top_logprobs' is not supported on /v1/responses; use chat completions",
 }
+SERVICE_TIERS = ("auto", "default")  # one tier here; 'flex' and 'priority' need OpenAI's
 # chat field -> the Responses field a parse_chat error is about
 CHAT_TO_RESPONSES = {
     "max_completion_tokens": "max_output_tokens",
@@ -56,6 +58,10 @@ def parse_responses(
         if body.get(key) not in (None, False, 0):
             raise invalid(key, why)
     _check_include(body.get("include"))
+    if body.get("service_tier") not in (None, *SERVICE_TIERS):
+        raise invalid("service_tier", "'service_tier' must be 'auto' or 'default' (one tier here)")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise invalid("user", "'user' must be a string")
     truncation = body.get("truncation")
     if truncation not in (None, "disabled"):
         raise invalid("truncation", "only 'truncation': 'disabled' is supported")
@@ -80,8 +86,7 @@ def parse_responses(
             raise invalid("reasoning.effort", "this model always reasons; use 'low'")
         if service.syntax.reasoning == "think":
             template_kwargs = {"enable_thinking": False}
-    chat_body: dict[str, Any] = {
-        "messages": [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages],
+    fields: dict[str, Any] = {
         "model": body.get("model"),
         "stream": body.get("stream"),
         "temperature": body.get("temperature"),
@@ -94,21 +99,7 @@ def parse_responses(
         "tools": _tools(body.get("tools")),
         "tool_choice": _tool_choice(body.get("tool_choice")),
     }
-    try:
-        chat = parse_chat(
-            chat_body,
-            service.config.default_max_tokens,
-            service.token_id_limit,
-            service.sampling_defaults,
-        )
-    except APIError as exc:
-        exc.param = responses_param(exc.param)
-        raise
-    # the thinking of earlier turns reaches templates that show it (Qwen3 in a tool loop)
-    merged = tuple(
-        {**m, "reasoning_content": src["reasoning_content"]} if "reasoning_content" in src else m
-        for m, src in zip(chat.messages, messages, strict=True)
-    )
+    chat = parse_translated(messages, fields, service, responses_param)
     store = True if body.get("store") is None else body["store"]
     if not isinstance(store, bool):
         raise invalid("store", "'store' must be a boolean")
@@ -130,7 +121,7 @@ def parse_responses(
         "truncation": "disabled",
         "user": body.get("user"),
     }
-    return ResponsesRequest(replace(chat, messages=merged), history, echo, store, bool(summary))
+    return ResponsesRequest(chat, history, echo, store, bool(summary))
 
 
 def _echo_format(text: dict | None) -> dict:

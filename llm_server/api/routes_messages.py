@@ -15,6 +15,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from llm_server.api.chat_plan import chat_prompt
 from llm_server.api.chat_run import TAIL, Finished, Started, answer_deltas, assemble, start_chat
 from llm_server.api.common import check_model, get_service, read_json, served_id, settle
 from llm_server.api.errors import APIError
@@ -44,10 +45,7 @@ async def count_tokens(request: Request) -> Response:
         body = await read_json(request)
         chat = parse_messages_request(body, service, count_only=True)
         check_model(service, chat.model, served_id(request))
-        tools = [t.template_dict() for t in chat.tools.tools] or None
-        prompt = service.tokenizer.apply_chat_template(
-            list(chat.messages), tools, chat.template_kwargs
-        )
+        prompt = chat_prompt(service, chat)
     except APIError as exc:
         return error_response(exc.status, exc.message, exc.headers)
     return JSONResponse({"input_tokens": len(prompt)})

@@ -78,32 +78,11 @@ def shut_down(reason: str, hung: bool = False, grace: float = 5.0) -> None:
     LOST.append(reason)
     if hung:  # the scheduler thread cannot fail its requests: answer them from here
         for service in SERVICES:
-            fail_requests(service.scheduler, reason)
+            service.scheduler.fail_all(reason)
     os.kill(os.getpid(), signal.SIGTERM)
     timer = threading.Timer(grace, _exit_now)
     timer.daemon = True
     timer.start()
-
-
-def fail_requests(scheduler, reason: str) -> None:
-    """Finish every running and queued request of a scheduler stuck in a hung step with
-    `reason` (the API answers 503). Only for a stuck thread: it emits nothing any more."""
-    from llm_server.decoding import FinishReason
-    from llm_server.scheduler.request import FinishEvent
-
-    with scheduler._cond:
-        reqs = [*scheduler._queue, *scheduler._running.values()]
-    for req in reqs:
-        req.emit(
-            FinishEvent(
-                reason=FinishReason.ERROR,
-                prompt_tokens=len(req.prompt),
-                completion_tokens=len(req.decoder.tokens),
-                timings=req.timings(),
-                error=reason,
-                cached_tokens=req.cached_tokens,
-            )
-        )
 
 
 def _exit_now() -> None:

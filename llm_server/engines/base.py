@@ -52,6 +52,8 @@ class Engine(Protocol):
     # True when a new input shape costs a compile or an allocation (Core ML, compiled graphs):
     # the scorer then pads the last chunk to SCORE_BUCKETS and rows to a power of two (C4).
     padded_shapes: bool
+    # False for an embedding checkpoint without an LM head: it serves /v1/embeddings only
+    has_lm_head: bool
     # True when decode_start/decode_finish/decode_cancel exist: a step can be started on the
     # lazy greedy ids of a step still in flight (the scheduler pipelines greedy decoding)
     pipelined: bool

@@ -125,6 +125,7 @@ class CoreMLEngine:
     dtype = "float16"
     serial_reason = None  # the export's row count decides batching (probe.py)
     shared_prefix_min = 0  # no prefix reuse on Core ML states
+    has_lm_head = True
 
     def thread_exit(self) -> None:
         """Nothing is held per thread."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,24 +100,21 @@ class MLXEngine(StepRunner, SessionRunner):
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         config = json.loads((path / "config.json").read_text())
         check_model_type(config)
+        text = {**config, **config.get("text_config", {})}  # multimodal configs nest the LM's
         # bare-transformer checkpoints (embedding models) load too; see bare_checkpoint
         self.model, self.config = load_model(path, lazy=True, get_model_classes=model_classes)
         if group is not None and group.size() > 1:
             if not hasattr(self.model, "shard"):
                 raise ValueError(f"{config['model_type']} has no tensor-parallel shard()")
-            text_cfg = {**config, **config.get("text_config", {})}
             for key in ("num_attention_heads", "num_key_value_heads"):
-                if int(text_cfg.get(key) or 0) % group.size():
-                    raise ValueError(
-                        f"{key}={text_cfg[key]} does not split over {group.size()} ranks"
-                    )
+                if int(text.get(key) or 0) % group.size():
+                    raise ValueError(f"{key}={text[key]} does not split over {group.size()} ranks")
             self.model.shard(group)  # while lazy: each rank materialises its slices only
             fused_decode, pipeline, prefix_cache_bytes = False, False, 0
         self.has_lm_head = getattr(self.model, "has_lm_head", True)
         self.quantized = quantized.prepare(self.model, keep_quantized)  # float32 on the CPU
         cpu_kernels.install(self.model)  # numpy softmax/SiLU for big tensors on the CPU
         self.model.set_dtype(_DTYPES[dtype])
-        text = {**config, **config.get("text_config", {})}  # multimodal configs nest the LM's
         max_pos = int(text.get("max_position_embeddings") or 2048)
         self.context_length = min(context_length or max_pos, max_pos)
         self._layout = cache_layout(self.model)
@@ -152,8 +148,6 @@ class MLXEngine(StepRunner, SessionRunner):
         if prefix_cache_bytes is None:
             prefix_cache_bytes = max(self.weight_bytes() // 8, 64 << 20)
         self._prefix_cache_bytes = prefix_cache_bytes
-        self._score_cache: list | None = None
-        self._score_offset = 0
         self._init_rows(rows)
         if self.serial_reason is None and model_family(self.model) not in VERIFIED_FAMILIES:
             problem = row_forward_problem(self)  # an architecture the tests do not cover
@@ -232,7 +226,10 @@ class MLXEngine(StepRunner, SessionRunner):
         logits = None
         for start in range(reused, n, PREFILL_CHUNK):
             chunk = tokens[start : start + PREFILL_CHUNK]
-            logits = self._forward_rows([row], [start], [chunk])
+            try:
+                logits = self._run_groups([([row], [start], [chunk])])
+            except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
+                raise EngineError(f"forward failed: {exc}") from exc
             self._row_tokens[row].extend(chunk)
         return logits[0]
 
@@ -389,22 +386,6 @@ class MLXEngine(StepRunner, SessionRunner):
     def _check_row(self, row: int) -> None:
         if not 0 <= row < self.rows:
             raise ValueError(f"row {row} out of range 0..{self.rows - 1}")
-
-    def _forward_rows(
-        self, rows: list[int], starts: list[int], tokens: list[list[int]]
-    ) -> np.ndarray:
-        """One forward over `rows` (equal token counts), evaluated now; logits [B, vocab] of
-        each row's last position."""
-        ids = mx.array(np.asarray(tokens, dtype=np.int32))
-        split = self._split(len(rows) * ids.shape[1])
-        # one BLIS thread per split half; numpy round trips inside the graph evaluate too
-        with blas.threads(1) if split else nullcontext():
-            try:
-                logits = self._graph(rows, starts, ids, split)
-                mx.eval(logits, *self._held())
-            except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
-                raise EngineError(f"forward failed: {exc}") from exc
-        return np.array(logits, copy=False)
 
     def _graph(
         self, rows: list[int], starts: list[int], ids: mx.array, split: bool, every: bool = False

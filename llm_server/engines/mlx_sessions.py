@@ -43,7 +43,7 @@ class SessionRunner:
             raise ValueError(f"scoring past the context of {self.context_length} positions")
         ids = mx.array(np.asarray(tokens, dtype=np.int32))
         split = self._split(n * q)
-        with blas.threads(1) if split else nullcontext():  # as in _forward_rows
+        with blas.threads(1) if split else nullcontext():  # as in _run_groups
             try:
                 if self._fused is not None:
                     mask = "causal" if q > 1 else None  # every row at the same offset

@@ -141,8 +141,7 @@ class StepRunner:
                     plan = self._forward_plan(rows, starts, ids.shape[1])
                     views = row_views(self._layout, self._store, self._states, plan)
                     parts.append((ids, views, starts, plan.mask))
-                args = (parts, split, every) if every else (parts, split)
-                logits = self._fused.forward_groups(*args).astype(mx.float32)
+                logits = self._fused.forward_groups(parts, split, every).astype(mx.float32)
             else:
                 logits = mx.concatenate(
                     [

@@ -20,12 +20,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
-from llm_server.decoding import FinishReason, StepOutput
+from llm_server.decoding import FinishReason
 from llm_server.engines.base import Engine
 from llm_server.engines.step import StepPlan
-from llm_server.scheduler.drafting import DraftState, eligible, propose
+from llm_server.scheduler.drafting import drafts
 from llm_server.scheduler.executor import PlanExecutor
 from llm_server.scheduler.lease import Lease
 from llm_server.scheduler.pipelining import Pipeline
@@ -35,7 +35,6 @@ from llm_server.scheduler.request import (
     GenerationRequest,
     QueueFull,
     SchedulerClosed,
-    TokenEvent,
 )
 
 log = logging.getLogger(__name__)
@@ -157,6 +156,15 @@ class BatchScheduler(PlanExecutor):
             for req in [*self._queue, *self._running.values()]:
                 req.cancelled.set()
             self._cond.notify_all()
+
+    def fail_all(self, error: str) -> None:
+        """Finish every queued and running request with `error` (the API answers 503), from any
+        thread. Only for a scheduler thread stuck in a hung step: rows are not released and the
+        stuck thread emits nothing any more."""
+        with self._cond:
+            reqs = [*self._queue, *self._running.values()]
+        for req in reqs:
+            self._finish(req, FinishReason.ERROR, error)
 
     # -- admission (any thread) ------------------------------------------------------
 
@@ -314,7 +322,7 @@ class BatchScheduler(PlanExecutor):
     def _plan(self) -> StepPlan:
         """The next step (planner.plan) on a consistent view of the queue and the rows."""
         in_flight = self._pipeline.pending_for(self._running, self.engine)
-        drafts = {} if in_flight else self._drafts()
+        step_drafts = {} if in_flight else self._drafts()
         with self._cond:
             return plan(
                 self._queue,
@@ -324,7 +332,7 @@ class BatchScheduler(PlanExecutor):
                 admit=not in_flight,  # the step in flight is for the current rows
                 score=self.pump is not None and self.pump.pending() and not self._leases,
                 share_min=self.engine.shared_prefix_min,
-                drafts=drafts,
+                drafts=step_drafts,
             )
 
     def _drafts(self) -> dict[int, tuple[int, ...]]:
@@ -333,34 +341,15 @@ class BatchScheduler(PlanExecutor):
             return {}
         if self.speculative == "off" and self.draft_hook is None:
             return {}
-        out: dict[int, tuple[int, ...]] = {}
-        for row, req in self._running.items():
-            if req.prefilled < len(req.prompt) or req.last_token is None:
-                continue
-            if req.cancelled.is_set() or not eligible(req):
-                continue
-            # the step gives at most 1 + len(draft) tokens: no more than max_tokens allows
-            left = req.decoder.params.max_tokens - len(req.decoder.tokens)
-            room = min(self.spec_tokens, left - 1)
-            if room <= 0:
-                continue
-            if req.draft is None:
-                req.draft = DraftState()
-            if self.draft_hook is not None:
-                draft = tuple(int(t) for t in self.draft_hook(req))[:room]
-            elif req.draft.wants():
-                draft = propose([*req.prompt, *req.decoder.tokens], room)
-            else:
-                continue
-            if draft:
-                out[row] = draft
-        return out
+        return drafts(self._running, self.spec_tokens, self.draft_hook)
 
     def _apply(self, step: StepPlan) -> None:
         """The plan's bookkeeping before its forward: retire, drop, admit (S2, S3, S5)."""
         for row in step.retire:
             self._retire(self._running[row], FinishReason.CANCELLED)
         gone = {*step.drop, *(a.seq for a in step.admit)}
+        if not gone:  # most decode steps: leave the queue as it is
+            return
         with self._cond:
             taken = {r.seq: r for r in self._queue if r.seq in gone}
             self._queue = collections.deque(r for r in self._queue if r.seq not in gone)
@@ -377,32 +366,6 @@ class BatchScheduler(PlanExecutor):
             req.started_at = time.monotonic()
             if adm.exclusive:
                 self._run_exclusive(req)
-
-    def _advance(self, req: GenerationRequest, logits: Any) -> bool:
-        """Sample from one row's logits and emit; returns True while the request continues."""
-        room = self.engine.context_length - self.engine.cursor(req.row)
-        try:
-            out = req.decoder.step(logits, room)
-        except Exception as exc:  # noqa: BLE001 - a decoding bug must not kill the thread
-            self._fail(req, exc)
-            return False
-        return self._emit(req, out)
-
-    def _emit(self, req: GenerationRequest, out: StepOutput) -> bool:
-        """Emit one sampled token; retire the request when it finished. True: it continues."""
-        req.last_token = out.token_id
-        if req.first_token_at is None:
-            req.first_token_at = time.monotonic()
-        req.emit(TokenEvent(out.token_id, out.text, out.logprob))
-        if out.finish is None:
-            return True
-        self._retire(req, out.finish)
-        return False
-
-    def _fail(self, req: GenerationRequest, exc: BaseException) -> None:
-        log.error("request %d failed: %s", req.seq, exc)
-        self.last_error = str(exc)
-        self._retire(req, FinishReason.ERROR, error=str(exc))
 
     def _retire(
         self, req: GenerationRequest, reason: FinishReason, error: str | None = None

@@ -13,8 +13,12 @@ normally in the same step. A row whose drafts keep being rejected stops drafting
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llm_server.scheduler.request import GenerationRequest
 
 NGRAM_MAX = 3
 NGRAM_MIN = 1
@@ -73,3 +77,34 @@ def eligible(req) -> bool:
     """Whether a request's tokens are exactly the argmax of the raw logits (it may draft)."""
     params = req.decoder.params
     return params.plain_greedy and req.decoder.constraint is None and not params.logprobs
+
+
+def drafts(
+    running: Mapping[int, GenerationRequest],
+    spec_tokens: int,
+    hook: Callable[[GenerationRequest], tuple[int, ...]] | None = None,
+) -> dict[int, tuple[int, ...]]:
+    """Each decoding eligible row's draft for the next step: row -> up to `spec_tokens` ids
+    (prompt lookup with back-off, or `hook(req)` in tests); rows without one are left out."""
+    out: dict[int, tuple[int, ...]] = {}
+    for row, req in running.items():
+        if req.prefilled < len(req.prompt) or req.last_token is None:
+            continue
+        if req.cancelled.is_set() or not eligible(req):
+            continue
+        # the step gives at most 1 + len(draft) tokens: no more than max_tokens allows
+        left = req.decoder.params.max_tokens - len(req.decoder.tokens)
+        room = min(spec_tokens, left - 1)
+        if room <= 0:
+            continue
+        if req.draft is None:
+            req.draft = DraftState()
+        if hook is not None:
+            draft = tuple(int(t) for t in hook(req))[:room]
+        elif req.draft.wants():
+            draft = propose([*req.prompt, *req.decoder.tokens], room)
+        else:
+            continue
+        if draft:
+            out[row] = draft
+    return out

@@ -26,7 +26,7 @@ from llm_server.scheduler.scorer import (
     chunk_sizes,
     padded_rows,
 )
-from llm_server.scheduler.shortest_first import ShortestFirstQueue
+from llm_server.scheduler.shortest_first import PumpRequest, ShortestFirstQueue
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def supports_embeddings(engine: Engine) -> bool:
 
 
 @dataclass(eq=False)
-class EmbedRequest:
+class EmbedRequest(PumpRequest):
     """One embeddings request: all its inputs queue together; `future` gets [n, hidden]."""
 
     inputs: list[list[int]]
@@ -52,17 +52,6 @@ class EmbedRequest:
     def __post_init__(self) -> None:
         self.vectors = [None] * len(self.inputs)
         self.remaining = len(self.inputs)
-
-    @property
-    def abandoned(self) -> bool:
-        return self.future.done()
-
-    def claim(self) -> bool:
-        """Mark the request running (scheduler thread); False if the caller cancelled it."""
-        if self.started:
-            return not self.abandoned
-        self.started = True
-        return self.future.set_running_or_notify_cancel()
 
 
 @dataclass(frozen=True)
@@ -116,7 +105,7 @@ class Embedder:
     def close(self) -> None:
         """Refuse new requests and fail the queued ones."""
         for item in self._queue.close():
-            self._fail(item.request, self._queue.closed_error())
+            item.request.fail(self._queue.closed_error())
 
     # -- the scheduler thread --------------------------------------------------------
 
@@ -148,7 +137,7 @@ class Embedder:
         if not supports_embeddings(engine):
             exc = EmbeddingError(f"the {engine.name} engine does not compute embeddings")
             for m in members:
-                self._fail(m.request, exc)
+                m.request.fail(exc)
             return None
         pad = engine.padded_shapes
         rows = padded_rows(len(members), cap, engine.dynamic_shapes and pad)
@@ -189,11 +178,7 @@ class Embedder:
         else:
             err = EmbeddingError(f"embedding failed: {exc}")
         for m in batch.members:
-            self._fail(m.request, err)
-
-    def _fail(self, req: EmbedRequest, exc: BaseException) -> None:
-        if req.claim():
-            req.future.set_exception(exc)
+            m.request.fail(err)
 
 
 def _pad(inputs: list[list[int]], rows: int, length: int) -> np.ndarray:

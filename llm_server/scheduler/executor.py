@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from llm_server.decoding import FinishReason
+from llm_server.decoding import FinishReason, StepOutput
 from llm_server.engines.step import StepPlan, StepResult
-from llm_server.scheduler.request import GenerationRequest
+from llm_server.scheduler.request import GenerationRequest, TokenEvent
 
 if TYPE_CHECKING:
     from llm_server.scheduler.batch import BatchScheduler
@@ -148,6 +148,32 @@ class PlanExecutor:
                 return
         if error is not None:
             self._fail(req, error)
+
+    def _advance(self: BatchScheduler, req: GenerationRequest, logits: Any) -> bool:
+        """Sample from one row's logits and emit; returns True while the request continues."""
+        room = self.engine.context_length - self.engine.cursor(req.row)
+        try:
+            out = req.decoder.step(logits, room)
+        except Exception as exc:  # noqa: BLE001 - a decoding bug must not kill the thread
+            self._fail(req, exc)
+            return False
+        return self._emit(req, out)
+
+    def _emit(self: BatchScheduler, req: GenerationRequest, out: StepOutput) -> bool:
+        """Emit one sampled token; retire the request when it finished. True: it continues."""
+        req.last_token = out.token_id
+        if req.first_token_at is None:
+            req.first_token_at = time.monotonic()
+        req.emit(TokenEvent(out.token_id, out.text, out.logprob))
+        if out.finish is None:
+            return True
+        self._retire(req, out.finish)
+        return False
+
+    def _fail(self: BatchScheduler, req: GenerationRequest, exc: BaseException) -> None:
+        log.error("request %d failed: %s", req.seq, exc)
+        self.last_error = str(exc)
+        self._retire(req, FinishReason.ERROR, error=str(exc))
 
     def _may_speculate(self: BatchScheduler) -> bool:
         """Nothing to admit, prefill, lease or score at the next step boundary."""

@@ -21,7 +21,7 @@ import numpy as np
 
 from llm_server.decoding import MAX_TOP_LOGPROBS
 from llm_server.engines.base import SCORE_BUCKETS, SCORE_CHUNK, Engine, ScoreChunkResult
-from llm_server.scheduler.shortest_first import ShortestFirstQueue
+from llm_server.scheduler.shortest_first import PumpRequest, ShortestFirstQueue
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ _seqs = itertools.count(1)
 
 
 @dataclass(eq=False)
-class ScoreRequest:
+class ScoreRequest(PumpRequest):
     """One completions request: all its prompts score together; `future` gets the results."""
 
     prompts: list[list[int]]
@@ -74,17 +74,6 @@ class ScoreRequest:
     def __post_init__(self) -> None:
         self.results = [None] * len(self.prompts)
         self.remaining = len(self.prompts)
-
-    @property
-    def abandoned(self) -> bool:
-        return self.future.done()  # cancelled by the caller, or already failed
-
-    def claim(self) -> bool:
-        """Mark the request running (scheduler thread); False if the caller cancelled it."""
-        if self.started:
-            return not self.abandoned
-        self.started = True
-        return self.future.set_running_or_notify_cancel()
 
 
 @dataclass(frozen=True)
@@ -181,7 +170,7 @@ class Scorer:
     def close(self) -> None:
         """Refuse new requests and fail the queued ones (the scheduler thread has stopped)."""
         for item in self._queue.close():
-            self._fail(item.request, self._queue.closed_error())
+            item.request.fail(self._queue.closed_error())
 
     # -- the scheduler thread --------------------------------------------------------
 
@@ -283,11 +272,7 @@ class Scorer:
         log.error("scoring batch %d failed: %s", batch.seq, exc)
         err = ScoringError(f"scoring failed: {exc}")
         for m in batch.members:
-            self._fail(m.request, err)
-
-    def _fail(self, req: ScoreRequest, exc: BaseException) -> None:
-        if req.claim():
-            req.future.set_exception(exc)
+            m.request.fail(err)
 
 
 def _pad(prompts: list[list[int]], rows: int) -> tuple[np.ndarray, np.ndarray]:

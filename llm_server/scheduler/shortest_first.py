@@ -7,9 +7,34 @@ import heapq
 import itertools
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from concurrent.futures import Future
+from typing import Protocol
 
 from llm_server.scheduler.request import QueueFull, SchedulerClosed
+
+
+class PumpRequest:
+    """What a scoring or embedding request shares (a mixin for its dataclass): `future` gets
+    its result, `started` is set once one of its inputs enters a batch."""
+
+    future: Future
+    started: bool
+
+    @property
+    def abandoned(self) -> bool:
+        return self.future.done()  # cancelled by the caller, or already failed
+
+    def claim(self) -> bool:
+        """Mark the request running (scheduler thread); False if the caller cancelled it."""
+        if self.started:
+            return not self.abandoned
+        self.started = True
+        return self.future.set_running_or_notify_cancel()
+
+    def fail(self, exc: BaseException) -> None:
+        """Fail the request unless the caller already cancelled it."""
+        if self.claim():
+            self.future.set_exception(exc)
 
 
 class QueuedInput(Protocol):
@@ -18,7 +43,7 @@ class QueuedInput(Protocol):
     @property
     def tokens(self) -> list[int]: ...
 
-    request: Any  # has `abandoned` (bool) and `future`
+    request: PumpRequest
 
 
 def batch_size(lengths: Sequence[int], max_rows: int) -> int:
@@ -52,7 +77,7 @@ class ShortestFirstQueue:
         self._requests = 0
         self._closed = False
 
-    def push(self, request: Any, items: Sequence[QueuedInput]) -> None:
+    def push(self, request: PumpRequest, items: Sequence[QueuedInput]) -> None:
         """Queue every input of `request` together; raises QueueFull/SchedulerClosed."""
         with self._lock:
             if self._closed:

@@ -7,6 +7,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from llm_server.testing.tiny import HERMES_TEMPLATE, THINKING_TEMPLATE, build_tiny_checkpoint
+
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path: Path):
@@ -21,3 +23,27 @@ def server(tiny_model_path: Path):
 def http(server) -> httpx.Client:
     with httpx.Client(base_url=server.url, timeout=60) as client:
         yield client
+
+
+@pytest.fixture(scope="module")
+def hermes_server(tmp_path_factory):
+    """The tiny model with a Hermes tool-call template (8 concurrent rows)."""
+    from llm_server.testing.live import serving
+
+    path = build_tiny_checkpoint(
+        tmp_path_factory.mktemp("hermes") / "tiny-hermes", chat_template=HERMES_TEMPLATE
+    )
+    with serving(path, concurrent=8) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def think_server(tmp_path_factory):
+    """The tiny model with a Qwen3-style `<think>` template (serial)."""
+    from llm_server.testing.live import serving
+
+    path = build_tiny_checkpoint(
+        tmp_path_factory.mktemp("think") / "tiny-think", chat_template=THINKING_TEMPLATE
+    )
+    with serving(path) as srv:
+        yield srv

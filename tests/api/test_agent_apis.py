@@ -18,7 +18,6 @@ import pytest
 
 from llm_server.api.responses_store import ResponseStore
 from llm_server.testing.live import LiveServer
-from llm_server.testing.tiny import HERMES_TEMPLATE, build_tiny_checkpoint
 
 WEATHER = {
     "type": "object",
@@ -41,17 +40,6 @@ RAW_EVENTS = {
     "message_stop",
 }
 GREEDY = {"temperature": 0}  # the anthropic SDK has no temperature argument any more
-
-
-@pytest.fixture(scope="module")
-def hermes_server(tmp_path_factory):
-    from llm_server.testing.live import serving
-
-    path = build_tiny_checkpoint(
-        tmp_path_factory.mktemp("agents") / "tiny-hermes", chat_template=HERMES_TEMPLATE
-    )
-    with serving(path, concurrent=6) as srv:
-        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -336,6 +324,45 @@ def test_messages_errors_in_anthropic_format(ant, hermes_server):
             timeout=60,
         )
         assert bearer.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "value", "param"),
+    [
+        ("/v1/responses", "service_tier", "priority", "service_tier"),
+        ("/v1/responses", "user", 7, "user"),
+        ("/v1/responses", "truncation", "auto", "truncation"),
+        ("/v1/responses", "top_logprobs", 3, "top_logprobs"),
+        ("/v1/messages", "service_tier", "priority", "service_tier"),
+        ("/v1/messages", "metadata", {"user_id": "u", "tag": "x"}, "metadata.tag"),
+        ("/v1/messages", "metadata", {"user_id": 5}, "metadata.user_id"),
+    ],
+)
+def test_unsupported_field_values_are_refused(hermes_server, path, field, value, param):
+    body = {"model": "default", "max_output_tokens": 2, "input": "Hi", field: value}
+    if path == "/v1/messages":
+        body = {
+            "model": "default",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": "Hi"}],
+        }
+        body[field] = value
+    r = httpx.post(hermes_server.url + path, json=body, timeout=60)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error.get("param", param) == param and f"'{param}'" in error["message"]
+
+
+def test_accepted_no_op_field_values(hermes_server):
+    ask = [{"role": "user", "content": "Hi"}]
+    msg = {"model": "default", "max_tokens": 2, "messages": ask}
+    extra = {"service_tier": "standard_only", "metadata": {"user_id": "u-1"}}
+    r = httpx.post(hermes_server.url + "/v1/messages", json={**msg, **extra}, timeout=60)
+    assert r.status_code == 200
+    resp = {"model": "default", "max_output_tokens": 2, "input": "Hi", "user": "u-1"}
+    r = httpx.post(hermes_server.url + "/v1/responses", json={**resp, "service_tier": "auto"},
+                   timeout=60)  # fmt: skip
+    assert r.status_code == 200 and r.json()["user"] == "u-1"
 
 
 # -- one engine: all three APIs batched together ----------------------------------------------

@@ -12,21 +12,9 @@ import pytest
 
 from llm_server.api.messages_input import parse_messages_request
 from llm_server.api.responses_input import parse_responses
-from llm_server.testing.tiny import THINKING_TEMPLATE, build_tiny_checkpoint
 from tests.api.test_reasoning import ANSWER, ASK, THOUGHT, _script
 
 GREEDY = {"temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def think_server(tmp_path_factory):
-    from llm_server.testing.live import serving
-
-    path = build_tiny_checkpoint(
-        tmp_path_factory.mktemp("agent-think") / "tiny-think", chat_template=THINKING_TEMPLATE
-    )
-    with serving(path) as srv:
-        yield srv
 
 
 @pytest.fixture

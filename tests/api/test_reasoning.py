@@ -15,7 +15,6 @@ import pytest
 
 from llm_server.api import chat_plan
 from llm_server.decoding import LogitsConstraint
-from llm_server.testing.tiny import THINKING_TEMPLATE, build_tiny_checkpoint
 from tests.api.helpers import ForcedPrefix
 
 THOUGHT, ANSWER = "The user greets me.", "Hello there."
@@ -48,17 +47,6 @@ class Scripted(LogitsConstraint):
     def advance(self, token: int) -> bool:
         self.i += 1
         return False
-
-
-@pytest.fixture(scope="module")
-def think_server(tmp_path_factory):
-    from llm_server.testing.live import serving
-
-    path = build_tiny_checkpoint(
-        tmp_path_factory.mktemp("think") / "tiny-think", chat_template=THINKING_TEMPLATE
-    )
-    with serving(path) as srv:
-        yield srv
 
 
 @pytest.fixture

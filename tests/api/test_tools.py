@@ -16,7 +16,6 @@ import pydantic
 import pytest
 
 from llm_server.api import chat_plan
-from llm_server.testing.tiny import HERMES_TEMPLATE, build_tiny_checkpoint
 from tests.api.helpers import ForcedPrefix
 
 WEATHER_SCHEMA = {
@@ -56,19 +55,8 @@ MAX = 120
 
 
 @pytest.fixture(scope="module")
-def tools_server(tmp_path_factory):
-    from llm_server.testing.live import serving
-
-    path = build_tiny_checkpoint(
-        tmp_path_factory.mktemp("tools") / "tiny-hermes", chat_template=HERMES_TEMPLATE
-    )
-    with serving(path, concurrent=8) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(tools_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=tools_server.url + "/v1", api_key="unused", max_retries=0)
+def client(hermes_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=hermes_server.url + "/v1", api_key="unused", max_retries=0)
 
 
 def _schema(name: str) -> dict:
@@ -179,7 +167,7 @@ def test_parse_with_a_pydantic_tool(client):
     assert 1 <= call.function.parsed_arguments.days <= 3
 
 
-def test_three_turn_agent_loop(client, tools_server):
+def test_three_turn_agent_loop(client, hermes_server):
     messages = list(ASK)
     first = client.chat.completions.create(
         model="default",
@@ -206,7 +194,7 @@ def test_three_turn_agent_loop(client, tools_server):
     assert choice.finish_reason in ("stop", "length") and choice.message.tool_calls is None
     assert isinstance(choice.message.content, str)
     # the history (the call and the tool result) reached the template
-    tok = tools_server.service.tokenizer
+    tok = hermes_server.service.tokenizer
     history = [
         {"role": "user", "content": ASK[0]["content"]},
         {
@@ -236,10 +224,10 @@ def test_three_turn_agent_loop(client, tools_server):
     assert final.usage.prompt_tokens == len(tok.encode(prompt, add_special_tokens=False))
 
 
-def test_auto_holds_a_started_call_to_the_schema(client, tools_server, monkeypatch):
+def test_auto_holds_a_started_call_to_the_schema(client, hermes_server, monkeypatch):
     """Under auto the lazy grammar leaves text free; once the model writes <tool_call> (forced
     here, the random model never would), the call is constrained like a forced one."""
-    prefix = tools_server.service.tokenizer.encode("Let me check.\n<tool_call>", False)
+    prefix = hermes_server.service.tokenizer.encode("Let me check.\n<tool_call>", False)
     real = chat_plan._constraint
 
     async def with_prefix(service, chat, thinking_open):
@@ -278,7 +266,7 @@ def _call(client, i: int):
     return r.choices[0]
 
 
-def test_tool_rows_batched_beside_plain_rows(client, tools_server):
+def test_tool_rows_batched_beside_plain_rows(client, hermes_server):
     alone = [_plain(client, i) for i in range(4)]
     with ThreadPoolExecutor(8) as pool:
         calls = [pool.submit(_call, client, i) for i in range(4)]
@@ -377,12 +365,12 @@ def test_a_template_without_tool_syntax_refuses_tools(server):
     assert r.choices[0].message.tool_calls is None
 
 
-def test_tokenize_counts_the_prompt_a_tools_request_sends(client, tools_server):
+def test_tokenize_counts_the_prompt_a_tools_request_sends(client, hermes_server):
     body = {"messages": ASK, "tools": TOOLS}
-    counted = httpx.post(tools_server.url + "/tokenize", json=body, timeout=30).json()["count"]
+    counted = httpx.post(hermes_server.url + "/tokenize", json=body, timeout=30).json()["count"]
     r = client.chat.completions.create(
         model="default", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=1
     )
     assert counted == r.usage.prompt_tokens
-    plain = httpx.post(tools_server.url + "/tokenize", json={"messages": ASK}, timeout=30)
+    plain = httpx.post(hermes_server.url + "/tokenize", json={"messages": ASK}, timeout=30)
     assert plain.json()["count"] < counted  # the tools are in the prompt

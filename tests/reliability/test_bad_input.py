@@ -23,6 +23,7 @@ from tests.api.helpers import assert_openai_error
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
+EMB = "/v1/embeddings"
 VOCAB = 384  # the tiny checkpoint's vocabulary (tests/conftest.py: tiny_model_path)
 CONTEXT = 1024
 MSG = [{"role": "user", "content": "hi"}]
@@ -561,6 +562,16 @@ CASES = [
         "response_format",
         ("schema",),
     ),
+]
+
+# -- /v1/embeddings (tests/api/test_embeddings.py has the route's full list) --
+CASES += [
+    Case("embed-no-input", EMB, {}, 400, "input", ("'input' is required",)),
+    Case("embed-empty-string", EMB, {"input": ["a", ""]}, 400, "input[1]", ("empty string",)),
+    Case("embed-id-outside-vocab", EMB, {"input": [1, VOCAB]}, 400, "input", ("vocabulary",)),
+    Case("embed-too-long", EMB, {"input": [[1] * (CONTEXT + 1)]}, 400, "input[0]", ("1024",)),
+    Case("embed-bad-format", EMB, {"input": "a", "encoding_format": "hex"}, 400, "encoding_format"),
+    Case("embed-dimensions-zero", EMB, {"input": "a", "dimensions": 0}, 400, "dimensions"),
 ]
 
 

@@ -243,6 +243,26 @@ def test_failed_batch_forward_fails_only_its_request(tiny_model_path, tok):
         sched.close(10)
 
 
+def test_fail_all_finishes_running_and_queued_requests_with_the_error(tiny_model_path, tok):
+    """A hung step (distributed/launch.py) answers every request from another thread."""
+    sched = start_scheduler(tiny_model_path, 1)
+    try:
+        running, run_out = make_request(tok, [40, 41], 300, ignore_eos=True)
+        sched.submit(running)
+        while not run_out.tokens:
+            time.sleep(0.001)
+        with sched.acquire_lease():  # the batch is paused, as a hung step would leave it
+            queued, queue_out = make_request(tok, [42], 5)
+            sched.submit(queued)
+            sched.fail_all("the group was lost")
+            for out in (run_out, queue_out):
+                assert out.done.is_set() and out.reason == FinishReason.ERROR
+                assert out.finish.error == "the group was lost"
+            sched.abort()
+    finally:
+        sched.close(10)
+
+
 def test_closed_scheduler_refuses_new_work(tiny_model_path, tok):
     sched = start_scheduler(tiny_model_path, 2)
     assert sched.close(10)
