@@ -6,12 +6,14 @@ of Python on 2 CPU cores). Here the step is traced once per (rows, KV capacity) 
 kernels. Everything that changes from step to step is an input array: the token ids, each
 row's position, the store rows, and the KV store itself (returned updated, so the compiled
 function stays pure). Attention reads a fixed span of each row's store (the longest history
-rounded up to SPAN positions) with a per-row mask, so a graph serves SPAN tokens of the longest
+rounded up to `decode_attention.SPAN` positions) with a per-row mask, so a graph serves SPAN tokens of the longest
 row; the store's capacity (grown in `row_cache.GROW` steps) is part of the shape too.
 
-Masked positions get probability exactly 0, so each row's logits are the same sums as the
-eager forward's, in a longer (zero-padded) summation: equal within float32 rounding (the tests
-hold them to 1e-5) and the same greedy tokens.
+On the CPU the graph's logits equal the eager forward's bit for bit (decode_attention says
+why): the eager decode positions, of a pure decode step or of a mixed one, run the same
+products, the same rotation and the same `decode_attention.attend` over the same span, and
+compiling changes no rounding. So a row's greedy tokens do not depend on whether a step was
+compiled, mixed or batched (S10).
 """
 
 from __future__ import annotations
@@ -23,14 +25,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from llm_server.engines import cpu_kernels
+from llm_server.engines import cpu_kernels, decode_attention
 
 MAX_GRAPHS = 48  # compiled graphs kept (each is a small tape of ops; weights are shared)
-# attention reads each row's first `span` store positions, span = the step's longest history
-# rounded up to this: softmax's exp costs ~12 ns per position on the CPU, so reading the whole
-# capacity (up to GROW - 1 masked positions) costs more than a new graph every SPAN tokens
-# (a trace takes ~15 ms, once per SPAN tokens of the longest row)
-SPAN = 64
 
 
 @dataclass(frozen=True)
@@ -47,7 +44,7 @@ class StepShape:
 
 
 class CompiledSteps:
-    """Compiled decode steps of one `FusedDecoder`, keyed by `StepShape` (least recently used
+    """Compiled decode steps of one `FusedForward`, keyed by `StepShape` (least recently used
     dropped past MAX_GRAPHS)."""
 
     def __init__(self, decoder) -> None:
@@ -75,7 +72,7 @@ class CompiledSteps:
         shape = StepShape(
             batch=len(rows),
             capacity=capacity,
-            span=min(capacity, -(-(max(starts) + 1) // SPAN) * SPAN),
+            span=decode_attention.span(max(starts) + 1, capacity),
             store_rows=store_rows,
             all_rows=rows == list(range(store_rows)),
             split=split,
@@ -107,8 +104,7 @@ class CompiledSteps:
 
         def step(ids, pos, row_ids, *kv):
             keys, values = list(kv[:layers]), list(kv[layers:])
-            # [B, 1, 1, span]: row b attends to positions 0..pos[b]
-            mask = (mx.arange(shape.span)[None, :] <= pos[:, None])[:, None, None, :]
+            mask = decode_attention.mask(pos, 1, shape.span)  # [B, 1, 1, span]
             write = _writer(shape, pos, row_ids)
             read = _reader(shape, row_ids)
             logits, new_keys, new_values = _body(
@@ -152,33 +148,17 @@ def _silu_mul(gate: mx.array, up: mx.array) -> mx.array:
     return gate * mx.sigmoid(gate) * up
 
 
-@mx.compile
-def _masked_scores(scores: mx.array, mask: mx.array, scale: mx.array) -> mx.array:
-    return mx.where(mask, scores * scale, mx.array(-float("inf"), scores.dtype))
-
-
-def _attention(layer, queries, keys, values, mask, split: bool) -> mx.array:
-    """queries [B, H, Dh] over keys/values [B, KV, span, Dh] -> [B, H, Dh] (query heads of a
-    KV head side by side).
-
-    With BLIS held to one thread (a split step) the grouped products, [H/KV, Dh] @ [Dh, span]
-    per (row, KV head), beat MLX's attention fallback (one [1, Dh] product per query head):
-    55 vs 73 us per layer at 1 row, 194 vs 237 at 4 rows (span 256, SmolLM2's heads). With BLIS
-    threading they are slower (it forks both cores for each tiny product), so unsplit steps
-    keep `mx.fast.scaled_dot_product_attention`.
-    """
-    b, nh, hd = queries.shape
-    nkv = keys.shape[1]
-    if not split:
+def _attention(layer, queries, keys, values, mask) -> mx.array:
+    """queries [B, H, Dh] over keys/values [B, KV, span, Dh] -> [B, H, Dh]: on the CPU the
+    arithmetic every decode position shares (decode_attention.attend); on Metal MLX's fused
+    attention kernel."""
+    if cpu_kernels.on_cpu():
+        out = decode_attention.attend(queries[:, :, None], keys, values, mask, layer.scale)
+    else:
         out = mx.fast.scaled_dot_product_attention(
             queries[:, :, None], keys, values, scale=layer.scale, mask=mask
         )
-        return out.reshape(b, nh, hd)
-    grouped = queries.reshape(b, nkv, nh // nkv, hd)
-    scores = grouped @ keys.swapaxes(-1, -2)  # [B, KV, H / KV, span]
-    scale = mx.array(layer.scale, scores.dtype)
-    probs = mx.softmax(_masked_scores(scores, mask, scale), axis=-1, precise=True)
-    return (probs @ values).reshape(b, nh, hd)
+    return out[:, :, 0]
 
 
 def _body(decoder, rotation, ids, pos, mask, keys, values, write, read, split: bool):
@@ -210,7 +190,7 @@ def _body(decoder, rotation, ids, pos, mask, keys, values, write, read, split: b
             qk = _rotate(qk, swapped, cos2, sin2)
         new_keys.append(write(keys[i], qk[:, nh:, None]))
         new_values.append(write(values[i], v))
-        out = _attention(layer, qk[:, :nh], read(new_keys[i]), read(new_values[i]), mask, split)
+        out = _attention(layer, qk[:, :nh], read(new_keys[i]), read(new_values[i]), mask)
         x = x + layer.o(out.reshape(b, nh * hd), split)
         gate, up = layer.gate_up.pair(layer.norm_post(x), split)
         x = x + layer.down(_silu_mul(gate, up), split)

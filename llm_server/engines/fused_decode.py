@@ -13,7 +13,7 @@ On the CPU `split=True` puts each product's output halves on two streams: with B
 one thread per stream (see `blas.threads`) that is faster than BLIS's own threading for the
 skinny products of decoding.
 
-`FusedDecoder.build(model, positions)` returns None for layers it does not know (quantized
+`FusedForward.build(model, positions)` returns None for layers it does not know (quantized
 weights, sliding windows, unknown attention extras); the engine then keeps the mlx-lm forward.
 """
 
@@ -25,7 +25,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from llm_server.engines import cpu_kernels
+from llm_server.engines import cpu_kernels, decode_attention
 from llm_server.engines.compiled_step import CompiledSteps
 from llm_server.engines.layout import PLAIN_HEAD_MODULES, model_family
 from llm_server.engines.row_cache import RowView
@@ -160,7 +160,7 @@ def _table_matches(table: mx.array, rope: nn.Module) -> bool:
     return True
 
 
-class FusedDecoder:
+class FusedForward:
     """Runs the model for one new token per row over the engine's row views."""
 
     def __init__(self, model, layers: list[_Layer], lm_head: _Linear, table: mx.array | None):
@@ -177,7 +177,7 @@ class FusedDecoder:
         self.compiled = CompiledSteps(self)
 
     @classmethod
-    def build(cls, model, positions: int) -> FusedDecoder | None:
+    def build(cls, model, positions: int) -> FusedForward | None:
         if model_family(model) not in PLAIN_HEAD_MODULES:
             return None  # e.g. granite: llama's layer names, but multipliers this does not apply
         inner = getattr(model, "model", None)
@@ -261,8 +261,10 @@ class FusedDecoder:
             cos_sin = (at[..., : self.half], at[..., self.half :])
         # prompts on the CPU: numpy's SIMD sigmoid for large inputs (cpu_kernels.swiglu)
         silu_mul = cpu_kernels.swiglu if q > 1 and cpu_kernels.on_cpu() else _silu_mul
+        exact = q == 1  # a decode step: the arithmetic every decode position shares
         for layer, cache in zip(self.layers, caches, strict=True):
-            x = x + self._attention(layer, layer.norm_in(x), cache, mask, cos_sin, split)
+            h = layer.norm_in(x)
+            x = x + self._attention(layer, h, cache, mask, cos_sin, split, exact, starts)
             gu = layer.gate_up(layer.norm_post(x), split)
             act = silu_mul(gu[..., : layer.inter], gu[..., layer.inter :])
             x = x + layer.down(act, split)
@@ -283,6 +285,10 @@ class FusedDecoder:
         packed into one sequence for the products (each weight is read once per step); attention
         runs per group, each against its own rows' keys, so every row sees only its own history
         and the result per row is the same as running it alone.
+
+        Decode positions (the q=1 groups and the drafts in `every`) take the arithmetic of a
+        pure decode step, compiled or not (decode_attention): the same attention, and MLX's
+        SiLU where a prompt chunk's positions get numpy's.
         """
         inner = self.model.model
         sizes = [ids.shape[0] * ids.shape[1] for ids, *_ in groups]
@@ -294,14 +300,16 @@ class FusedDecoder:
             axis=1,
         )  # [1, T, dim]
         tables = [self._cos_sin(starts, ids.shape[1]) for ids, _, starts, _ in groups]
-        total = sum(sizes)
-        silu_mul = cpu_kernels.swiglu if total > 1 and cpu_kernels.on_cpu() else _silu_mul
+        exact = [ids.shape[1] == 1 or g in every for g, (ids, *_) in enumerate(groups)]
+        silu_mul = self._group_silu(sizes, exact)
         for i, layer in enumerate(self.layers):
             h = layer.norm_in(x)
             outs, off = [], 0
-            for (ids, caches, _, mask), n, cos_sin in zip(groups, sizes, tables, strict=True):
+            for g, ((ids, caches, starts, mask), n) in enumerate(zip(groups, sizes, strict=True)):
                 hg = h[:, off : off + n].reshape(ids.shape[0], ids.shape[1], -1)
-                out = self._attention(layer, hg, caches[i], mask, cos_sin, split)
+                out = self._attention(
+                    layer, hg, caches[i], mask, tables[g], split, exact[g], starts
+                )
                 outs.append(out.reshape(1, n, -1))
                 off += n
             x = x + (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1))
@@ -315,6 +323,29 @@ class FusedDecoder:
             off += n
         return self.lm_head(inner.norm(x[0, mx.array(last)]), split)
 
+    @staticmethod
+    def _group_silu(sizes: list[int], exact: list[bool]):
+        """silu(gate) * up over packed groups: MLX's kernel for the decode positions (`exact`
+        groups, which come first in a step), numpy's sigmoid (cpu_kernels.swiglu) for the
+        prompt chunks after them."""
+        if sum(sizes) == 1 or not cpu_kernels.on_cpu():
+            return _silu_mul
+        lead = 0  # packed positions of the leading exact groups
+        for size, is_exact in zip(sizes, exact, strict=True):
+            if not is_exact:
+                break
+            lead += size
+        if lead == sum(sizes) or lead < sum(n for n, e in zip(sizes, exact, strict=True) if e):
+            return _silu_mul  # all decode positions, or some after a chunk: MLX's for all
+        if lead == 0:
+            return cpu_kernels.swiglu
+
+        def split_silu(gate: mx.array, up: mx.array) -> mx.array:
+            head = _silu_mul(gate[:, :lead], up[:, :lead])
+            return mx.concatenate([head, cpu_kernels.swiglu(gate[:, lead:], up[:, lead:])], 1)
+
+        return split_silu
+
     def _cos_sin(self, starts: list[int], q: int):
         """The rotary cos/sin of positions starts[b] + 0..q-1, [B, 1, q, Dh/2] each (None: the
         layers' rope modules rotate instead)."""
@@ -324,7 +355,11 @@ class FusedDecoder:
         at = self.table[pos][:, None]  # [B, 1, q, Dh]
         return at[..., : self.half], at[..., self.half :]
 
-    def _attention(self, layer: _Layer, h, cache, mask, cos_sin, split: bool):
+    def _attention(
+        self, layer: _Layer, h, cache, mask, cos_sin, split: bool, exact: bool, starts: list[int]
+    ):
+        """`exact`: decode positions, which on the CPU attend as a compiled decode step does
+        (decode_attention) when the cache is the engine's row store."""
         hd, nh, nkv = layer.head_dim, layer.heads, layer.kv_heads
         b, q, _ = h.shape
         qkv = layer.qkv(h, split)  # [B, q, (H + 2 KV) * Dh]
@@ -342,7 +377,12 @@ class FusedDecoder:
         else:  # not compiled: one compile per prompt length would pile up
             queries, keys = _rotate_eager(queries, *cos_sin), _rotate_eager(keys, *cos_sin)
         keys, values = cache.update_and_fetch(keys, values)
-        if (
+        if exact and isinstance(cache, RowView) and cpu_kernels.on_cpu():
+            width = decode_attention.span(cache.plan.kv_len, cache.store.capacity)
+            keys, values = decode_attention.read(cache, width)
+            at = decode_attention.mask(mx.array(starts, dtype=mx.int32), q, width)
+            out = decode_attention.attend(queries, keys, values, at, layer.scale)
+        elif (
             q > 1
             and cpu_kernels.on_cpu()
             and b * nh * q * keys.shape[2] >= cpu_kernels.NUMPY_MIN_ELEMENTS

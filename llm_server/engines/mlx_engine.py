@@ -22,7 +22,7 @@ from llm_server import blas
 from llm_server.engines import cpu_kernels, quantized
 from llm_server.engines.bare_checkpoint import model_classes
 from llm_server.engines.base import EngineError
-from llm_server.engines.fused_decode import FusedDecoder
+from llm_server.engines.fused_decode import FusedForward
 from llm_server.engines.layout import (
     GROUPED_SCORE_MODULES,
     KV,
@@ -67,22 +67,21 @@ class MLXEngine(StepRunner, SessionRunner):
         fused_decode: bool = True,
         pipeline: bool | None = None,
         keep_quantized: bool = False,
-        compiled_decode: bool = False,
+        compiled_decode: bool | None = None,
         group=None,
     ) -> None:
         """`prefix_cache_bytes`: bound of the prompt prefix cache (None: an eighth of the weights, at least 64 MiB; 0: off).
 
         `padded_shapes`: have the scorer pad scoring shapes to buckets (C4). MLX runs any shape
         without a compile, so by default it gets exact shapes and computes no padding.
-        `fused_decode`: run decode steps through `FusedDecoder` where the architecture allows.
+        `fused_decode`: run decode steps through `FusedForward` where the architecture allows.
         `pipeline`: let the scheduler start a greedy step before the one before is finished
         (None: on Metal only; on the CPU the Python work then competes with the forward for the
         same cores, measured 8-12% slower on 2 cores).
         `keep_quantized`: serve a quantized checkpoint quantized on the CPU too (see quantized).
-        `compiled_decode`: run pure decode steps as compiled graphs (see compiled_step). Off by
-        default: its logits equal the eager forward's only within float32 rounding, and a mixed
-        step (prompt chunks beside decoding rows) runs the eager forward, so a row's greedy
-        tokens could then depend on which steps it shared (S10).
+        `compiled_decode`: run pure decode steps as compiled graphs (see compiled_step); None:
+        on the CPU, where their logits equal the eager forward's (mixed steps too) bit for bit
+        (decode_attention). Off on Metal until the same is shown there.
         `group`: an `mx.distributed` group to shard the model over (tensor parallel, mlx-lm's
         `model.shard`); every rank then runs the same calls in lock-step (llm_server.distributed).
         The fused forward, the prefix cache and pipelining are off: they do not compose with it.
@@ -131,7 +130,9 @@ class MLXEngine(StepRunner, SessionRunner):
         # time: stacking loaded weights instead left ~280 MB of freed (but resident) heap.
         fusable = fused_decode and self._plain_head and self._layout.plain
         fusable = fusable and self.serial_reason is None
-        self._fused = FusedDecoder.build(self.model, self.context_length) if fusable else None
+        self._fused = FusedForward.build(self.model, self.context_length) if fusable else None
+        if compiled_decode is None:
+            compiled_decode = cpu_kernels.on_cpu()
         if compiled_decode and self._fused is not None:
             self._fused.enable_compiled()
         mx.eval(self.model.parameters())

@@ -3,7 +3,7 @@
 Part of `MLXEngine` (a mixin; the row store, prefill and decode stay in mlx_engine.py). A fresh
 chunk opens its row first (reset, then the longest prefix held elsewhere is copied in). On the
 fused layers every group (the decode rows at q=1, each chunk at its length) shares one packed
-forward (`FusedDecoder.forward_groups`); other models build one graph per group over the same
+forward (`FusedForward.forward_groups`); other models build one graph per group over the same
 row store and state slots and evaluate them together. Rows advance only when the whole step
 succeeded.
 """

@@ -4,7 +4,7 @@ MLX's CPU backend has no fast quantized kernels (mlx_lm took 44 s for 4 x 16 tok
 SmolLM2 on 2 cores, where float32 runs ~20x faster), so on the CPU the quantized layers mlx-lm
 built from the config's `quantization` (uniform or per-layer) become float layers at load, as the
 GGUF import does, when float32 fits in memory. On Metal they stay quantized: the engine then runs
-mlx-lm's own quantized forward (FusedDecoder.build returns None for quantized layers).
+mlx-lm's own quantized forward (FusedForward.build returns None for quantized layers).
 """
 
 from __future__ import annotations

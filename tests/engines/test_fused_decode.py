@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models.rope_utils import initialize_rope
 
 from llm_server import blas
-from llm_server.engines.fused_decode import FusedDecoder, _rope_table, _table_matches
+from llm_server.engines.fused_decode import FusedForward, _rope_table, _table_matches
 from llm_server.engines.mlx_engine import MLXEngine
 from llm_server.testing.tiny import TinySpec, build_tiny_checkpoint
 
@@ -75,7 +75,7 @@ def test_stacked_weights_are_held_once(tiny_model_path):
 def test_quantized_layers_keep_the_mlx_lm_forward(tiny_llama_path):
     engine = MLXEngine(tiny_llama_path, rows=1, fused_decode=False)
     nn.quantize(engine.model, group_size=32, bits=8)
-    assert FusedDecoder.build(engine.model, 64) is None
+    assert FusedForward.build(engine.model, 64) is None
 
 
 def test_rope_table_reproduces_scaled_rope_and_refuses_others():

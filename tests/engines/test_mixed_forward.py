@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llm_server.engines.fused_decode import FusedDecoder
+from llm_server.engines.fused_decode import FusedForward
 from llm_server.engines.mlx_engine import MLXEngine
 from llm_server.engines.step import DecodeRow, PrefillChunk, StepPlan
 from llm_server.scheduler import BatchScheduler
@@ -45,9 +45,9 @@ def test_a_chunk_in_the_forward_of_seven_decoding_rows_equals_alone(tiny_model_p
         mixed.prefill(row, p)
         ref.prefill(row, p)
     forwards = []
-    real = FusedDecoder.forward_groups
+    real = FusedForward.forward_groups
     monkeypatch.setattr(
-        FusedDecoder,
+        FusedForward,
         "forward_groups",
         lambda s, g, sp, every=frozenset(): forwards.append(len(g)) or real(s, g, sp, every),
     )

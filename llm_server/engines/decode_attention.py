@@ -1,0 +1,83 @@
+"""Attention of decode positions with one arithmetic, whatever step they ride in (CPU).
+
+A decode token's logits must not depend on the step that computed it: alone or batched, pure
+decode (the compiled graph, compiled_step) or beside a prompt chunk (the eager packed forward,
+fused_decode), or as a position of a speculative draft being verified (S10). Measured on the
+CPU (MLX 0.32, BLIS), these keep attention bit-identical across all of those:
+
+- mx.compile does not change rounding here (its CPU kernels are built with `-O3`, no FMA
+  contraction), so the compiled graph and the same ops run eagerly agree bit for bit;
+- the grouped products, [rows x heads per KV head x q, Dh] @ [Dh, span] per (row, KV head),
+  give each query row the same result whatever the number of rows in the product, as long as
+  it is at least 2 (BLIS takes another summation order, a matrix-vector kernel, for 1 row), so
+  a lone query of a model without grouped heads is duplicated;
+- reading a span of each row's store rounded up to SPAN positions: the masked positions
+  (probability exactly 0) add exact zeros, so every span of whole SPAN blocks gives the same
+  result, while a span of exactly the history length (MLX's own attention over `kv_len`
+  positions) sums in another order;
+- `mx.fast.scaled_dot_product_attention`'s CPU fallback (one product per query head) rounds
+  differently from the grouped form, so decode positions never use it on the CPU.
+
+So every decode position (q = 1 rows, and the positions of a draft being verified) runs
+`attend` over `span(...)` positions of its row, eagerly or inside a compiled graph.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+# attention reads each row's first `span` store positions, span = the step's longest history
+# rounded up to this: softmax's exp costs ~12 ns per position on the CPU, so reading the whole
+# capacity (up to GROW - 1 masked positions) costs more than a new compiled graph every SPAN
+# tokens (a trace takes ~15 ms, once per SPAN tokens of the longest row)
+SPAN = 64
+
+
+def span(positions: int, capacity: int) -> int:
+    """Store positions attention reads when the longest row of a group holds `positions`
+    (its new ones included): rounded up to SPAN, at most the store's capacity."""
+    return min(capacity, -(-positions // SPAN) * SPAN)
+
+
+def mask(starts: mx.array, q: int, width: int) -> mx.array:
+    """[B, 1, q, width] bool: query i of row b sees store positions 0..starts[b] + i."""
+    at = starts[:, None] + mx.arange(q)[None, :]  # [B, q]
+    return (mx.arange(width)[None, None, :] <= at[:, :, None])[:, None]
+
+
+def read(view, width: int) -> tuple[mx.array, mx.array]:
+    """The first `width` store positions of a row view's rows (after its update), as
+    `RowView.update_and_fetch` selects them: [B, KV, width, Dh] keys and values."""
+    store, plan, i = view.store, view.plan, view.layer
+    keys, values = store.keys[i], store.values[i]
+    if plan.all_rows:
+        return keys[:, :, :width], values[:, :, :width]
+    if plan.contiguous:
+        r0, r1 = plan.rows[0], plan.rows[0] + len(plan.rows)
+        return keys[r0:r1, :, :width], values[r0:r1, :, :width]
+    rows = mx.array(plan.rows)
+    return keys[rows, :, :width], values[rows, :, :width]
+
+
+def attend(
+    queries: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: float
+) -> mx.array:
+    """queries [B, H, q, Dh] over keys/values [B, KV, span, Dh] with mask [B, 1, q, span] bool
+    -> [B, H, q, Dh]. The query heads of a KV head (and the q positions) are the rows of one
+    product per (row, KV head)."""
+    b, nh, q, hd = queries.shape
+    nkv = keys.shape[1]
+    rep = nh // nkv
+    grouped = queries.reshape(b, nkv, rep * q, hd)
+    lone = rep * q == 1
+    if lone:  # a 1-row product takes BLIS's matrix-vector kernel: another summation order
+        grouped = mx.concatenate([grouped, grouped], axis=2)
+    scores = grouped @ keys.swapaxes(-1, -2)  # [B, KV, rep * q, span]
+    width = scores.shape[-1]
+    scores = scores.reshape(b, nkv, -1, q, width)
+    scores = mx.where(mask[:, :, None], scores * scale, mx.array(-float("inf"), scores.dtype))
+    probs = mx.softmax(scores, axis=-1, precise=True).reshape(b, nkv, -1, width)
+    out = probs @ values  # [B, KV, rep * q, Dh]
+    if lone:
+        out = out[:, :, :1]
+    return out.reshape(b, nh, q, hd)
