@@ -123,6 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
         "quantized either way)",
     )
     p.add_argument(
+        "--compiled-decode",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="run pure decode steps as compiled MLX graphs (auto: on on the CPU, where their "
+        "logits equal the eager forward's bit for bit; off on Metal); off builds every step's "
+        "graph eagerly",
+    )
+    p.add_argument(
         "--chat-template",
         type=_template,
         metavar="FILE",

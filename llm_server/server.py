@@ -46,6 +46,7 @@ def make_service(
     prefix_cache_bytes: int | None = None,
     pooling: str | None = None,
     keep_quantized: bool = False,
+    compiled_decode: bool | None = None,
     chat_template: str | None = None,
     tool_parser: str | None = None,
     step_tokens: int = DEFAULT_STEP_TOKENS,
@@ -72,6 +73,7 @@ def make_service(
             dtype=dtype,
             prefix_cache_bytes=prefix_cache_bytes,
             keep_quantized=keep_quantized,
+            compiled_decode=compiled_decode,
             group=group,
         )
         if group is None:
@@ -121,6 +123,7 @@ def service_from_args(
         prefix_cache_bytes=args.prefix_cache_bytes,
         pooling=args.pooling,
         keep_quantized=args.keep_quantized,
+        compiled_decode={"on": True, "off": False}.get(getattr(args, "compiled_decode", "auto")),
         chat_template=args.chat_template,
         tool_parser=getattr(args, "tool_parser", None),
         step_tokens=args.step_tokens,

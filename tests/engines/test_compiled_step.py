@@ -154,3 +154,113 @@ def test_steps_without_a_rope_table_equal_eager(tiny_model_path):
         last[row] = int(np.argmax(compiled.prefill(row, prompt)))
         eager.prefill(row, prompt)
     _run_steps(compiled, eager, [[0, 1], [1]], last, steps=4)
+
+
+def _plan(decode, chunks=()):
+    from llm_server.engines.step import StepPlan
+
+    return StepPlan(decode=tuple(decode), prefill=tuple(chunks))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_mixed_steps_and_drafts_give_decode_rows_the_compiled_steps_logits(
+    arch, tiny_model_path, tiny_llama_path
+):
+    """Decode rows riding with a newcomer's prompt chunk (the eager packed forward), and the
+    positions of a draft being verified, get the logits of compiled pure decode steps bit for
+    bit: rows at different cursors, one crossing a span boundary."""
+    from llm_server.engines.step import DecodeRow, PrefillChunk
+
+    path = {"qwen3": tiny_model_path, "llama": tiny_llama_path}[arch]
+    mixed = MLXEngine(path, rows=4, prefix_cache_bytes=0)
+    pure = MLXEngine(path, rows=4, prefix_cache_bytes=0)
+    rng = np.random.default_rng(3)
+    last = []
+    for row, n in enumerate((SPAN - 1, 10, 100)):
+        prompt = rng.integers(3, 380, n).tolist()
+        a = mixed.prefill(row, prompt)
+        np.testing.assert_array_equal(a, pure.prefill(row, prompt))
+        last.append(int(np.argmax(a)))
+    newcomer = rng.integers(3, 380, 30).tolist()
+    got = mixed.run(
+        _plan([DecodeRow(r, t) for r, t in enumerate(last)], [PrefillChunk(1, 3, newcomer, 0, 20)])
+    )
+    want = pure.decode([0, 1, 2], last)
+    assert got.rows == (0, 1, 2) and mixed.cursor(0) == SPAN  # row 0 now past the span
+    np.testing.assert_array_equal(got.logits, want)
+    pure.prefill(3, newcomer[:20])
+    # row 0 verifies a draft of 3 ids beside row 1 and the rest of the newcomer's prompt
+    nxt = want.argmax(-1).tolist()
+    draft = rng.integers(3, 380, 3).tolist()
+    got = mixed.run(
+        _plan(
+            [DecodeRow(0, nxt[0], tuple(draft)), DecodeRow(1, nxt[1])],
+            [PrefillChunk(1, 3, newcomer, 20, 30)],
+        )
+    )
+    np.testing.assert_array_equal(got.logits[:2], pure.decode([0, 1], nxt[:2]))
+    for i, token in enumerate(draft):  # each verified position = a compiled decode step
+        np.testing.assert_array_equal(got.verified[0][i], pure.decode([0, 2], [token, 5])[0])
+    assert mixed._fused.compiled.traces == 0  # mixed steps run eagerly
+    assert pure._fused.compiled.traces > 0
+
+
+def test_staggered_requests_batched_equal_alone_with_compiled_steps(tiny_model_path):
+    """Requests arriving while others decode (their prompt chunks riding in the decode
+    forwards) produce the tokens each produces alone on an engine without compiled steps."""
+    from llm_server.scheduler import BatchScheduler
+    from llm_server.tokenizer import Tokenizer
+    from tests.scheduler.helpers import make_request
+
+    tok = Tokenizer(tiny_model_path)
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(3, 380, n).tolist() for n in (5, 23, 40, 61)]
+    engines, mixed = [], []
+
+    class Recorder(MLXEngine):
+        def run(self, plan):
+            mixed.append(bool(plan.decode and plan.prefill))
+            return super().run(plan)
+
+    def engine(rows, compiled):
+        engines.append(Recorder(tiny_model_path, rows=rows, compiled_decode=compiled))
+        return engines[-1]
+
+    def serve(rows, compiled, batch):
+        sched = BatchScheduler(
+            lambda: engine(rows, compiled), max_concurrent=rows, step_tokens=16
+        ).start()
+        sched.wait_ready(60)
+        outs = []
+        try:
+            for group in batch:
+                for p in group:
+                    req, out = make_request(tok, p, 24, ignore_eos=True)
+                    sched.submit(req)
+                    outs.append(out)
+                while not all(o.tokens for o in outs) and not outs[-1].done.is_set():
+                    outs[-1].done.wait(0.005)  # the next ones come while these decode
+            assert all(o.done.wait(120) for o in outs)
+            return [o.tokens for o in outs]
+        finally:
+            sched.close(10)
+
+    batched = serve(4, True, [prompts[:1], prompts[1:3], prompts[3:]])
+    assert engines[-1]._fused.compiled.traces > 0
+    assert sum(mixed) >= 3  # prompt chunks rode with decoding rows
+    alone = [serve(1, False, [[p]])[0] for p in prompts]
+    assert batched == alone
+
+
+@pytest.mark.parametrize("flag, on", [([], True), (["--compiled-decode", "off"], False)])
+def test_the_cli_flag_turns_compiled_steps_off(tiny_llama_path, flag, on):
+    from llm_server.cli import build_parser
+    from llm_server.server import service_from_args
+
+    svc = service_from_args(build_parser().parse_args(flag), tiny_llama_path, "tiny")
+    try:
+        svc.wait_ready(120)
+        assert (svc.engine._fused.compiled is not None) is on
+    finally:
+        svc.scheduler.abort()
+        svc.close(30)
