@@ -264,3 +264,40 @@ def test_the_cli_flag_turns_compiled_steps_off(tiny_llama_path, flag, on):
     finally:
         svc.scheduler.abort()
         svc.close(30)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3)])
+def test_decode_attention_is_the_same_for_any_span_batch_and_query_length(heads, kv_heads):
+    """A position's attention does not depend on the span read (whole SPAN blocks), the other
+    rows of the step, or whether it is one query or a position of a draft being verified;
+    without grouped heads too (a lone query is duplicated: BLIS's 1-row kernel rounds
+    differently)."""
+    import mlx.core as mx
+
+    from llm_server.engines import decode_attention as da
+
+    rng = np.random.default_rng(5)
+    q, hd, scale = 3, 128, 128**-0.5  # a scale that is not a power of two
+    queries = mx.array(rng.standard_normal((2, heads, q, hd)).astype(np.float32))
+    keys, values = (
+        mx.array(rng.standard_normal((2, kv_heads, 16 * SPAN, hd)).astype(np.float32))
+        for _ in range(2)
+    )
+    starts = mx.array([5 * SPAN + 7, 9 * SPAN - 2], dtype=mx.int32)  # rows at own cursors
+    width = da.span(9 * SPAN + 1, 16 * SPAN)
+    ref = np.array(
+        da.attend(
+            queries, keys[:, :, :width], values[:, :, :width], da.mask(starts, q, width), scale
+        )
+    )
+    for span in (width, width + SPAN, 16 * SPAN):
+        for b in range(2):
+            for i in range(q):
+                alone = da.attend(
+                    queries[b : b + 1, :, i : i + 1],
+                    keys[b : b + 1, :, :span],
+                    values[b : b + 1, :, :span],
+                    da.mask(starts[b : b + 1] + i, 1, span),
+                    scale,
+                )
+                np.testing.assert_array_equal(np.array(alone)[0, :, 0], ref[b, :, i])
