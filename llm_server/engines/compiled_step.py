@@ -6,8 +6,9 @@ of Python on 2 CPU cores). Here the step is traced once per (rows, KV capacity) 
 kernels. Everything that changes from step to step is an input array: the token ids, each
 row's position, the store rows, and the KV store itself (returned updated, so the compiled
 function stays pure). Attention reads a fixed span of each row's store (the longest history
-rounded up to `decode_attention.SPAN` positions) with a per-row mask, so a graph serves SPAN tokens of the longest
-row; the store's capacity (grown in `row_cache.GROW` steps) is part of the shape too.
+rounded up to `decode_attention.SPAN` positions) with a per-row mask, so a graph serves SPAN
+tokens of the longest row; the store's capacity (grown in `row_cache.GROW` steps) is part of
+the shape too.
 
 On the CPU the graph's logits equal the eager forward's bit for bit (decode_attention says
 why): the eager decode positions, of a pure decode step or of a mixed one, run the same

@@ -161,7 +161,8 @@ def _table_matches(table: mx.array, rope: nn.Module) -> bool:
 
 
 class FusedForward:
-    """Runs the model for one new token per row over the engine's row views."""
+    """Runs the model over the engine's row views with stacked products: decode steps
+    (compiled when `enable_compiled` was called), mixed steps (`forward_groups`) and scoring."""
 
     def __init__(self, model, layers: list[_Layer], lm_head: _Linear, table: mx.array | None):
         self.model = model
@@ -263,7 +264,7 @@ class FusedForward:
         silu_mul = cpu_kernels.swiglu if q > 1 and cpu_kernels.on_cpu() else _silu_mul
         exact = q == 1  # a decode step: the arithmetic every decode position shares
         for layer, cache in zip(self.layers, caches, strict=True):
-            h = layer.norm_in(x)
+            h = layer.norm_in(x)  # [B, q, dim]
             x = x + self._attention(layer, h, cache, mask, cos_sin, split, exact, starts)
             gu = layer.gate_up(layer.norm_post(x), split)
             act = silu_mul(gu[..., : layer.inter], gu[..., layer.inter :])
