@@ -5,7 +5,8 @@
 Parts, at the step's shapes (rows, the span attention reads), each replayed `--reps` times
 and alternated with the whole step so a shared machine's load hits them alike:
 - products: every layer's q/k/v, o, gate/up and down products and the output head, split
-  across the two CPU streams as the step splits them;
+  across the two CPU streams as the step splits them, each waiting for the one before (as in
+  the step; a slice and a product per layer join them);
 - attention: every layer's `decode_attention.attend` over the span;
 - norms: every RMSNorm of the step (two per layer and the final one);
 - whole step: `MLXEngine.decode`, graph replay and evaluation included.
@@ -54,15 +55,16 @@ def measure(model: str, rows: int, prompt_len: int, reps: int) -> dict[str, list
     queries = mx.random.normal((rows, first.heads, 1, first.head_dim), key=mx.random.key(1))
     keys = mx.random.normal((rows, first.kv_heads, width, first.head_dim), key=mx.random.key(2))
     mask = decode_attention.mask(mx.array([width - 1] * rows, dtype=mx.int32), 1, width)
-    act = mx.random.normal((rows, first.inter), key=mx.random.key(3))
-    attended = mx.random.normal((rows, first.heads * first.head_dim), key=mx.random.key(4))
 
-    def products():
-        out = [fused.lm_head(x, split)]
+    def products():  # chained as in the step: each product waits for the one before
+        h = x
         for layer in layers:
-            out += [layer.qkv(x, split), layer.o(attended, split)]
-            out += [*layer.gate_up.pair(x, split), layer.down(act, split)]
-        return out
+            qkv = layer.qkv(h, split)
+            gate, up = layer.gate_up.pair(
+                layer.o(qkv[:, : layer.heads * layer.head_dim], split), split
+            )
+            h = layer.down(gate * up, split)
+        return fused.lm_head(h, split)
 
     def attention():
         return [decode_attention.attend(queries, keys, keys, mask, layer.scale) for layer in layers]
