@@ -14,7 +14,8 @@ CPU (MLX 0.32, BLIS), these keep attention bit-identical across all of those:
 - reading a span of each row's store rounded up to SPAN positions: the masked positions
   (probability exactly 0) add exact zeros, so every span of whole SPAN blocks gives the same
   result, while a span of exactly the history length (MLX's own attention over `kv_len`
-  positions) sums in another order;
+  positions) sums in another order (a store capped short of a whole block, at a context
+  length that is not whole blocks, is padded with masked zeros);
 - `mx.fast.scaled_dot_product_attention`'s CPU fallback (one product per query head) rounds
   differently from the grouped form, so decode positions never use it on the CPU.
 
@@ -64,10 +65,15 @@ def attend(
 ) -> mx.array:
     """queries [B, H, q, Dh] over keys/values [B, KV, span, Dh] with mask [B, 1, q, span] bool
     -> [B, H, q, Dh]. The query heads of a KV head (and the q positions) are the rows of one
-    product per (row, KV head)."""
+    product per (row, KV head). A span of part of a block (the store's capacity at a context
+    length that is not whole blocks) is padded with masked zeros to whole blocks."""
     b, nh, q, hd = queries.shape
     nkv = keys.shape[1]
     rep = nh // nkv
+    extra = -keys.shape[2] % SPAN
+    if extra:  # a store capped at a context length of part of a block: pad to whole blocks
+        keys, values = (mx.pad(t, [(0, 0), (0, 0), (0, extra), (0, 0)]) for t in (keys, values))
+        mask = mx.pad(mask, [(0, 0), (0, 0), (0, 0), (0, extra)], constant_values=False)
     grouped = queries.reshape(b, nkv, rep * q, hd)
     lone = rep * q == 1
     if lone:  # a 1-row product takes BLIS's matrix-vector kernel: another summation order

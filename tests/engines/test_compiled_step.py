@@ -290,7 +290,7 @@ def test_decode_attention_is_the_same_for_any_span_batch_and_query_length(heads,
             queries, keys[:, :, :width], values[:, :, :width], da.mask(starts, q, width), scale
         )
     )
-    for span in (width, width + SPAN, 16 * SPAN):
+    for span in (width, width + SPAN, 16 * SPAN, 9 * SPAN + 5, 16 * SPAN - 3):  # ragged too
         for b in range(2):
             for i in range(q):
                 alone = da.attend(
@@ -301,6 +301,20 @@ def test_decode_attention_is_the_same_for_any_span_batch_and_query_length(heads,
                     scale,
                 )
                 np.testing.assert_array_equal(np.array(alone)[0, :, 0], ref[b, :, i])
+    # a store of part of a block (capped at such a context length) reads like whole blocks
+    short = mx.array([12, 9], dtype=mx.int32)
+    want = da.attend(
+        queries[:, :, :1], keys[:, :, :SPAN], values[:, :, :SPAN], da.mask(short, 1, SPAN), scale
+    )
+    for span in (13, 20, SPAN + 1):
+        got = da.attend(
+            queries[:, :, :1],
+            keys[:, :, :span],
+            values[:, :, :span],
+            da.mask(short, 1, span),
+            scale,
+        )
+        np.testing.assert_array_equal(np.array(got), np.array(want))
 
 
 def test_the_step_benchmarks_run_and_find_no_difference(tiny_llama_path, capsys):
