@@ -111,16 +111,31 @@ def test_a_step_on_another_thread_equals_the_first_threads(tiny_llama_path):
 
 @pytest.mark.slow
 def test_smollm2_compiled_greedy_equals_eager(default_model_path):
-    """SmolLM2: 40 greedy steps on 2 rows at different cursors, across a SPAN boundary."""
-    compiled, eager = _pair(default_model_path, rows=2)
+    """SmolLM2: 40 steps on 3 rows at different cursors, across span boundaries and the store's
+    growth past GROW positions; then a newcomer's chunk rides with the decoding rows and they
+    get the logits of a compiled step (2+ rows: BLIS sums a lone row's products in another
+    order, see ARCHITECTURE S10)."""
+    from llm_server.engines.step import DecodeRow, PrefillChunk, StepPlan
+
+    compiled, eager = _pair(default_model_path, rows=4)
     rng = np.random.default_rng(0)
     last = {}
-    for row, n in enumerate((SPAN - 20, 7)):
+    for row, n in enumerate((GROW - 15, SPAN - 25, 5)):
         prompt = rng.integers(100, 40000, n).tolist()
         a, b = compiled.prefill(row, prompt), eager.prefill(row, prompt)
         np.testing.assert_array_equal(a, b)
         last[row] = int(np.argmax(a))
-    _run_steps(compiled, eager, [[0, 1], [1]], last, steps=40)
+    _run_steps(compiled, eager, [[0, 1, 2], [1, 2]], last, steps=40)
+    assert compiled._store.capacity == 2 * GROW and compiled.cursor(0) > GROW
+    assert compiled.cursor(1) > SPAN
+    tokens = [last[r] for r in range(3)]
+    newcomer = rng.integers(100, 40000, 24).tolist()
+    plan = StepPlan(
+        decode=tuple(DecodeRow(r, t) for r, t in enumerate(tokens)),
+        prefill=(PrefillChunk(1, 3, newcomer, 0, 24),),
+    )
+    mixed = eager.run(plan)  # the eager packed forward
+    np.testing.assert_array_equal(mixed.logits[:3], compiled.decode([0, 1, 2], tokens))
 
 
 def test_unsplit_steps_equal_eager(tiny_model_path):
