@@ -139,8 +139,8 @@ def test_smollm2_compiled_greedy_equals_eager(default_model_path):
 
 
 def test_unsplit_steps_equal_eager(tiny_model_path):
-    """Steps whose products are not split (BLIS threading, as without the thread setter) take
-    the other attention form; the same result."""
+    """Steps whose products are not split (BLIS threading, as without the thread setter): the
+    same attention arithmetic, the same result bit for bit."""
     compiled, eager = _pair(tiny_model_path, rows=3)
     for engine in (compiled, eager):
         engine._split = lambda positions: False
