@@ -88,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--distributed (ring unless given)",
     )
     p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="with --distributed or --hosts: split the layers over the ranks (pipeline "
+        "parallel: each rank holds a contiguous slice and its KV) instead of sharding every "
+        "layer (tensor parallel); llama, qwen2 and qwen3 models",
+    )
+    p.add_argument(
         "--distributed-timeout",
         type=float,
         default=20.0,
@@ -250,6 +257,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise SystemExit("llm-server: --port must be between 0 and 65535")
     if args.max_body_size < 1:
         raise SystemExit("llm-server: --max-body-size must be at least 1 byte")
+    if args.pipeline and not (args.distributed or args.hosts):
+        raise SystemExit("llm-server: --pipeline needs --distributed BACKEND or --hosts HOSTFILE")
     replay_only = args.replay_concurrent or args.replay_check or args.replay_report
     if replay_only and not args.replay:
         raise SystemExit(

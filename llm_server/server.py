@@ -53,6 +53,7 @@ def make_service(
     spec_tokens: int = DEFAULT_SPEC_TOKENS,
     group=None,
     distributed: tuple[str, float] = ("", 20.0),
+    parallel: str = "tensor",
 ) -> ModelService:
     """A started (loading) service for `model_path`; the engine loads on the scheduler thread."""
     rows = concurrent  # the engine may serve fewer; BatchScheduler.load decides (S1)
@@ -73,12 +74,15 @@ def make_service(
             prefix_cache_bytes=prefix_cache_bytes,
             keep_quantized=keep_quantized,
             group=group,
+            parallel=parallel,
         )
         if group is None:
             return engine
         from llm_server.distributed.launch import wrap
 
-        return wrap(engine, group, *distributed)  # rank 0: every call broadcast first
+        return wrap(
+            engine, group, *distributed, mode=parallel
+        )  # rank 0: every call broadcast first
 
     tokenizer_path = model_path.parent if model_path.suffix == ".mlpackage" else model_path
     config = ServiceConfig(
@@ -131,6 +135,7 @@ def service_from_args(
             getattr(args, "distributed", None) or "",
             getattr(args, "distributed_timeout", 20.0),
         ),
+        parallel="pipeline" if getattr(args, "pipeline", False) else "tensor",
     )
 
 

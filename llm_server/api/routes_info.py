@@ -56,8 +56,10 @@ async def health(request: Request) -> Response:
         if ranks is not None:
             body["distributed"] = {
                 "backend": svc.engine.backend,
+                "mode": svc.engine.mode,  # tensor or pipeline parallel
                 "ranks": ranks,
                 "steps": svc.engine.steps,  # calls every rank ran, in lock-step
+                "rank_steps": list(svc.engine.rank_steps),  # calls each rank reported done
                 "lost": svc.engine.lost,
             }
         cache = svc.prefix_cache_stats()
