@@ -143,6 +143,7 @@ def watch_rank_zero(heard, silence: float, rank: int) -> threading.Thread:
                 )
                 sys.stderr.flush()
                 os._exit(EXIT_GROUP_LOST)
+                return  # (os._exit does not return; a test's stand-in does)
 
     thread = threading.Thread(target=loop, name="rank-zero-watchdog", daemon=True)
     thread.start()
