@@ -12,7 +12,6 @@ The embedding, the norm and the head are small and kept on every rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import mlx.core as mx
 
@@ -108,9 +107,3 @@ def split_model(model, group) -> Stage:
     if hasattr(inner, "start_idx"):  # mlx-lm's PipelineMixin (qwen2): its slice is ours now
         inner.start_idx, inner.end_idx = 0, None
     return Stage(kept, total)
-
-
-def checkpoint_bytes(path: Path) -> int:
-    """Bytes of the checkpoint's weight files: a size every rank agrees on (the prefix cache's
-    default bound under pipeline, where each rank's own weights differ)."""
-    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))

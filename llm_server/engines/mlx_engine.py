@@ -86,9 +86,9 @@ class MLXEngine(StepRunner, SessionRunner):
         tokens could then depend on which steps it shared (S10).
         `group`: an `mx.distributed` group to shard the model over (tensor parallel, mlx-lm's
         `model.shard`); every rank then runs the same calls in lock-step (llm_server.distributed).
-        The fused forward, the prefix cache and pipelining are off: they do not compose with it.
+        The fused forward and pipelining are off: they do not compose with it.
         `parallel`: "tensor" (above) or "pipeline": this rank keeps a contiguous slice of the
-        layers and their KV (llm_server.distributed.pipeline); the prefix cache stays on.
+        layers and their KV (llm_server.distributed.pipeline).
         """
         from mlx_lm.utils import load_model
 
@@ -107,21 +107,26 @@ class MLXEngine(StepRunner, SessionRunner):
         # bare-transformer checkpoints (embedding models) load too; see bare_checkpoint
         self.model, self.config = load_model(path, lazy=True, get_model_classes=model_classes)
         self.stage = None  # this rank's layers when split pipeline-parallel (a pipeline.Stage)
-        if group is not None and group.size() > 1 and parallel == "pipeline":
-            from llm_server.distributed.pipeline import checkpoint_bytes, split_model
+        if group is not None and group.size() > 1:
+            from llm_server.distributed import checkpoint_bytes
+            from llm_server.distributed.pipeline import split_model
 
-            self.stage = split_model(self.model, group)  # while lazy, as shard() below
-            if prefix_cache_bytes is None:  # a bound every rank agrees on (see PrefixCache)
+            if parallel == "pipeline":
+                self.stage = split_model(self.model, group)  # while lazy, as shard() below
+            else:
+                if not hasattr(self.model, "shard"):
+                    raise ValueError(f"{config['model_type']} has no tensor-parallel shard()")
+                for key in ("num_attention_heads", "num_key_value_heads"):
+                    if int(text.get(key) or 0) % group.size():
+                        raise ValueError(
+                            f"{key}={text[key]} does not split over {group.size()} ranks"
+                        )
+                self.model.shard(group)  # while lazy: each rank materialises its slices only
+            # the prefix cache evicts by bytes: every rank must count the same (the heads split
+            # evenly, a pipeline stage counts the whole model's layers), from the same bound
+            if prefix_cache_bytes is None:
                 prefix_cache_bytes = max(checkpoint_bytes(path) // 8, 64 << 20)
             fused_decode, pipeline = False, False
-        elif group is not None and group.size() > 1:
-            if not hasattr(self.model, "shard"):
-                raise ValueError(f"{config['model_type']} has no tensor-parallel shard()")
-            for key in ("num_attention_heads", "num_key_value_heads"):
-                if int(text.get(key) or 0) % group.size():
-                    raise ValueError(f"{key}={text[key]} does not split over {group.size()} ranks")
-            self.model.shard(group)  # while lazy: each rank materialises its slices only
-            fused_decode, pipeline, prefix_cache_bytes = False, False, 0
         self.has_lm_head = getattr(self.model, "has_lm_head", True)
         self.quantized = quantized.prepare(self.model, keep_quantized)  # float32 on the CPU
         cpu_kernels.install(self.model)  # numpy softmax/SiLU for big tensors on the CPU

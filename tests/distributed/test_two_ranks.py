@@ -28,7 +28,11 @@ def test_two_ranks_answer_as_one_process(ranks, live_server, tiny_model_path):
         got, want = score(ranks.url, prompt), score(alone.url, prompt)
         assert len(got) == len(want) >= 4
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
+    # a prompt extending a finished one starts from the prefix cache, on every rank alike
+    longer = [PROMPTS[1] + " is a city of"]
+    assert complete(ranks.url, longer) == complete(alone.url, longer)
     health = httpx.get(ranks.url + "/health").json()
+    assert health["prefix_cache"]["hits"] >= 1
     assert health["distributed"]["backend"] == "ring"
     assert health["distributed"]["mode"] == "tensor"
     assert health["distributed"]["ranks"] == 2
