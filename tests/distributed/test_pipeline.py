@@ -46,6 +46,58 @@ def test_a_stage_holds_only_its_layers(tiny_llama_path):
     assert stage.prefix_cache.enabled  # counted as the whole model's bytes (same on all ranks)
 
 
+def test_every_served_family_splits(tiny_model_path, tiny_llama_path, tmp_path):
+    """llama, qwen2 and qwen3 stages on two ranks give a whole engine's logits, for mixed
+    steps, a prefix reused from a running row, and a scoring chunk (no HTTP: the engines)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from llm_server.testing.ranks import free_ports
+    from llm_server.testing.tiny import TinySpec, build_tiny_checkpoint
+
+    qwen2 = build_tiny_checkpoint(tmp_path / "qwen2", TinySpec(arch="qwen2"))
+    paths = [str(p) for p in (tiny_model_path, tiny_llama_path, qwen2)]
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
+    program = Path(__file__).with_name("stage_program.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(program), *paths],
+            env={**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)
+    lines = [json.loads(line) for line in outs[0].splitlines() if line.startswith("{")]
+    assert [line["model"] for line in lines] == paths, outs[0]
+    for line in lines:
+        assert line["max_diff"] < 1e-4, line
+
+
+def test_other_families_and_a_lone_pipeline_flag_are_refused():
+    from llm_server.cli import build_parser, validate_args
+    from llm_server.distributed.pipeline import refusal
+
+    gemma = type("Model", (), {"__module__": "mlx_lm.models.gemma2"})()
+    assert refusal(gemma) == (
+        "--pipeline serves llama, qwen2, qwen3 models, not gemma2 "
+        "(shard it tensor-parallel: leave out --pipeline)"
+    )
+    with pytest.raises(SystemExit, match="--pipeline needs --distributed BACKEND or --hosts"):
+        validate_args(build_parser().parse_args(["--pipeline"]))
+
+
 def test_pipeline_ranks_answer_as_one_process(stages, live_server, tiny_model_path):
     alone = live_server(tiny_model_path, concurrent=4)
     split = complete(stages.url, PROMPTS)
