@@ -98,6 +98,19 @@ def test_other_families_and_a_lone_pipeline_flag_are_refused():
         validate_args(build_parser().parse_args(["--pipeline"]))
 
 
+def test_a_follower_exits_when_rank_zero_is_killed(tiny_model_path, tmp_path):
+    """Rank 0 killed after a request: rank 1's next collective fails (or, if the link stayed
+    silent, its watchdog fires) and it exits with the group-lost status."""
+    args = ("--pipeline", "--distributed-timeout", "5")
+    group = start_ranks(tiny_model_path, tmp_path, 2, args)
+    try:
+        assert complete(group.url, ["Hello"], max_tokens=2)[0][1] == 2
+        group.procs[0].kill()
+        assert group.procs[1].wait(30) == 3, group.text()
+    finally:
+        group.stop()
+
+
 def test_pipeline_ranks_answer_as_one_process(stages, live_server, tiny_model_path):
     alone = live_server(tiny_model_path, concurrent=4)
     split = complete(stages.url, PROMPTS)
