@@ -1,4 +1,5 @@
-"""One model sharded over several processes (or Macs) with `mx.distributed`.
+"""One model split over several processes (or Macs) with `mx.distributed`: every layer sharded
+(tensor parallel, mlx-lm's `shard`) or the layers divided among the ranks (pipeline.py).
 
 Rank 0 serves HTTP and runs the scheduler; every engine call that runs a forward or changes a
 row (a step plan, a prefill, a decode, a release, a scoring chunk) is encoded as a small int

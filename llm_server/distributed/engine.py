@@ -58,6 +58,11 @@ class LockstepEngine:
         self.lost: str | None = None  # why the group is gone (then every call fails at once)
         self.on_lost = None  # called once with the reason (launch.py: shut the server down)
 
+    @property
+    def stopped(self) -> bool:
+        """Whether STOP went out (the followers have left their loop)."""
+        return self._stopped
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 

@@ -115,7 +115,7 @@ def beat(engine, idle: float) -> threading.Thread:
     """Have `engine` broadcast a heartbeat whenever it sent nothing for `idle` seconds."""
 
     def loop() -> None:
-        while engine.lost is None and not engine._stopped:
+        while engine.lost is None and not engine.stopped:
             time.sleep(idle / 4)
             engine.heartbeat(idle)
 

@@ -4,9 +4,10 @@ mlx-lm 0.32 gives `pipeline()` to a few model classes only (not llama or qwen3),
 decoder stacks (embedding, layers, norm) get it here: the stack's forward is swapped for one
 where rank r > 0 receives the hidden states [B, q, hidden] from rank r - 1 (`recv_like`), runs
 its layers, sends them on to rank r + 1, and the last stage's output reaches every rank through
-one `all_gather` (rank 0 samples from it; the others compute the head and drop it). Each rank
-builds the same graph shape for every call, so the transfers pair up in lock-step.
-The embedding, the norm and the head are small and kept on every rank.
+one `all_gather` (rank 0 samples from it; the others compute the head and drop it). Every rank
+runs the same calls (rank 0's broadcast), so each send meets its recv; the groups of one step
+are evaluated one at a time (mlx_steps.py) so the transfers pair in the same order everywhere.
+The embedding, the norm and the head are small next to the layers and kept on every rank.
 """
 
 from __future__ import annotations
