@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=8, help="requests per concurrency")
     p.add_argument("--max-tokens", type=int, default=48, help="new tokens per request")
     args = p.parse_args(argv)
-    from llm_server.cli import resolve_model
+    from llm_server.model_source import resolve_model
 
     model = resolve_model(args.model)
     print(

@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--against", type=Path, help="another checkout (e.g. main) to compare with")
     p.add_argument("--rounds", type=int, default=6, help="rounds per checkout with --against")
     args = p.parse_args(argv)
-    from llm_server.cli import resolve_model
+    from llm_server.model_source import resolve_model
 
     model = str(resolve_model(args.model))
     if args.against is not None:
