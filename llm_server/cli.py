@@ -139,9 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--constrained-mode",
         default="batched",
-        choices=["batched", "lease"],
+        type=_constrained_mode,
+        choices=["batched", "exclusive"],
         help="response_format requests: decode inside the batch with a per-row mask "
-        "(batched, default) or alone while the batch pauses (lease)",
+        "(batched, default) or each alone to completion while the batch waits (exclusive; "
+        "'lease', its old name, is still accepted)",
     )
     p.add_argument(
         "--pooling",
@@ -235,6 +237,11 @@ def _template(path: str) -> str:
     except (OSError, UnicodeDecodeError) as exc:
         reason = getattr(exc, "strerror", None) or str(exc)
         raise argparse.ArgumentTypeError(f"cannot read {path}: {reason}") from None
+
+
+def _constrained_mode(text: str) -> str:
+    """--constrained-mode: 'lease' is the old name of 'exclusive'."""
+    return "exclusive" if text == "lease" else text
 
 
 def validate_args(args: argparse.Namespace) -> None:
