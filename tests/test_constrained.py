@@ -62,11 +62,6 @@ def _start(svc, content: str, max_tokens: int, response_format: dict | None = No
 # -- the matcher on its own (tiny model's tokenizer) ---------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_tokenizer(tiny_model_path) -> Tokenizer:
-    return Tokenizer(tiny_model_path)
-
-
 def _feed(constraint: JsonConstraint, tok: Tokenizer, text: str) -> bool:
     done = False
     for t in tok.encode(text, add_special_tokens=False):

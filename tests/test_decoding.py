@@ -241,11 +241,6 @@ def test_block_draw_matches_a_full_inverse_cdf():
 # token's logit dwarfs the rest), and checks the text delta every step made safe to show.
 
 
-@pytest.fixture(scope="module")
-def tiny_tok(tiny_model_path) -> Tokenizer:
-    return Tokenizer(tiny_model_path)
-
-
 def stream(
     tok: Tokenizer, ids: list[int], stop: tuple[str, ...] = (), max_tokens: int = 64
 ) -> tuple[list[str], FinishReason | None, list[int]]:
@@ -268,78 +263,86 @@ def pieces(tok: Tokenizer, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
-def test_tiny_tokenizer_splits_the_texts_these_tests_rely_on(tiny_tok):
+def test_tiny_tokenizer_splits_the_texts_these_tests_rely_on(tiny_tokenizer):
     """The cases below need stops and characters that span tokens; this pins the split."""
     split = {
         "say hi END more": ["s", "ay", " ", "h", "i", " ", "E", "N", "D", " m", "o", "re"],
         "hello world": ["he", "llo", " ", "wor", "ld"],
     }
     for text, want in split.items():
-        assert [tiny_tok.decode([i]) for i in pieces(tiny_tok, text)] == want
-    assert len(pieces(tiny_tok, "\U0001f642")) == 4  # one byte a token
-    assert len(pieces(tiny_tok, "\u20ac")) == 3
+        assert [tiny_tokenizer.decode([i]) for i in pieces(tiny_tokenizer, text)] == want
+    assert len(pieces(tiny_tokenizer, "\U0001f642")) == 4  # one byte a token
+    assert len(pieces(tiny_tokenizer, "\u20ac")) == 3
 
 
-def test_a_stop_sequence_is_held_back_while_it_may_begin_and_never_shown(tiny_tok):
-    deltas, finish, tokens = stream(tiny_tok, pieces(tiny_tok, "say hi END more"), ("END",))
+def test_a_stop_sequence_is_held_back_while_it_may_begin_and_never_shown(tiny_tokenizer):
+    deltas, finish, tokens = stream(
+        tiny_tokenizer, pieces(tiny_tokenizer, "say hi END more"), ("END",)
+    )
     assert deltas == ["s", "ay", " ", "h", "i", " ", "", "", ""]  # E, N held; D completes it
     assert finish == FinishReason.STOP and len(tokens) == 9  # nothing sampled after the stop
     assert "".join(deltas) == "say hi "
 
 
-def test_a_false_start_is_released_when_the_stop_cannot_match(tiny_tok):
-    deltas, finish, _ = stream(tiny_tok, pieces(tiny_tok, "ENTRY END"), ("END",))
+def test_a_false_start_is_released_when_the_stop_cannot_match(tiny_tokenizer):
+    deltas, finish, _ = stream(tiny_tokenizer, pieces(tiny_tokenizer, "ENTRY END"), ("END",))
     assert deltas == ["", "", "ENT", "R", "Y", " ", "", "", ""]
     assert finish == FinishReason.STOP and "".join(deltas) == "ENTRY "
 
 
-def test_a_stop_inside_a_token_cuts_the_text_inside_it(tiny_tok):
-    deltas, finish, _ = stream(tiny_tok, pieces(tiny_tok, "hello world"), ("lo w",))
+def test_a_stop_inside_a_token_cuts_the_text_inside_it(tiny_tokenizer):
+    deltas, finish, _ = stream(tiny_tokenizer, pieces(tiny_tokenizer, "hello world"), ("lo w",))
     assert deltas == ["he", "l", "", ""]  # "llo" shows only "l": "lo" may begin the stop
     assert finish == FinishReason.STOP and "".join(deltas) == "hel"
 
 
-def test_the_earliest_of_several_stops_wins(tiny_tok):
-    deltas, finish, _ = stream(tiny_tok, pieces(tiny_tok, "say hi END more"), ("more", " h"))
+def test_the_earliest_of_several_stops_wins(tiny_tokenizer):
+    deltas, finish, _ = stream(
+        tiny_tokenizer, pieces(tiny_tokenizer, "say hi END more"), ("more", " h")
+    )
     assert "".join(deltas) == "say" and finish == FinishReason.STOP
 
 
-def test_held_back_text_is_shown_when_the_length_limit_ends_the_stream(tiny_tok):
-    ids = pieces(tiny_tok, "say hi END")
-    deltas, finish, _ = stream(tiny_tok, ids, ("END",), max_tokens=8)  # ends after "EN"
+def test_held_back_text_is_shown_when_the_length_limit_ends_the_stream(tiny_tokenizer):
+    ids = pieces(tiny_tokenizer, "say hi END")
+    deltas, finish, _ = stream(tiny_tokenizer, ids, ("END",), max_tokens=8)  # ends after "EN"
     assert deltas[-2:] == ["", "EN"] and finish == FinishReason.LENGTH
     assert "".join(deltas) == "say hi EN"
 
 
-def test_held_back_text_is_shown_at_eos_and_eos_adds_no_text(tiny_tok):
-    (eos,) = tiny_tok.eos_token_ids
-    deltas, finish, tokens = stream(tiny_tok, [*pieces(tiny_tok, "say hi EN"), eos], ("END",))
+def test_held_back_text_is_shown_at_eos_and_eos_adds_no_text(tiny_tokenizer):
+    (eos,) = tiny_tokenizer.eos_token_ids
+    deltas, finish, tokens = stream(
+        tiny_tokenizer, [*pieces(tiny_tokenizer, "say hi EN"), eos], ("END",)
+    )
     assert deltas[-3:] == ["", "", "EN"] and finish == FinishReason.STOP
     assert "".join(deltas) == "say hi EN" and tokens[-1] == eos
 
 
-def test_a_multibyte_character_arrives_whole_in_the_step_that_completes_it(tiny_tok):
+def test_a_multibyte_character_arrives_whole_in_the_step_that_completes_it(tiny_tokenizer):
     text = "caf\u00e9 \U0001f642 ok, 5\u20ac."
-    deltas, finish, tokens = stream(tiny_tok, pieces(tiny_tok, text))
+    deltas, finish, tokens = stream(tiny_tokenizer, pieces(tiny_tokenizer, text))
     assert finish is None and not any("\ufffd" in d for d in deltas)
     assert deltas[3:7] == ["", "", "", "\U0001f642"]  # four byte tokens, one character
-    assert "".join(deltas) == text == tiny_tok.decode(tokens)
+    assert "".join(deltas) == text == tiny_tokenizer.decode(tokens)
 
 
-def test_a_stop_made_of_a_multibyte_character_is_matched_whole(tiny_tok):
+def test_a_stop_made_of_a_multibyte_character_is_matched_whole(tiny_tokenizer):
     deltas, finish, _ = stream(
-        tiny_tok, pieces(tiny_tok, "caf\u00e9 \U0001f642 ok"), ("\U0001f642",)
+        tiny_tokenizer, pieces(tiny_tokenizer, "caf\u00e9 \U0001f642 ok"), ("\U0001f642",)
     )
     assert finish == FinishReason.STOP and "".join(deltas) == "caf\u00e9 "
     assert deltas[-4:] == ["", "", "", ""]
 
 
-def test_a_stream_cut_inside_a_character_ends_as_the_tokenizer_decodes_it(tiny_tok):
-    ids = pieces(tiny_tok, "ok \U0001f642")
-    deltas, finish, tokens = stream(tiny_tok, ids, max_tokens=len(ids) - 2)  # 2 of its 4 bytes
+def test_a_stream_cut_inside_a_character_ends_as_the_tokenizer_decodes_it(tiny_tokenizer):
+    ids = pieces(tiny_tokenizer, "ok \U0001f642")
+    deltas, finish, tokens = stream(
+        tiny_tokenizer, ids, max_tokens=len(ids) - 2
+    )  # 2 of its 4 bytes
     assert finish == FinishReason.LENGTH
     assert deltas[-2] == "" and deltas[-1].endswith("\ufffd")  # the dangling bytes, flushed
-    assert "".join(deltas) == tiny_tok.decode(tokens)
+    assert "".join(deltas) == tiny_tokenizer.decode(tokens)
 
 
 @pytest.mark.parametrize(
@@ -352,8 +355,8 @@ def test_a_stream_cut_inside_a_character_ends_as_the_tokenizer_decodes_it(tiny_t
         ("caf\u00e9 \U0001f642 ok, 5\u20ac.", ("absent",)),
     ],
 )
-def test_the_stream_shows_exactly_the_text_before_the_first_stop(tiny_tok, text, stop):
-    deltas, _, _ = stream(tiny_tok, pieces(tiny_tok, text), stop)
+def test_the_stream_shows_exactly_the_text_before_the_first_stop(tiny_tokenizer, text, stop):
+    deltas, _, _ = stream(tiny_tokenizer, pieces(tiny_tokenizer, text), stop)
     first = min((i for s in stop if (i := text.find(s)) >= 0), default=len(text))
     assert "".join(deltas) == text[:first]
 
