@@ -14,6 +14,7 @@ import uvicorn
 from llm_server.api.app import AppState, create_app
 from llm_server.api.request_log import RequestRecorder
 from llm_server.api.security import resolve_api_key
+from llm_server.model_source import pick_backend
 from llm_server.scheduler.batch import DEFAULT_SPEC_TOKENS, DEFAULT_SPECULATIVE, DEFAULT_STEP_TOKENS
 from llm_server.service import ModelService, ServiceConfig
 from llm_server.shutdown import DrainingServer
@@ -21,15 +22,6 @@ from llm_server.shutdown import DrainingServer
 log = logging.getLogger("llm_server")
 
 MAX_HEADER_BYTES = 16 * 1024  # request line + headers; more gets a plain 400 from h11
-
-
-def pick_backend(model_path: Path, backend: str = "auto") -> str:
-    """'coreml' for a Core ML package (or a folder holding one), else 'mlx'; or as asked."""
-    if backend != "auto":
-        return backend
-    if model_path.suffix == ".mlpackage" or any(model_path.glob("*.mlpackage")):
-        return "coreml"
-    return "mlx"
 
 
 def make_service(
