@@ -11,7 +11,7 @@ import socket
 import sys
 from pathlib import Path
 
-from llm_server.model_source import ModelSource, ModelSourceError, resolve_model_source
+from llm_server.model_source import source_or_exit
 from llm_server.scheduler.batch import DEFAULT_SPEC_TOKENS, DEFAULT_SPECULATIVE, DEFAULT_STEP_TOKENS
 from llm_server.tools.registry import PARSERS
 
@@ -88,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--distributed (ring unless given)",
     )
     p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="with --distributed or --hosts: split the layers over the ranks (pipeline "
+        "parallel: each rank holds a contiguous slice and its KV) instead of sharding every "
+        "layer (tensor parallel); llama, qwen2 and qwen3 models",
+    )
+    p.add_argument(
         "--distributed-timeout",
         type=float,
         default=20.0,
@@ -147,9 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--constrained-mode",
         default="batched",
-        choices=["batched", "lease"],
+        type=_constrained_mode,
+        choices=["batched", "exclusive"],
         help="response_format requests: decode inside the batch with a per-row mask "
-        "(batched, default) or alone while the batch pauses (lease)",
+        "(batched, default) or each alone to completion while the batch waits (exclusive; "
+        "'lease', its old name, is still accepted)",
     )
     p.add_argument(
         "--pooling",
@@ -245,6 +254,11 @@ def _template(path: str) -> str:
         raise argparse.ArgumentTypeError(f"cannot read {path}: {reason}") from None
 
 
+def _constrained_mode(text: str) -> str:
+    """--constrained-mode: 'lease' is the old name of 'exclusive'."""
+    return "exclusive" if text == "lease" else text
+
+
 def validate_args(args: argparse.Namespace) -> None:
     if args.concurrent_requests < 1:
         raise SystemExit("llm-server: --concurrent-requests must be at least 1")
@@ -258,24 +272,13 @@ def validate_args(args: argparse.Namespace) -> None:
         raise SystemExit("llm-server: --port must be between 0 and 65535")
     if args.max_body_size < 1:
         raise SystemExit("llm-server: --max-body-size must be at least 1 byte")
+    if args.pipeline and not (args.distributed or args.hosts):
+        raise SystemExit("llm-server: --pipeline needs --distributed BACKEND or --hosts HOSTFILE")
     replay_only = args.replay_concurrent or args.replay_check or args.replay_report
     if replay_only and not args.replay:
         raise SystemExit(
             "llm-server: --replay-concurrent, --replay-check and --replay-report need --replay FILE"
         )
-
-
-def resolve_model(model: str | None) -> Path:
-    """The model folder to serve (see model_source); exits with one line when it is unusable."""
-    return _source(model).path
-
-
-def _source(model: str | None) -> ModelSource:
-    try:
-        return resolve_model_source(model)
-    except ModelSourceError as exc:
-        print(f"llm-server: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
 
 
 def _bind(args: argparse.Namespace) -> tuple[socket.socket, str]:
@@ -317,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
         from llm_server.distributed.launch import launch_hosts
 
         sys.exit(launch_hosts(argv or sys.argv[1:], args.hosts, args.distributed or "ring"))
-    source = _source(args.model)  # before any log line: a bad --model is one line on stderr
+    source = source_or_exit(args.model)  # before any log line: a bad --model is one line on stderr
     check_blas()  # re-execs with the fallback library if this one computes wrong products
     log.info("BLAS: %s", active_blas())
     model_path = source.path

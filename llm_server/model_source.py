@@ -1,4 +1,5 @@
-"""What `--model` names: a local folder, `.gguf` or `.mlpackage`, or a Hugging Face hub id.
+"""What `--model` names and which engine serves it: a local folder, `.gguf` or `.mlpackage`,
+or a Hugging Face hub id.
 
 A hub id (`ORG/NAME` or `ORG/NAME@REVISION`) resolves through huggingface_hub into the standard
 HF cache (`HF_HOME` / `HF_HUB_CACHE` honoured): the cached snapshot first, with no network (so
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,3 +146,26 @@ def _check_folder(path: Path, shown: str) -> None:
         raise ModelSourceError(f"{shown} is not a model folder (it needs config.json)")
     if not os.access(config, os.R_OK):
         raise ModelSourceError(f"{config} is not readable")
+
+
+def source_or_exit(model: str | None) -> ModelSource:
+    """resolve_model_source() for a command line: exits (status 2) with one line on stderr."""
+    try:
+        return resolve_model_source(model)
+    except ModelSourceError as exc:
+        print(f"llm-server: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def resolve_model(model: str | None) -> Path:
+    """The model folder to serve; exits with one line when it is unusable."""
+    return source_or_exit(model).path
+
+
+def pick_backend(model_path: Path, backend: str = "auto") -> str:
+    """'coreml' for a Core ML package (or a folder holding one), else 'mlx'; or as asked."""
+    if backend != "auto":
+        return backend
+    if model_path.suffix == ".mlpackage" or any(model_path.glob("*.mlpackage")):
+        return "coreml"
+    return "mlx"

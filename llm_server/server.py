@@ -14,6 +14,7 @@ import uvicorn
 from llm_server.api.app import AppState, create_app
 from llm_server.api.request_log import RequestRecorder
 from llm_server.api.security import resolve_api_key
+from llm_server.model_source import pick_backend
 from llm_server.scheduler.batch import DEFAULT_SPEC_TOKENS, DEFAULT_SPECULATIVE, DEFAULT_STEP_TOKENS
 from llm_server.service import ModelService, ServiceConfig
 from llm_server.shutdown import DrainingServer
@@ -21,15 +22,6 @@ from llm_server.shutdown import DrainingServer
 log = logging.getLogger("llm_server")
 
 MAX_HEADER_BYTES = 16 * 1024  # request line + headers; more gets a plain 400 from h11
-
-
-def pick_backend(model_path: Path, backend: str = "auto") -> str:
-    """'coreml' for a Core ML package (or a folder holding one), else 'mlx'; or as asked."""
-    if backend != "auto":
-        return backend
-    if model_path.suffix == ".mlpackage" or any(model_path.glob("*.mlpackage")):
-        return "coreml"
-    return "mlx"
 
 
 def make_service(
@@ -54,6 +46,7 @@ def make_service(
     spec_tokens: int = DEFAULT_SPEC_TOKENS,
     group=None,
     distributed: tuple[str, float] = ("", 20.0),
+    parallel: str = "tensor",
 ) -> ModelService:
     """A started (loading) service for `model_path`; the engine loads on the scheduler thread."""
     rows = concurrent  # the engine may serve fewer; BatchScheduler.load decides (S1)
@@ -75,12 +68,15 @@ def make_service(
             keep_quantized=keep_quantized,
             compiled_decode=compiled_decode,
             group=group,
+            parallel=parallel,
         )
         if group is None:
             return engine
         from llm_server.distributed.launch import wrap
 
-        return wrap(engine, group, *distributed)  # rank 0: every call broadcast first
+        return wrap(
+            engine, group, *distributed, mode=parallel
+        )  # rank 0: every call broadcast first
 
     tokenizer_path = model_path.parent if model_path.suffix == ".mlpackage" else model_path
     config = ServiceConfig(
@@ -134,6 +130,7 @@ def service_from_args(
             getattr(args, "distributed", None) or "",
             getattr(args, "distributed_timeout", 20.0),
         ),
+        parallel="pipeline" if getattr(args, "pipeline", False) else "tensor",
     )
 
 

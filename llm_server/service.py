@@ -40,7 +40,7 @@ class ServiceConfig:
     max_queued: int = 16
     dtype: str = "float32"
     default_max_tokens: int = 512
-    constrained_mode: str = "batched"  # "batched" | "lease"
+    constrained_mode: str = "batched"  # "batched" | "exclusive" (each alone, the batch waits)
     chat_template: str | None = None  # overrides the checkpoint's (--chat-template FILE)
     tool_parser: str | None = None  # --tool-parser; None: detected from the chat template
     pooling: str | None = None  # "last" | "mean" | "cls": overrides the checkpoint's pooling
@@ -180,7 +180,7 @@ class ModelService:
         for prompt, sp, constraint in zip(prompts, params, constraints, strict=True):
             queue: asyncio.Queue[Event] = asyncio.Queue()
             decoder = Decoder(sp, eos, detokenize, constraint, prompt)
-            exclusive = constraint is not None and self.config.constrained_mode == "lease"
+            exclusive = constraint is not None and self.config.constrained_mode == "exclusive"
             req = GenerationRequest(
                 prompt=prompt, decoder=decoder, emit=_emitter(loop, queue), exclusive=exclusive
             )

@@ -16,7 +16,7 @@ from types import FrameType
 
 import uvicorn
 
-from llm_server.api.common import AppState
+from llm_server.api.state import AppState
 
 log = logging.getLogger("llm_server")
 
@@ -34,7 +34,6 @@ class DrainingServer(uvicorn.Server):
         self.state = state
         self.drain_timeout = drain_timeout
         self.drain_requested = False
-        self.drained_in_time: bool | None = None  # None until a drain ran
         self._drain_task: asyncio.Task[None] | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -61,11 +60,8 @@ class DrainingServer(uvicorn.Server):
                 log.warning("drain timeout (%gs): cancelling running requests", self.drain_timeout)
                 if self.state.service is not None:
                     self.state.service.scheduler.abort()
-                self.drained_in_time = False
                 break
             await asyncio.sleep(DRAIN_POLL_S)
-        else:
-            self.drained_in_time = True
         self.should_exit = True  # uvicorn now lets each connection finish its response
 
 

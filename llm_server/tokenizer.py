@@ -27,8 +27,6 @@ class Tokenizer:
         if chat_template is not None:
             self._tok.chat_template = chat_template
         self.eos_token_ids = frozenset(_eos_ids(path, self._tok))
-        self.eos_token = self._tok.eos_token
-        self.bos_token = self._tok.bos_token
         self.vocab_size = len(self._tok)
         self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
 

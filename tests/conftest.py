@@ -20,6 +20,14 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_path: Path):
+    """The tiny checkpoint's tokenizer through the server's own wrapper."""
+    from llm_server.tokenizer import Tokenizer
+
+    return Tokenizer(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_checkpoint(
         tmp_path_factory.mktemp("tiny") / "tiny-llama", TinySpec(arch="llama")

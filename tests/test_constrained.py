@@ -62,11 +62,6 @@ def _start(svc, content: str, max_tokens: int, response_format: dict | None = No
 # -- the matcher on its own (tiny model's tokenizer) ---------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_tokenizer(tiny_model_path) -> Tokenizer:
-    return Tokenizer(tiny_model_path)
-
-
 def _feed(constraint: JsonConstraint, tok: Tokenizer, text: str) -> bool:
     done = False
     for t in tok.encode(text, add_special_tokens=False):
@@ -140,7 +135,7 @@ def test_bad_response_format_raises_constraint_error(tiny_tokenizer, response_fo
 # -- the real SmolLM2 default ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["batched", "lease"])
+@pytest.fixture(scope="module", params=["batched", "exclusive"])
 def smol_service(request, default_model_path):
     from llm_server.testing.live import tiny_service
 
@@ -153,7 +148,7 @@ def smol_service(request, default_model_path):
 @pytest.mark.slow
 def test_schemas_validate_in_the_batch_and_plain_rows_are_unchanged(smol_service):
     svc = smol_service
-    lease = svc.config.constrained_mode == "lease"
+    exclusive = svc.config.constrained_mode == "exclusive"
 
     async def run():
         alone = [await _collect(_start(svc, p, PLAIN_MAX_TOKENS)) for p in PLAIN_PROMPTS]
@@ -175,10 +170,10 @@ def test_schemas_validate_in_the_batch_and_plain_rows_are_unchanged(smol_service
         assert reason is FinishReason.STOP, f"{prompt!r} stopped by {reason}: {text!r}"
         value = json.loads(text)
         jsonschema.validate(value, schema)
-        assert h.request.exclusive is lease
+        assert h.request.exclusive is exclusive
     assert [r[0] for r in plain_results] == [r[0] for r in alone]
     assert [r[1] for r in plain_results] == [r[1] for r in alone]
-    if not lease:  # constrained rows shared the batch with the plain ones
+    if not exclusive:  # constrained rows shared the batch with the plain ones
         assert svc.scheduler.max_rows_busy == 4
     assert svc.scheduler.idle()
 
@@ -302,6 +297,8 @@ def test_constrained_mode_flag_defaults_to_batched():
     from llm_server.cli import build_parser
 
     assert build_parser().parse_args([]).constrained_mode == "batched"
-    assert build_parser().parse_args(["--constrained-mode", "lease"]).constrained_mode == "lease"
+    parse = build_parser().parse_args
+    assert parse(["--constrained-mode", "exclusive"]).constrained_mode == "exclusive"
+    assert parse(["--constrained-mode", "lease"]).constrained_mode == "exclusive"  # the old name
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--constrained-mode", "alone"])

@@ -15,7 +15,7 @@ from starlette.routing import Route
 
 from llm_server.api import messages_output as anthropic
 from llm_server.api.agent_routes import AGENT_ROUTES
-from llm_server.api.common import DEFAULT_MAX_BODY_BYTES, AppState
+from llm_server.api.common import DEFAULT_MAX_BODY_BYTES
 from llm_server.api.errors import APIError, error_body
 from llm_server.api.metrics import Metrics, RequestCounter, metrics_endpoint
 from llm_server.api.openapi import openapi_schema
@@ -25,6 +25,7 @@ from llm_server.api.routes_completions import completions
 from llm_server.api.routes_embeddings import embeddings
 from llm_server.api.routes_info import detokenize, health, list_models, tokenize, tokenizer_info
 from llm_server.api.security import APIKeyMiddleware, resolve_api_key
+from llm_server.api.state import AppState
 
 log = logging.getLogger(__name__)
 

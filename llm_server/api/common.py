@@ -1,49 +1,23 @@
-"""What every handler shares: app state, the service accessor, body reading and admission."""
+"""What every handler shares: the service accessor, body reading, admission and settling."""
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from dataclasses import replace
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from llm_server.api.errors import APIError, invalid
+from llm_server.api.request_log import note_finish
+from llm_server.api.state import AppState
 from llm_server.decoding import FinishReason, LogitsConstraint, SamplingParams
 from llm_server.distributed import group_lost
 from llm_server.scheduler import FinishEvent, QueueFull, SchedulerClosed
 from llm_server.service import GenerationHandle, ModelService
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-
-
-class AppState:
-    """What the handlers share: the service (None until the model is loaded)."""
-
-    def __init__(self, service: ModelService | None, model_id: str) -> None:
-        self._service = service
-        self._listeners: list[Callable[[ModelService], None]] = []
-        self.model_id = model_id
-        self.draining = False
-
-    @property
-    def service(self) -> ModelService | None:
-        return self._service
-
-    @service.setter
-    def service(self, service: ModelService | None) -> None:
-        self._service = service
-        if service is not None:
-            for listener in self._listeners:
-                listener(service)
-
-    def on_service(self, listener: Callable[[ModelService], None]) -> None:
-        """Call `listener(service)` now if a service is set, and whenever one is set later."""
-        self._listeners.append(listener)
-        if self._service is not None:
-            listener(self._service)
 
 
 def get_service(request: Request) -> ModelService:
@@ -241,8 +215,6 @@ def settle(request: Request, finishes: list[FinishEvent | None]) -> Response | N
 
 def record_finish(request: Request, fin: FinishEvent) -> None:
     """Feed a finished generation into the app's metrics and the request log."""
-    from llm_server.api.request_log import note_finish
-
     note_finish(fin)
     request.app.state.metrics.tokens_generated.inc(fin.completion_tokens)
 

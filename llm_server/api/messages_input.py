@@ -20,6 +20,7 @@ from llm_server.service import ModelService
 
 MIN_THINKING_BUDGET = 1  # Anthropic asks for 1024 or more; smaller budgets work here too
 MAX_STOP_SEQUENCES = 16
+MAX_TEMPERATURE = 1.0  # Anthropic's range is [0, 1]
 UNSUPPORTED = {
     "container": "code-execution containers need Anthropic's servers",
     "mcp_servers": "MCP servers are not supported; give the tools as 'tools'",
@@ -49,9 +50,11 @@ def parse_messages_request(
         raise invalid("max_tokens", "'max_tokens' must be an integer of at least 1")
     temperature = body.get("temperature")
     if temperature is not None and (
-        not isinstance(temperature, int | float) or not 0 <= temperature <= 1
+        not isinstance(temperature, int | float) or not 0 <= temperature <= MAX_TEMPERATURE
     ):
-        raise invalid("temperature", "'temperature' must be a number between 0 and 1")
+        raise invalid(
+            "temperature", f"'temperature' must be a number between 0 and {MAX_TEMPERATURE:g}"
+        )
     messages = chat_messages(body.get("messages"))
     system = _system(body.get("system"))
     if system:

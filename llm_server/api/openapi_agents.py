@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from llm_server.api.openapi_common import BOOL, INT, OBJ, STR, json_response, nullable, post
+from llm_server.api import messages_input
+from llm_server.api.openapi_common import (
+    BOOL,
+    INT,
+    OBJ,
+    STR,
+    json_response,
+    nullable,
+    number_range,
+    post,
+)
+from llm_server.api.schemas import PROBABILITY_RANGE, TEMPERATURE_RANGE
 
 _TEXT_PART = {
     "type": "object",
@@ -118,8 +129,8 @@ SCHEMAS: dict[str, dict] = {
             "store": nullable(BOOL),
             "stream": nullable(BOOL),
             "max_output_tokens": nullable({"type": "integer", "minimum": 1}),
-            "temperature": nullable({"type": "number", "minimum": 0, "maximum": 2}),
-            "top_p": nullable({"type": "number", "minimum": 0, "maximum": 1}),
+            "temperature": nullable(number_range(*TEMPERATURE_RANGE)),
+            "top_p": nullable(number_range(*PROBABILITY_RANGE)),
             "tools": nullable({"type": "array", "items": OBJ}),
             "tool_choice": nullable(
                 {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]}, OBJ]}
@@ -169,9 +180,13 @@ SCHEMAS: dict[str, dict] = {
         "properties": {
             **_ANT_PROMPT,
             "max_tokens": {"type": "integer", "minimum": 1},
-            "stop_sequences": {"type": "array", "items": {**STR, "minLength": 1}, "maxItems": 16},
-            "temperature": {"type": "number", "minimum": 0, "maximum": 1},
-            "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+            "stop_sequences": {
+                "type": "array",
+                "items": {**STR, "minLength": 1},
+                "maxItems": messages_input.MAX_STOP_SEQUENCES,
+            },
+            "temperature": number_range(0, messages_input.MAX_TEMPERATURE),
+            "top_p": number_range(*PROBABILITY_RANGE),
             "top_k": {"type": "integer", "minimum": 0},
             "stream": BOOL,
             "metadata": OBJ,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from llm_server.api.common import AppState
+from llm_server.api.state import AppState
 from llm_server.scheduler import FinishEvent
 from replay.log import LogEntry, Timings, utc_now
 from replay.sse import aggregate, sse_events

@@ -8,9 +8,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from llm_server.api.chat_tools import parse_template_kwargs, parse_tools
-from llm_server.api.common import AppState, check_model, get_service, read_json, served_id
+from llm_server.api.common import check_model, get_service, read_json, served_id
 from llm_server.api.errors import invalid
 from llm_server.api.schemas import parse_messages
+from llm_server.api.state import AppState
 from llm_server.blas import active_blas
 from llm_server.tokenizer import ChatTemplateError
 
@@ -56,8 +57,10 @@ async def health(request: Request) -> Response:
         if ranks is not None:
             body["distributed"] = {
                 "backend": svc.engine.backend,
+                "mode": svc.engine.mode,  # tensor or pipeline parallel
                 "ranks": ranks,
                 "steps": svc.engine.steps,  # calls every rank ran, in lock-step
+                "rank_steps": list(svc.engine.rank_steps),  # calls each rank reported done
                 "lost": svc.engine.lost,
             }
         cache = svc.prefix_cache_stats()

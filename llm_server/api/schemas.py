@@ -114,6 +114,8 @@ MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 LOGIT_BIAS_RANGE = 100.0
 PENALTY_RANGE = 2.0  # presence_penalty and frequency_penalty: [-2, 2] as OpenAI documents
 MAX_REPETITION_PENALTY = 2.0  # (0, 2] as vLLM takes it
+TEMPERATURE_RANGE = (0.0, 2.0)
+PROBABILITY_RANGE = (0.0, 1.0)  # top_p and min_p
 
 # Fields a client may rely on that this server does not implement: a 400 naming the field
 # (with what to do instead) rather than silently ignoring them. A null value is accepted.
@@ -203,7 +205,8 @@ def _logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], 
         if not ok or not math.isfinite(value) or abs(value) > LOGIT_BIAS_RANGE:
             raise invalid(
                 "logit_bias",
-                f"'logit_bias' values must be numbers between -100 and 100, got {value!r} "
+                f"'logit_bias' values must be numbers between {-LOGIT_BIAS_RANGE:g} and "
+                f"{LOGIT_BIAS_RANGE:g}, got {value!r} "
                 f"for token {key}",
             )
         out[token] = float(value)
@@ -226,14 +229,14 @@ def _sampling(
         raise invalid("seed", f"'seed' must be 0 or more, got {seed}")
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", defaults.temperature, 0.0, 2.0),
-        top_p=_number(body, "top_p", defaults.top_p, 0.0, 1.0) or 1.0,
+        temperature=_number(body, "temperature", defaults.temperature, *TEMPERATURE_RANGE),
+        top_p=_number(body, "top_p", defaults.top_p, *PROBABILITY_RANGE) or 1.0,
         seed=seed,
         stop=_stop(body),
         logprobs=logprobs,
         top_logprobs=top,
         top_k=_top_k(body, defaults.top_k),
-        min_p=_number(body, "min_p", defaults.min_p, 0.0, 1.0),
+        min_p=_number(body, "min_p", defaults.min_p, *PROBABILITY_RANGE),
         repetition_penalty=_repetition_penalty(body),
         presence_penalty=_number(body, "presence_penalty", 0.0, -PENALTY_RANGE, PENALTY_RANGE),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -PENALTY_RANGE, PENALTY_RANGE),

@@ -36,11 +36,6 @@ def _fold(out: Collected, ev: TokenEvent | FinishEvent) -> None:
         out.finish = ev
 
 
-async def collect(handle: GenerationHandle, request: Request | None = None) -> Collected:
-    """Gather all events; a client disconnect cancels the request (S5)."""
-    return (await collect_many([handle], request))[0]
-
-
 async def collect_many(
     handles: list[GenerationHandle], request: Request | None = None
 ) -> list[Collected]:

@@ -11,32 +11,13 @@ import contextlib
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
+
+from llm_server.benchmark.settings import Settings
 
 PEERS = {"llama-server": "llama_server"}  # --peer name -> the report's server kind
 FULL = {"concurrency": "1,2,4,8", "requests": 32, "max_tokens": 64, "scoring_prompts": 32}
 QUICK = {"concurrency": "1,2", "requests": 4, "max_tokens": 8, "scoring_prompts": 4}
-
-
-@dataclass(frozen=True)
-class Settings:
-    model: Path
-    out: Path
-    quick: bool
-    concurrencies: list[int]
-    requests: int
-    max_tokens: int
-    scoring_prompts: int
-    mlx_lm: bool
-    scoring: bool
-    constrained: bool
-    prefix_cache: bool = False
-    step_tokens: int | None = None  # our server's --step-tokens (None: its default)
-    workload: str = "chat"  # "chat": prompts.json; "edit": reproduce a passage with one change
-    speculative: str | None = None  # our server's --speculative (None: its default)
-    peer: str | None = None  # report kind of a peer server (PEERS), started from peer_cmd
-    peer_cmd: str | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,7 +97,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
             peer_command(args.peer_cmd, 0, 1)
         except ValueError as exc:
             raise SystemExit(f"llm-benchmark: {exc}") from None
-    from llm_server.cli import resolve_model
+    from llm_server.model_source import resolve_model
 
     model = resolve_model(args.model)  # exits with a message when the folder is unusable
     out = Path(args.out) if args.out else Path("benchmark-results") / time.strftime("%Y%m%d-%H%M%S")

@@ -1,9 +1,9 @@
-"""Constrained decoding cost: step time with and without a schema row, and batched vs lease mode.
+"""Constrained decoding cost: step time with and without a schema row, and batched vs exclusive mode.
 
 Runs in-process on `ModelService` (no HTTP), greedy, one fresh service per mode:
   1. step time: 4 plain rows, then 3 plain rows + 1 JSON-schema row (per-row mask cost);
   2. mixed load: P plain + S schema requests at --concurrent-requests C, aggregate throughput
-     in `--constrained-mode batched` and `lease` (the seed design: schema requests run alone).
+     in `--constrained-mode batched` and `exclusive` (the seed design: schema requests run alone).
 Writes constrained.json and constrained.md under --out and prints the table.
 """
 
@@ -62,7 +62,7 @@ class StepTimes:
 
 @dataclass(frozen=True)
 class MixedLoad:
-    mode: str  # "batched" | "lease"
+    mode: str  # "batched" | "exclusive"
     wall_s: float
     completion_tokens: int
     tokens_per_s: float  # aggregate: all completion tokens / wall time
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = measure_step_times(model, max(tokens // 2, 16))
     loads = [
         measure_mixed_load(model, mode, args.concurrent_requests, plain, schema, tokens, 2 * tokens)
-        for mode in ("batched", "lease")
+        for mode in ("batched", "exclusive")
     ]
     report = render(steps, loads, setup)
     print(report)

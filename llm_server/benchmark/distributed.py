@@ -2,8 +2,8 @@
 
 `python -m llm_server.blas python -m llm_server.benchmark.distributed [RANKS] [MAX_TOKENS]`
 builds a tiny 4-layer checkpoint, starts RANKS ranks (`--distributed ring`, a hostfile of
-127.0.0.1 entries) and then one in-process server, sends the same 8 greedy completions 4 at a
-time to each and prints one JSON object. On one box the ranks share the cores and every
+127.0.0.1 entries) tensor-parallel, then pipeline-parallel (`--pipeline`), then one in-process
+server, sends the same 8 greedy completions 4 at a time to each and prints one JSON object. On one box the ranks share the cores and every
 collective is a loopback round trip, so this measures the lock-step overhead, not a cluster.
 """
 
@@ -48,21 +48,24 @@ def main(argv: list[str] | None = None) -> int:
     spec = TinySpec(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
                     intermediate_size=768)  # fmt: skip
     model = build_tiny_checkpoint(work / "tiny", spec)
-    ranks = start_ranks(model, work, n)
-    try:
-        sharded, sharded_rate = _load(ranks.url, max_tokens)
-    finally:
-        ranks.stop()
+    texts, rates = {}, {}
+    for mode, extra in (("tensor", ()), ("pipeline", ("--pipeline",))):
+        ranks = start_ranks(model, work, n, extra)
+        try:
+            texts[mode], rates[mode] = _load(ranks.url, max_tokens)
+        finally:
+            ranks.stop()
     with serving(model, 4) as server:
         alone, alone_rate = _load(server.url, max_tokens)
     result = {
         "ranks": n,
-        "sharded_tok_s": round(sharded_rate, 1),
+        "tensor_tok_s": round(rates["tensor"], 1),
+        "pipeline_tok_s": round(rates["pipeline"], 1),
         "one_process_tok_s": round(alone_rate, 1),
-        "same_text": sharded == alone,
+        "same_text": {mode: text == alone for mode, text in texts.items()},
     }
     print(json.dumps(result))
-    return 0 if result["same_text"] else 1
+    return 0 if all(result["same_text"].values()) else 1
 
 
 if __name__ == "__main__":

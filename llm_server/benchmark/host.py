@@ -3,7 +3,7 @@ stop matching, emitting events), measured on the real service without HTTP.
 
     python -m llm_server.blas python -m llm_server.benchmark.host [--model DIR] [--concurrency 1,4]
 
-Each decode step's time comes from the scheduler's `on_step` hook; the forward's from the
+Each decode step's time comes from a scheduler step listener; the forward's from the
 engine's `decode`; `Decoder.step` (sampling + detokenization + stop matching) is timed per
 call. What is left is the scheduler's own bookkeeping and handing events to the event loop.
 """
@@ -26,7 +26,7 @@ class _Probe:
 
     forward_ms: list[float] = field(default_factory=list)  # one per decode step
     decoder_ms: list[float] = field(default_factory=list)  # Decoder.step per decode step
-    step_ms: list[float] = field(default_factory=list)  # whole decode steps (on_step)
+    step_ms: list[float] = field(default_factory=list)  # whole decode steps (step listener)
     rows: list[int] = field(default_factory=list)
     _decoder_now: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -114,7 +114,7 @@ def measure(model, concurrency: int, requests: int, max_tokens: int) -> HostTime
             probe.decoder_ms.append(probe._decoder_now)
             probe.rows.append(rows)
 
-        svc.scheduler.on_step = on_step
+        svc.scheduler.add_step_listener(on_step)
         asyncio.run(_load(svc, concurrency, requests, max_tokens))
     finally:
         restore()
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=8, help="requests per concurrency")
     p.add_argument("--max-tokens", type=int, default=48, help="new tokens per request")
     args = p.parse_args(argv)
-    from llm_server.cli import resolve_model
+    from llm_server.model_source import resolve_model
 
     model = resolve_model(args.model)
     print(

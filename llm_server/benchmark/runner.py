@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass
 from importlib import metadata, resources
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import httpx
 
@@ -27,9 +26,7 @@ from llm_server.benchmark import (
     targets,
 )
 from llm_server.benchmark.plot import write_plot
-
-if TYPE_CHECKING:
-    from llm_server.benchmark.cli import Settings
+from llm_server.benchmark.settings import Settings
 
 GIB = 1 << 30
 SETTLE_S = 2.0  # idle time after a load before reading "RSS after the load"

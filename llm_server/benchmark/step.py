@@ -32,8 +32,9 @@ try:  # the compiled step where this checkout has it
     engine = MLXEngine(model, rows=rows, compiled_decode=True)
 except TypeError:
     engine = MLXEngine(model, rows=rows)
+span = min(1000, engine.vocab_size - 10)  # ids inside the vocabulary
 for r in range(rows):
-    engine.prefill(r, [(7 * i + 3 * r) % 1000 + 10 for i in range(150 + 5 * r)])
+    engine.prefill(r, [(7 * i + 3 * r) % span + 10 for i in range(150 + 5 * r)])
 tokens, ms = [5] * rows, []
 for i in range(steps + 3):
     start = time.perf_counter()
@@ -82,6 +83,11 @@ def _build_ms(engine, rows: list[int], tokens: list[int]) -> float:
     return built * 1e3
 
 
+def _prompt(vocab_size: int, row: int, length: int) -> list[int]:
+    """A fixed prompt of ids inside the vocabulary (different per row)."""
+    return [(7 * i + 3 * row) % min(1000, vocab_size - 10) + 10 for i in range(length)]
+
+
 def measure(model: str, rows: int, steps: int, prompt_len: int) -> StepTimes:
     import numpy as np
 
@@ -89,7 +95,7 @@ def measure(model: str, rows: int, steps: int, prompt_len: int) -> StepTimes:
     ids = list(range(rows))
     for engine in (compiled, eager):
         for r in ids:  # rows at different cursors
-            engine.prefill(r, [(7 * i + 3 * r) % 1000 + 10 for i in range(prompt_len + 5 * r)])
+            engine.prefill(r, _prompt(engine.vocab_size, r, prompt_len + 5 * r))
     tokens = [5] * rows
     times: dict[str, list[float]] = {k: [] for k in ("c", "e", "cb", "eb", "cc", "ec")}
     diff, same = 0.0, True
@@ -160,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--against", type=Path, help="another checkout (e.g. main) to compare with")
     p.add_argument("--rounds", type=int, default=6, help="rounds per checkout with --against")
     args = p.parse_args(argv)
-    from llm_server.cli import resolve_model
+    from llm_server.model_source import resolve_model
 
     model = str(resolve_model(args.model))
     if args.against is not None:

@@ -27,6 +27,7 @@ class Op(enum.IntEnum):
     SCORE_BEGIN = 6  # engine.score_begin(batch)
     SCORE_CHUNK = 7  # engine.score_chunk(tokens, targets, top_k)
     SCORE_END = 8  # engine.score_end()
+    HEARTBEAT = 9  # nothing to run: rank 0 is alive and idle (the followers' watchdog)
 
 
 @dataclass(frozen=True)

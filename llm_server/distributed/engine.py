@@ -39,17 +39,29 @@ class LockstepEngine:
     # rewind would move rank 0's rows only (scheduler/drafting.py)
     speculative = False
 
-    def __init__(self, engine: Any, transport: Transport, size: int, backend: str) -> None:
+    def __init__(
+        self, engine: Any, transport: Transport, size: int, backend: str, mode: str = "tensor"
+    ) -> None:
         self._engine = engine
         self._transport = transport
         self.group_size = size
         self.backend = backend
+        self.mode = mode  # "tensor" or "pipeline" (how the model is split over the ranks)
         self.steps = 0  # calls broadcast so far
+        # calls each rank completed: rank 0's own count, the followers' as they reported it
+        # with the last broadcast (one call behind at most while calls run)
+        self.rank_steps = [0] * size
         self.busy_since: float | None = None  # monotonic start of the call in progress
+        self.last_sent = time.monotonic()  # when the last call or heartbeat was broadcast
         self._stopped = False
         self._lock = threading.Lock()
         self.lost: str | None = None  # why the group is gone (then every call fails at once)
         self.on_lost = None  # called once with the reason (launch.py: shut the server down)
+
+    @property
+    def stopped(self) -> bool:
+        """Whether STOP went out (the followers have left their loop)."""
+        return self._stopped
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -57,8 +69,12 @@ class LockstepEngine:
     def _send(self, call: Call) -> None:
         if self._stopped:
             raise RuntimeError("the distributed group is stopped")
-        self._transport.send(*encode(call))
-        self.steps += 1
+        reports = self._transport.send(*encode(call))
+        self.last_sent = time.monotonic()
+        for rank, n in enumerate(reports[1:], start=1):
+            self.rank_steps[rank] = n
+        if call.op is not Op.HEARTBEAT:
+            self.steps += 1
 
     def _call(self, call: Call, fn, *args):
         if self.lost is not None:
@@ -67,7 +83,10 @@ class LockstepEngine:
             self.busy_since = time.monotonic()
             try:
                 self._send(call)
-                return fn(*args)
+                try:
+                    return fn(*args)
+                finally:
+                    self.rank_steps[0] = self.steps  # raised or not, the call is done here
             except Exception as exc:
                 if any(tag in str(exc) for tag in BACKEND_ERRORS):
                     self.lose(str(exc))
@@ -75,6 +94,27 @@ class LockstepEngine:
                 raise
             finally:
                 self.busy_since = None
+
+    def heartbeat(self, idle: float) -> bool:
+        """Broadcast a no-op when no call went out for `idle` seconds (the followers' watchdog
+        then knows rank 0 lives, and their reports come in); False when none was due or a call
+        holds the group."""
+        if self.lost is not None or self._stopped or time.monotonic() - self.last_sent < idle:
+            return False
+        if not self._lock.acquire(blocking=False):
+            return False  # a call is running: it tells the followers as much
+        try:
+            if self._stopped or self.lost is not None:
+                return False
+            self.busy_since = time.monotonic()
+            self._send(Call(Op.HEARTBEAT))
+            return True
+        except Exception as exc:  # noqa: BLE001 - any failure of the group's collective
+            self.lose(str(exc))
+            return False
+        finally:
+            self.busy_since = None
+            self._lock.release()
 
     def lose(self, reason: str, hung: bool = False) -> None:
         """Mark the group gone: a collective failed, or (`hung`) the watchdog saw one hang,

@@ -4,7 +4,8 @@
 rank), or `llm-server --hosts HOSTFILE ...`, which starts `mlx.launch` itself with this module
 as the program on every host. A watchdog on rank 0 ends the process (non-zero) when a call to
 the group has not returned in `--distributed-timeout` seconds: a dead or hung rank never
-leaves the server hanging.
+leaves the server hanging. An idle rank 0 broadcasts a heartbeat every quarter of that timeout,
+and a follower that hears nothing from rank 0 for twice the timeout exits (non-zero) too.
 """
 
 from __future__ import annotations
@@ -50,17 +51,19 @@ def build_engine(args: argparse.Namespace, model_path: Path, group):
         prefix_cache_bytes=args.prefix_cache_bytes,
         keep_quantized=args.keep_quantized,
         group=group,
+        parallel="pipeline" if getattr(args, "pipeline", False) else "tensor",
     )
 
 
-def wrap(engine, group, backend: str, timeout: float):
+def wrap(engine, group, backend: str, timeout: float, mode: str = "tensor"):
     """Rank 0's engine: broadcast each call, and watch that the group answers."""
     from llm_server.distributed.engine import LockstepEngine
     from llm_server.distributed.transport import GroupTransport
 
-    lockstep = LockstepEngine(engine, GroupTransport(group), group.size(), backend)
+    lockstep = LockstepEngine(engine, GroupTransport(group), group.size(), backend, mode)
     lockstep.on_lost = shut_down
     watch(lockstep, timeout)
+    beat(lockstep, timeout / 4)
     return lockstep
 
 
@@ -108,13 +111,62 @@ def watch(engine, timeout: float) -> threading.Thread:
     return thread
 
 
+def beat(engine, idle: float) -> threading.Thread:
+    """Have `engine` broadcast a heartbeat whenever it sent nothing for `idle` seconds."""
+
+    def loop() -> None:
+        while engine.lost is None and not engine.stopped:
+            time.sleep(idle / 4)
+            engine.heartbeat(idle)
+
+    thread = threading.Thread(target=loop, name="group-heartbeat", daemon=True)
+    thread.start()
+    return thread
+
+
+FIRST_CALL_GRACE = 300.0  # seconds a follower waits for rank 0's first call (its load)
+
+
+def watch_rank_zero(heard, silence: float, rank: int) -> threading.Thread:
+    """End this follower (EXIT_GROUP_LOST) when rank 0 has been silent for `silence` seconds
+    (`FIRST_CALL_GRACE` before its first call): rank 0 died or hangs, and the follower's
+    collective would wait for it forever."""
+
+    def loop() -> None:
+        while True:
+            time.sleep(min(1.0, silence / 4))
+            if heard.silent_for() > (silence if heard.ever else max(silence, FIRST_CALL_GRACE)):
+                log.error(
+                    "rank %d: nothing from rank 0 for %.0f s (it died or hangs); exiting",
+                    rank,
+                    heard.silent_for(),
+                )
+                sys.stderr.flush()
+                os._exit(EXIT_GROUP_LOST)
+                return  # (os._exit does not return; a test's stand-in does)
+
+    thread = threading.Thread(target=loop, name="rank-zero-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
 def follow_main(args: argparse.Namespace, model_path: Path, group) -> int:
-    """A follower rank: load the shard, run rank 0's calls until it stops."""
-    from llm_server.distributed.follower import follow
+    """A follower rank: load the shard, run rank 0's calls until it stops (0), or until rank
+    0 is gone (EXIT_GROUP_LOST)."""
+    from llm_server.distributed.engine import BACKEND_ERRORS
+    from llm_server.distributed.follower import Heard, follow
     from llm_server.distributed.transport import GroupTransport
 
     engine = build_engine(args, model_path, group)
-    count = follow(engine, GroupTransport(group))
+    heard = Heard()  # rank 0 loads its shard meanwhile: the silence counts from here
+    watch_rank_zero(heard, 2 * args.distributed_timeout, group.rank())
+    try:
+        count = follow(engine, GroupTransport(group), heard)
+    except Exception as exc:
+        if not any(tag in str(exc) for tag in BACKEND_ERRORS):
+            raise
+        log.error("rank %d: the group was lost (%s); exiting", group.rank(), exc)
+        return EXIT_GROUP_LOST
     log.info("rank %d: rank 0 stopped after %d calls", group.rank(), count)
     return 0
 

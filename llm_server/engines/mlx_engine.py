@@ -69,6 +69,7 @@ class MLXEngine(StepRunner, SessionRunner):
         keep_quantized: bool = False,
         compiled_decode: bool | None = None,
         group=None,
+        parallel: str = "tensor",
     ) -> None:
         """`prefix_cache_bytes`: bound of the prompt prefix cache (None: an eighth of the weights, at least 64 MiB; 0: off).
 
@@ -84,7 +85,9 @@ class MLXEngine(StepRunner, SessionRunner):
         (decode_attention). Off on Metal until the same is shown there.
         `group`: an `mx.distributed` group to shard the model over (tensor parallel, mlx-lm's
         `model.shard`); every rank then runs the same calls in lock-step (llm_server.distributed).
-        The fused forward, the prefix cache and pipelining are off: they do not compose with it.
+        The fused forward and pipelining are off: they do not compose with it.
+        `parallel`: "tensor" (above) or "pipeline": this rank keeps a contiguous slice of the
+        layers and their KV (llm_server.distributed.pipeline).
         """
         from mlx_lm.utils import load_model
 
@@ -102,14 +105,27 @@ class MLXEngine(StepRunner, SessionRunner):
         text = {**config, **config.get("text_config", {})}  # multimodal configs nest the LM's
         # bare-transformer checkpoints (embedding models) load too; see bare_checkpoint
         self.model, self.config = load_model(path, lazy=True, get_model_classes=model_classes)
+        self.stage = None  # this rank's layers when split pipeline-parallel (a pipeline.Stage)
         if group is not None and group.size() > 1:
-            if not hasattr(self.model, "shard"):
-                raise ValueError(f"{config['model_type']} has no tensor-parallel shard()")
-            for key in ("num_attention_heads", "num_key_value_heads"):
-                if int(text.get(key) or 0) % group.size():
-                    raise ValueError(f"{key}={text[key]} does not split over {group.size()} ranks")
-            self.model.shard(group)  # while lazy: each rank materialises its slices only
-            fused_decode, pipeline, prefix_cache_bytes = False, False, 0
+            from llm_server.distributed import checkpoint_bytes
+            from llm_server.distributed.pipeline import split_model
+
+            if parallel == "pipeline":
+                self.stage = split_model(self.model, group)  # while lazy, as shard() below
+            else:
+                if not hasattr(self.model, "shard"):
+                    raise ValueError(f"{config['model_type']} has no tensor-parallel shard()")
+                for key in ("num_attention_heads", "num_key_value_heads"):
+                    if int(text.get(key) or 0) % group.size():
+                        raise ValueError(
+                            f"{key}={text[key]} does not split over {group.size()} ranks"
+                        )
+                self.model.shard(group)  # while lazy: each rank materialises its slices only
+            # the prefix cache evicts by bytes: every rank must count the same (the heads split
+            # evenly, a pipeline stage counts the whole model's layers), from the same bound
+            if prefix_cache_bytes is None:
+                prefix_cache_bytes = max(checkpoint_bytes(path) // 8, 64 << 20)
+            fused_decode, pipeline = False, False
         self.has_lm_head = getattr(self.model, "has_lm_head", True)
         self.quantized = quantized.prepare(self.model, keep_quantized)  # float32 on the CPU
         cpu_kernels.install(self.model)  # numpy softmax/SiLU for big tensors on the CPU
@@ -177,7 +193,16 @@ class MLXEngine(StepRunner, SessionRunner):
         self.row_cached = [0] * self.rows  # prompt tokens the last prefill took from the cache
         self._ahead = [0] * self.rows  # decode steps started on a row and not yet finished
         self._epoch = [0] * self.rows  # bumped by release(): in-flight steps are then void
-        self.prefix_cache = PrefixCache(self._prefix_cache_bytes if rewindable else 0)
+        self.prefix_cache = PrefixCache(
+            self._prefix_cache_bytes if rewindable else 0, layers=self._counted_layers()
+        )
+
+    def _counted_layers(self) -> tuple[int, int]:
+        """(layers the prefix cache counts bytes for, layers this rank holds): a pipeline
+        stage counts the whole model's, so every rank evicts the same entries."""
+        if self.stage is None:
+            return (1, 1)
+        return (self.stage.total, len(self.stage.layers))
 
     # -- decode rows -----------------------------------------------------------------
 

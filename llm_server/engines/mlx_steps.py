@@ -143,13 +143,15 @@ class StepRunner:
                     parts.append((ids, views, starts, plan.mask))
                 logits = self._fused.forward_groups(parts, split, every).astype(mx.float32)
             else:
-                logits = mx.concatenate(
-                    [
-                        self._graph(
-                            rows, starts, mx.array(np.asarray(t, dtype=np.int32)), split, g in every
-                        )
-                        for g, (rows, starts, t) in enumerate(groups)
-                    ]
-                )
+                parts = []
+                for g, (rows, starts, t) in enumerate(groups):
+                    ids = mx.array(np.asarray(t, dtype=np.int32))
+                    parts.append(self._graph(rows, starts, ids, split, g in every))
+                    if self.stage is not None:
+                        # a pipeline stage evaluates one group's transfers at a time: MLX may
+                        # order independent graphs differently on each rank, and the ring's
+                        # messages carry no tags to pair them up
+                        mx.eval(parts[-1], *self._held())
+                logits = mx.concatenate(parts)
             mx.eval(logits, *self._held())
         return np.array(logits, copy=False)

@@ -35,10 +35,16 @@ class PrefixCacheStats:
 class PrefixCache:
     """LRU of prompt prefixes; `match` finds reusable KV, `insert` stores a row's history."""
 
-    def __init__(self, max_bytes: int, min_tokens: int = 4) -> None:
+    def __init__(
+        self, max_bytes: int, min_tokens: int = 4, layers: tuple[int, int] = (1, 1)
+    ) -> None:
+        """`layers`: (counted, held): bytes are counted as if the entries held `counted`
+        layers where they hold `held` (a pipeline stage, whose eviction must match every
+        other rank's)."""
         if max_bytes < 0:
             raise ValueError("prefix cache bytes must be >= 0")
         self.max_bytes = max_bytes
+        self._counted, self._held = layers
         self.min_tokens = min_tokens  # shorter matches are not worth a copy
         self._entries: OrderedDict[int, PrefixEntry] = OrderedDict()
         self._next_id = 0
@@ -91,6 +97,7 @@ class PrefixCache:
             if n < len(arr) and np.array_equal(arr[:n], entry.tokens):
                 self._drop(eid)  # the new entry covers this one
         nbytes = sum(k.nbytes + v.nbytes for k, v in zip(keys, values, strict=True))
+        nbytes = nbytes * self._counted // self._held  # exact: a stage's layers are alike
         if nbytes > self.max_bytes:
             return
         while self.bytes + nbytes > self.max_bytes:

@@ -1,12 +1,12 @@
 """Exclusive lease (S6): pauses the batch at a step boundary and gives its holder the engine.
 
 The holder's work still runs on the scheduler thread (the one thread that owns the engine):
-`lease.call(fn)` runs `fn(engine)` there while every row stays paused.
+`lease.submit(fn)` runs `fn(engine)` there while every row stays paused and returns its
+future; `release()` (or leaving a `with` block) resumes the batch.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -33,15 +33,8 @@ class Lease:
         self._wake()
         return fut
 
-    def call_sync(self, fn: Callable[[Any], Any]) -> Any:
-        """Run `fn(engine)` on the scheduler thread and wait for its result."""
-        return self.submit(fn).result()
-
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """Async form of `call_sync`."""
-        return await asyncio.wrap_future(self.submit(fn))
-
     def take_calls(self) -> list[tuple[Callable[[Any], Any], Future]]:
+        """The queued calls, in order, for the scheduler thread to run."""
         with self._lock:
             calls, self.calls = self.calls, []
         return calls

@@ -7,6 +7,17 @@ import numpy as np
 
 from llm_server.decoding import LogitsConstraint
 
+# The tool parameters (and response_format schema) the tool and agent API tests ask for.
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+
 
 def assert_openai_error(resp: httpx.Response, status: int, param: str | None = None) -> dict:
     """`resp` has `status` and the OpenAI error body; returns the inner error object."""

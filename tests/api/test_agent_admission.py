@@ -44,9 +44,13 @@ def test_429_before_any_byte(one_row):
     lease = sched.acquire_lease(30)  # paused: the first request keeps the only slot
     first: dict = {}
 
+    # EOS banned: its 2nd token always takes a decode step (a sampled EOS first, p ~ 1e-3 on
+    # the tiny model, ends it at its prompt's forward with no decode step)
+    no_eos = {str(t): -100 for t in srv.service.tokenizer.eos_token_ids}
+
     def hold() -> None:
         first["resp"] = httpx.post(srv.url + "/v1/chat/completions", json={"messages": ASK,
-                                   "max_tokens": 2}, timeout=60)  # fmt: skip
+                                   "max_tokens": 2, "logit_bias": no_eos}, timeout=60)  # fmt: skip
 
     t = threading.Thread(target=hold)
     try:
@@ -68,7 +72,9 @@ def test_429_before_any_byte(one_row):
         lease.release()
         t.join(60)
     assert first["resp"].status_code == 200
-    assert sched.stats().decode_steps > steps  # (the counter the cancel test reads)
+    # (the counter the cancel test reads; it is bumped just after the step's tokens are sent,
+    # so the response can arrive first)
+    _wait(lambda: sched.stats().decode_steps > steps, "no decode step counted")
 
 
 @pytest.mark.parametrize(("path", "body"), [RESP, MESS], ids=["responses", "messages"])

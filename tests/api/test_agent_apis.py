@@ -18,18 +18,10 @@ import pytest
 
 from llm_server.api.responses_store import ResponseStore
 from llm_server.testing.live import LiveServer
+from tests.api.helpers import WEATHER_SCHEMA
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-FN_TOOL = {"type": "function", "name": "get_weather", "parameters": WEATHER, "strict": True}
-ANT_TOOL = {"name": "get_weather", "description": "Weather", "input_schema": WEATHER}
+FN_TOOL = {"type": "function", "name": "get_weather", "parameters": WEATHER_SCHEMA, "strict": True}
+ANT_TOOL = {"name": "get_weather", "description": "Weather", "input_schema": WEATHER_SCHEMA}
 MAX = 80
 RAW_EVENTS = {
     "message_start",
@@ -89,11 +81,11 @@ def test_responses_create_equals_chat(oai):
 
 def test_responses_stream_events_in_order(oai):
     """(A JSON-schema answer, so that the random model finishes before its token limit.)"""
-    fmt = {"format": {"type": "json_schema", "name": "w", "schema": WEATHER, "strict": True}}
+    fmt = {"format": {"type": "json_schema", "name": "w", "schema": WEATHER_SCHEMA, "strict": True}}
     kw = dict(model="default", input="Say hi.", text=fmt, max_output_tokens=MAX, temperature=0)
     whole = oai.responses.create(**kw)
     assert whole.status == "completed"
-    jsonschema.validate(json.loads(whole.output_text), WEATHER)
+    jsonschema.validate(json.loads(whole.output_text), WEATHER_SCHEMA)
     with oai.responses.stream(**kw) as stream:
         events = list(stream)
         final = stream.get_final_response()
@@ -124,7 +116,7 @@ def test_responses_function_call_round_trip(oai):
     )
     (call,) = [o for o in first.output if o.type == "function_call"]
     assert call.name == "get_weather" and call.status == "completed"
-    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    jsonschema.validate(json.loads(call.arguments), WEATHER_SCHEMA)
     result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 18}'}
     # continued from the store ...
     chained = oai.responses.create(
@@ -276,7 +268,7 @@ def test_messages_tool_use_round_trip(ant):
     assert first.stop_reason == "tool_use"
     (use,) = first.content
     assert use.type == "tool_use" and use.name == "get_weather" and use.id.startswith("toolu_")
-    jsonschema.validate(use.input, WEATHER)
+    jsonschema.validate(use.input, WEATHER_SCHEMA)
     with ant.messages.stream(messages=[ask], tool_choice=choice, **kw) as stream:
         streamed = stream.get_final_message()
     assert streamed.content[0].input == use.input and streamed.stop_reason == "tool_use"

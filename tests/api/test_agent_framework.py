@@ -8,23 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 
-from llm_server.testing.tiny import HERMES_TEMPLATE, build_tiny_checkpoint
-
-
-@pytest.fixture(scope="module")
-def agent_server(tmp_path_factory):
-    from llm_server.testing.live import serving
-
-    path = build_tiny_checkpoint(
-        tmp_path_factory.mktemp("agent") / "tiny-hermes", chat_template=HERMES_TEMPLATE
-    )
-    with serving(path) as srv:
-        yield srv
-
-
-def test_openai_agents_runs_a_tool_with_valid_arguments(agent_server):
+def test_openai_agents_runs_a_tool_with_valid_arguments(hermes_server):
     from agents import (  # openai-agents, in the dev extra
         Agent,
         ModelSettings,
@@ -49,7 +34,7 @@ def test_openai_agents_runs_a_tool_with_valid_arguments(agent_server):
         ran.append((city, days))
         return f"{days} days of sun in {city}"
 
-    client = AsyncOpenAI(base_url=agent_server.url + "/v1", api_key="unused", max_retries=0)
+    client = AsyncOpenAI(base_url=hermes_server.url + "/v1", api_key="unused", max_retries=0)
     agent = Agent(
         name="weather",
         instructions="Answer with the forecast tool.",

@@ -16,17 +16,8 @@ import pydantic
 import pytest
 
 from llm_server.api import chat_plan
-from tests.api.helpers import ForcedPrefix
+from tests.api.helpers import WEATHER_SCHEMA, ForcedPrefix
 
-WEATHER_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {
         "type": "function",

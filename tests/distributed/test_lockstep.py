@@ -159,6 +159,7 @@ def test_the_watchdog_marks_a_hung_call_lost():
     class Transport:
         def send(self, header, payload):
             called.wait(30)  # the collective never returns while the watchdog looks
+            return [0, 0]
 
     class Engine:
         def run(self, plan):
@@ -193,3 +194,45 @@ def test_hosts_runs_the_same_command_under_mlx_launch(monkeypatch):
         [launcher, "--backend", "ring", "--hostfile", "h.json", "--python", sys.executable,
          launch.__file__, "--model", "M", "--port", "9000", "--distributed", "ring"]
     ]  # fmt: skip
+
+
+def test_an_idle_rank_zero_heartbeats_and_the_follower_does_not_count_them():
+    class Engine:
+        def __init__(self) -> None:
+            self.released: list[int] = []
+
+        def release(self, row: int) -> None:
+            self.released.append(row)
+
+    transport = QueueTransport()
+    leader = LockstepEngine(Engine(), transport, size=2, backend="queue")
+    assert leader.heartbeat(idle=60) is False  # something went out less than a minute ago
+    assert leader.heartbeat(idle=0) is True
+    leader.release(1)
+    assert leader.heartbeat(idle=0) is True
+    assert (leader.steps, leader.rank_steps[0]) == (1, 1)  # heartbeats are not calls
+    leader.stop()
+    follower = Engine()
+    assert follow(follower, transport) == 1 and follower.released == [1]
+    assert transport.completed == 1  # what the follower reported with its last receive
+
+
+def test_a_follower_whose_rank_zero_is_silent_exits(monkeypatch):
+    import threading
+
+    from llm_server.distributed import launch
+    from llm_server.distributed.follower import Heard
+
+    exited: list[int] = []
+    done = threading.Event()
+
+    def fake_exit(code: int) -> None:
+        exited.append(code)
+        done.set()
+
+    monkeypatch.setattr(launch.os, "_exit", fake_exit)
+    heard = Heard()
+    heard.now()
+    heard.at -= 5  # rank 0 last spoke 5 s ago
+    launch.watch_rank_zero(heard, silence=1.0, rank=1)
+    assert done.wait(10) and exited == [launch.EXIT_GROUP_LOST]

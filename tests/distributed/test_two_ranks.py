@@ -6,12 +6,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import openai
 import pytest
 
 from llm_server.testing.ranks import start_ranks
-
-PROMPTS = ["Hello", "The capital of France", "def main():", "One two three"]
+from tests.distributed.helpers import PROMPTS, complete, model_id, score
 
 
 @pytest.fixture(scope="module")
@@ -21,50 +19,29 @@ def ranks(tiny_model_path, tmp_path_factory):
     group.stop()
 
 
-def _model(url: str) -> str:
-    return httpx.get(url + "/v1/models").json()["data"][0]["id"]
-
-
-def _complete(url: str, prompts: list[str]) -> list[tuple[str, int, str]]:
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    model = _model(url)
-
-    def one(prompt: str):
-        c = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)
-        return c.choices[0].text, c.usage.completion_tokens, c.choices[0].finish_reason
-
-    with ThreadPoolExecutor(len(prompts)) as pool:  # 4 concurrent: they batch on both sides
-        return list(pool.map(one, prompts))
-
-
-def _score(url: str, prompt: str) -> list[float]:
-    r = httpx.post(
-        url + "/v1/completions",
-        json={"model": _model(url), "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 2},
-        timeout=60,
-    )
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["logprobs"]["token_logprobs"][1:]
-
-
 def test_two_ranks_answer_as_one_process(ranks, live_server, tiny_model_path):
     alone = live_server(tiny_model_path, concurrent=4)
-    sharded = _complete(ranks.url, PROMPTS)
-    assert sharded == _complete(alone.url, PROMPTS)
+    sharded = complete(ranks.url, PROMPTS)
+    assert sharded == complete(alone.url, PROMPTS)
     assert all(n >= 1 for _, n, _ in sharded)
     for prompt in ("The capital of France is Paris.", PROMPTS[2]):
-        got, want = _score(ranks.url, prompt), _score(alone.url, prompt)
+        got, want = score(ranks.url, prompt), score(alone.url, prompt)
         assert len(got) == len(want) >= 4
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
+    # a prompt extending a finished one starts from the prefix cache, on every rank alike
+    longer = [PROMPTS[1] + " is a city of"]
+    assert complete(ranks.url, longer) == complete(alone.url, longer)
     health = httpx.get(ranks.url + "/health").json()
+    assert health["prefix_cache"]["hits"] >= 1
     assert health["distributed"]["backend"] == "ring"
+    assert health["distributed"]["mode"] == "tensor"
     assert health["distributed"]["ranks"] == 2
     assert health["distributed"]["steps"] > 0 and health["distributed"]["lost"] is None
 
 
-def test_embeddings_are_refused_on_a_sharded_model(ranks):
+def test_embeddings_are_refused_on_a_shardedmodel_id(ranks):
     r = httpx.post(
-        ranks.url + "/v1/embeddings", json={"model": _model(ranks.url), "input": "hi"}, timeout=60
+        ranks.url + "/v1/embeddings", json={"model": model_id(ranks.url), "input": "hi"}, timeout=60
     )
     assert r.status_code == 400, r.text
     assert "sharded" in r.json()["error"]["message"]
@@ -74,7 +51,12 @@ def test_a_dead_rank_gets_503_and_rank_zero_exits(tiny_model_path, tmp_path):
     group = start_ranks(tiny_model_path, tmp_path, 2, ("--distributed-timeout", "5"))
     try:
         client = httpx.Client(base_url=group.url, timeout=60)
-        body = {"model": _model(group.url), "prompt": "Hello", "max_tokens": 1000, "temperature": 0}
+        body = {
+            "model": model_id(group.url),
+            "prompt": "Hello",
+            "max_tokens": 1000,
+            "temperature": 0,
+        }
         with ThreadPoolExecutor(1) as pool:
             running = pool.submit(client.post, "/v1/completions", json=body)
             while client.get("/health").json()["rows_busy"] == 0 and not running.done():

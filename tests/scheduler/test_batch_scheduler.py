@@ -178,12 +178,12 @@ def test_lease_pauses_decoding_and_resumes(tiny_model_path, tok):
         with sched.acquire_lease() as lease:
             steps = sched.stats().decode_steps
             held_tokens = len(out.tokens)
-            assert lease.call_sync(lambda engine: engine.rows) == 2  # holder has the engine
+            assert lease.submit(lambda engine: engine.rows).result(10) == 2  # holder has the engine
             time.sleep(0.2)
             assert sched.stats().decode_steps == steps
             assert len(out.tokens) == held_tokens
         with pytest.raises(RuntimeError, match="boom"), sched.acquire_lease() as lease:
-            lease.call_sync(lambda engine: (_ for _ in ()).throw(RuntimeError("boom")))
+            lease.submit(lambda engine: (_ for _ in ()).throw(RuntimeError("boom"))).result(10)
         assert out.done.wait(30)  # the batch resumed after both leases
         assert out.reason == FinishReason.LENGTH and len(out.tokens) == 300
     finally:

@@ -1,4 +1,6 @@
-"""The sampling set on known logits: each parameter's exact change to the distribution."""
+"""llm_server/decoding.py: the sampling set on known logits (each parameter's exact change to the
+distribution), and what a stream shows: stop-sequence hold-back and incremental detokenization,
+token by token through a `Decoder` with the tiny checkpoint's and SmolLM2's real tokenizers."""
 
 from __future__ import annotations
 
@@ -7,7 +9,16 @@ import math
 import numpy as np
 import pytest
 
-from llm_server.decoding import Decoder, LogitsConstraint, Sampler, SamplingParams, _draw, _top_k
+from llm_server.decoding import (
+    Decoder,
+    FinishReason,
+    LogitsConstraint,
+    Sampler,
+    SamplingParams,
+    _draw,
+    _top_k,
+)
+from llm_server.tokenizer import Tokenizer
 
 
 def params(**kw) -> SamplingParams:
@@ -223,3 +234,140 @@ def test_block_draw_matches_a_full_inverse_cdf():
         j = _draw(probs, float(u))
         assert j == int(np.searchsorted(cdf, u * cdf[-1], side="right"))
         assert probs[j] > 0
+
+
+# -- what a stream shows: stop sequences and incremental detokenization ---------------------------
+# Each test feeds a Decoder the token ids of a known text, one greedy step per token (the forced
+# token's logit dwarfs the rest), and checks the text delta every step made safe to show.
+
+
+def stream(
+    tok: Tokenizer, ids: list[int], stop: tuple[str, ...] = (), max_tokens: int = 64
+) -> tuple[list[str], FinishReason | None, list[int]]:
+    """Decode `ids` as a generation: (each step's delta, the finish reason, tokens consumed)."""
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stop)
+    dec = Decoder(sp, tok.eos_token_ids, tok.decode)
+    deltas: list[str] = []
+    for token in ids:
+        logits = np.zeros(tok.vocab_size, dtype=np.float32)
+        logits[token] = 1e4
+        out = dec.step(logits, room=1000)
+        assert out.token_id == token
+        deltas.append(out.text)
+        if out.finish is not None:
+            return deltas, out.finish, dec.tokens
+    return deltas, None, dec.tokens
+
+
+def pieces(tok: Tokenizer, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def test_tiny_tokenizer_splits_the_texts_these_tests_rely_on(tiny_tokenizer):
+    """The cases below need stops and characters that span tokens; this pins the split."""
+    split = {
+        "say hi END more": ["s", "ay", " ", "h", "i", " ", "E", "N", "D", " m", "o", "re"],
+        "hello world": ["he", "llo", " ", "wor", "ld"],
+    }
+    for text, want in split.items():
+        assert [tiny_tokenizer.decode([i]) for i in pieces(tiny_tokenizer, text)] == want
+    assert len(pieces(tiny_tokenizer, "\U0001f642")) == 4  # one byte a token
+    assert len(pieces(tiny_tokenizer, "\u20ac")) == 3
+
+
+def test_a_stop_sequence_is_held_back_while_it_may_begin_and_never_shown(tiny_tokenizer):
+    deltas, finish, tokens = stream(
+        tiny_tokenizer, pieces(tiny_tokenizer, "say hi END more"), ("END",)
+    )
+    assert deltas == ["s", "ay", " ", "h", "i", " ", "", "", ""]  # E, N held; D completes it
+    assert finish == FinishReason.STOP and len(tokens) == 9  # nothing sampled after the stop
+    assert "".join(deltas) == "say hi "
+
+
+def test_a_false_start_is_released_when_the_stop_cannot_match(tiny_tokenizer):
+    deltas, finish, _ = stream(tiny_tokenizer, pieces(tiny_tokenizer, "ENTRY END"), ("END",))
+    assert deltas == ["", "", "ENT", "R", "Y", " ", "", "", ""]
+    assert finish == FinishReason.STOP and "".join(deltas) == "ENTRY "
+
+
+def test_a_stop_inside_a_token_cuts_the_text_inside_it(tiny_tokenizer):
+    deltas, finish, _ = stream(tiny_tokenizer, pieces(tiny_tokenizer, "hello world"), ("lo w",))
+    assert deltas == ["he", "l", "", ""]  # "llo" shows only "l": "lo" may begin the stop
+    assert finish == FinishReason.STOP and "".join(deltas) == "hel"
+
+
+def test_the_earliest_of_several_stops_wins(tiny_tokenizer):
+    deltas, finish, _ = stream(
+        tiny_tokenizer, pieces(tiny_tokenizer, "say hi END more"), ("more", " h")
+    )
+    assert "".join(deltas) == "say" and finish == FinishReason.STOP
+
+
+def test_held_back_text_is_shown_when_the_length_limit_ends_the_stream(tiny_tokenizer):
+    ids = pieces(tiny_tokenizer, "say hi END")
+    deltas, finish, _ = stream(tiny_tokenizer, ids, ("END",), max_tokens=8)  # ends after "EN"
+    assert deltas[-2:] == ["", "EN"] and finish == FinishReason.LENGTH
+    assert "".join(deltas) == "say hi EN"
+
+
+def test_held_back_text_is_shown_at_eos_and_eos_adds_no_text(tiny_tokenizer):
+    (eos,) = tiny_tokenizer.eos_token_ids
+    deltas, finish, tokens = stream(
+        tiny_tokenizer, [*pieces(tiny_tokenizer, "say hi EN"), eos], ("END",)
+    )
+    assert deltas[-3:] == ["", "", "EN"] and finish == FinishReason.STOP
+    assert "".join(deltas) == "say hi EN" and tokens[-1] == eos
+
+
+def test_a_multibyte_character_arrives_whole_in_the_step_that_completes_it(tiny_tokenizer):
+    text = "caf\u00e9 \U0001f642 ok, 5\u20ac."
+    deltas, finish, tokens = stream(tiny_tokenizer, pieces(tiny_tokenizer, text))
+    assert finish is None and not any("\ufffd" in d for d in deltas)
+    assert deltas[3:7] == ["", "", "", "\U0001f642"]  # four byte tokens, one character
+    assert "".join(deltas) == text == tiny_tokenizer.decode(tokens)
+
+
+def test_a_stop_made_of_a_multibyte_character_is_matched_whole(tiny_tokenizer):
+    deltas, finish, _ = stream(
+        tiny_tokenizer, pieces(tiny_tokenizer, "caf\u00e9 \U0001f642 ok"), ("\U0001f642",)
+    )
+    assert finish == FinishReason.STOP and "".join(deltas) == "caf\u00e9 "
+    assert deltas[-4:] == ["", "", "", ""]
+
+
+def test_a_stream_cut_inside_a_character_ends_as_the_tokenizer_decodes_it(tiny_tokenizer):
+    ids = pieces(tiny_tokenizer, "ok \U0001f642")
+    deltas, finish, tokens = stream(
+        tiny_tokenizer, ids, max_tokens=len(ids) - 2
+    )  # 2 of its 4 bytes
+    assert finish == FinishReason.LENGTH
+    assert deltas[-2] == "" and deltas[-1].endswith("\ufffd")  # the dangling bytes, flushed
+    assert "".join(deltas) == tiny_tokenizer.decode(tokens)
+
+
+@pytest.mark.parametrize(
+    ("text", "stop"),
+    [
+        ("say hi END more", ("END",)),
+        ("ENTRY END", ("ENTRY END",)),
+        ("hello world", ("o", "wor")),
+        ("caf\u00e9 \U0001f642 ok, 5\u20ac.", ("\u20ac",)),
+        ("caf\u00e9 \U0001f642 ok, 5\u20ac.", ("absent",)),
+    ],
+)
+def test_the_stream_shows_exactly_the_text_before_the_first_stop(tiny_tokenizer, text, stop):
+    deltas, _, _ = stream(tiny_tokenizer, pieces(tiny_tokenizer, text), stop)
+    first = min((i for s in stop if (i := text.find(s)) >= 0), default=len(text))
+    assert "".join(deltas) == text[:first]
+
+
+@pytest.mark.slow
+def test_smollm2_streams_split_characters_whole_and_holds_a_stop_back(default_model_path):
+    tok = Tokenizer(default_model_path)
+    ids = pieces(tok, "\u6f22\u5b57 ok")  # the first character is three byte tokens
+    deltas, finish, _ = stream(tok, ids)
+    assert deltas == ["", "", "\u6f22", "\u5b57", " ok"] and finish is None
+    ids = pieces(tok, "na\u00efve \u00df")  # " \u00df" is two tokens: the space waits too
+    assert stream(tok, ids)[0] == ["na", "\u00efve", "", " \u00df"]
+    deltas, finish, _ = stream(tok, pieces(tok, "Hello, world! The end."), (" The e",))
+    assert deltas == ["Hello", ",", " world", "!", "", ""] and finish == FinishReason.STOP
