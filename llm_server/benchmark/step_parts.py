@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=30, help="measured replays per part")
     p.add_argument("--prompt", type=int, default=150, help="prompt tokens of row 0")
     args = p.parse_args(argv)
-    from llm_server.cli import resolve_model
+    from llm_server.model_source import resolve_model
 
     model = str(resolve_model(args.model))
     print("| rows | part | ms (median) | ms (best) |")
