@@ -330,17 +330,3 @@ def test_decode_attention_is_the_same_for_any_span_batch_and_query_length(heads,
             scale,
         )
         np.testing.assert_array_equal(np.array(got), np.array(want))
-
-
-def test_the_step_benchmarks_run_and_find_no_difference(tiny_llama_path, capsys):
-    """`python -m llm_server.benchmark.step` (compiled against eager, in one process) reports
-    equal logits; `step_parts` prints every part of the step."""
-    from llm_server.benchmark import step, step_parts
-
-    times = step.measure(str(tiny_llama_path), rows=2, steps=2, prompt_len=20)
-    assert times.max_abs_diff == 0.0 and times.same_tokens
-    assert len(times.compiled_ms) == len(times.eager_ms) == 2
-    step_parts.main(["--model", str(tiny_llama_path), "--rows", "2", "--reps", "2"])
-    out = capsys.readouterr().out
-    for part in ("products", "attention", "norms", "whole step", "rest"):
-        assert f"| 2 | {part}" in out
