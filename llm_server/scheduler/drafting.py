@@ -157,7 +157,7 @@ class DraftState:
         self.accepted += accepted
         if self.source == PREDICTION:
             self.predicted_rejected += drafted - accepted
-        self.acceptance.note(drafted, accepted)
+        self.acceptance.note(drafted, accepted, costs.source_rate(self.source))
         costs.note(self.source, drafted, accepted)
 
 

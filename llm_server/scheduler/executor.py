@@ -79,8 +79,8 @@ class PlanExecutor:
         else:
             self._commit(step, result, owners)
             self._pipeline.check(self._running, self.engine)
-            # forward + commit: what a draft position really costs (spec_policy.py)
-            self.spec_costs.observe(step.tokens, drafted, time.perf_counter() - t0)
+            if not step.prefill:  # forward + commit: what a draft position costs (spec_policy)
+                self.spec_costs.observe(step.tokens, drafted, time.perf_counter() - t0)
         if step.decode:
             self.decode_steps += 1
         seconds, rows = time.perf_counter() - t0, len(step.decode) + len(step.prefill)

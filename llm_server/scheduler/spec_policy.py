@@ -2,13 +2,15 @@
 
 A step of T positions costs about `a + b*T` seconds, plus `c` when it verifies drafts (logits
 at every drafted position, the drafted rows' own attention group). `StepCosts` fits (a, b, c)
-by least squares with forgetting over the steps the scheduler measures (forward + commit), so
+by least squares with forgetting over the decode-only steps the scheduler measures (forward +
+commit; a prompt chunk's positions cost less each and would skew the line), so
 the model follows the hardware and the load: on 2 CPU cores b is ~10% of a (a forward becomes
 compute-bound within a few positions), on Metal it is far smaller.
 
 The rule (`StepCosts.lengths`): plain decoding of R rows makes R tokens per `a + b*R` seconds.
-A row's j-th draft id is kept with probability alpha^j (alpha: the row's recent acceptance
-rate, see `Acceptance`), so it is worth its position only if alpha^j beats what plain decoding
+A row's j-th draft id is kept with probability alpha^j (alpha: the acceptance rate of the
+draft's source, e.g. a 3-token lookup match, scaled by how the row fared against that rate
+lately, see `Acceptance`), so it is worth its position only if alpha^j beats what plain decoding
 makes in the position's time: alpha^j > b * R / (a + b*R). Each row drafts the ids that pass;
 the step drafts at all only if their expected tokens also pay for `c`. More rows decoding make
 each position dearer relative to the tokens plain decoding makes, so drafting thins out as the
@@ -24,6 +26,7 @@ import numpy as np
 ROW_MEMORY = 0.7  # weight of a row's earlier evidence at each verified draft
 ROW_FADE = 0.98  # per step: a row's evidence fades, so its source's rate takes over again
 PRIOR_TRIALS = 1.0  # positions' worth of the source's rate in a row's estimate
+MAX_RATE = 0.99
 SOURCE_MEMORY = 0.98  # weight of a source's earlier evidence at each verified draft
 SOURCE_START = {"prediction": 0.8}  # a source's rate before any evidence (others: DEFAULT)
 DEFAULT_START = 0.5
@@ -34,24 +37,27 @@ PRIOR_STEPS = 0.25  # weight of that prior, in measured steps
 
 @dataclass
 class Acceptance:
-    """A row's recent draft acceptance: kept ids over positions tried (geometric: after the
-    first rejected id nothing more is learned), fading toward its source's rate."""
+    """A row's recent draft acceptance relative to its drafts' sources: kept ids over the ids
+    the sources' rates expected over the positions tried (geometric: after the first rejected
+    id nothing more is learned); the record fades, so the sources' rates take over again."""
 
     hits: float = 0.0
-    trials: float = 0.0
+    expected: float = 0.0
 
-    def note(self, drafted: int, accepted: int) -> None:
+    def note(self, drafted: int, accepted: int, source_rate: float) -> None:
         tried = accepted + (1 if accepted < drafted else 0)
         self.hits = ROW_MEMORY * self.hits + accepted
-        self.trials = ROW_MEMORY * self.trials + tried
+        self.expected = ROW_MEMORY * self.expected + tried * source_rate
 
     def tick(self) -> None:
         """One step passed."""
         self.hits *= ROW_FADE
-        self.trials *= ROW_FADE
+        self.expected *= ROW_FADE
 
-    def rate(self, prior: float) -> float:
-        return (self.hits + PRIOR_TRIALS * prior) / (self.trials + PRIOR_TRIALS)
+    def rate(self, source_rate: float) -> float:
+        """The chance each id of a draft from a source with `source_rate` is kept."""
+        factor = (self.hits + PRIOR_TRIALS) / (self.expected + PRIOR_TRIALS)
+        return min(source_rate * factor, MAX_RATE)
 
 
 class StepCosts:

@@ -144,11 +144,15 @@ def test_drafts_thin_out_as_rows_fill_and_acceptance_drops() -> None:
     # a row whose drafts all fail falls under the bar, then its record fades and it retries
     row = Acceptance()
     for _ in range(3):
-        row.note(4, 0)
+        row.note(4, 0, 0.5)
     assert costs.lengths(4, {0: (row.rate(0.5), 4)}) == {}
     for _ in range(200):
         row.tick()
     assert costs.lengths(4, {0: (row.rate(0.5), 4)}) == {0: 1}
+    # a row that keeps more than its source's rate is trusted more than the source
+    good = Acceptance()
+    good.note(4, 4, 0.5)
+    assert good.rate(0.5) == pytest.approx(0.5 * 5 / 3) and good.rate(0.9) == 0.99
 
 
 def test_plan_carries_drafts_and_counts_them_in_the_budget() -> None:
