@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 DEFAULT_STEP_TOKENS = 128
 # --speculative / --spec-tokens defaults (scheduler/drafting.py; measured in README)
 DEFAULT_SPECULATIVE = "off"
-DEFAULT_SPEC_TOKENS = 4
+DEFAULT_SPEC_TOKENS = 8
 
 
 class Pump(Protocol):

@@ -210,6 +210,45 @@ def test_injected_drafts_keep_the_output(tiny_model_path, tok, wrong) -> None:
     _rows_hold_only_real_tokens(engine, prompts, got)
 
 
+class MixedRecorder(ReleaseRecorder):
+    """Counts the steps that verify drafts and run prompt chunks in the same forward."""
+
+    mixed = 0
+
+    def run(self, plan):
+        if plan.prefill and any(d.draft for d in plan.decode):
+            MixedRecorder.mixed += 1
+        return super().run(plan)
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["all-right", "all-wrong"])
+def test_drafts_verified_beside_prompt_chunks_roll_back_exactly(tiny_model_path, tok, wrong):
+    """A short prompt decodes with drafts while a long one is still arriving in 8-position
+    chunks in the same forwards: accepted or rolled back, both outputs equal serving alone."""
+    prompts = [PLAIN[0], REPETITIVE[0]]  # 17 and 60 prompt tokens
+    want = _reference(tiny_model_path, tok, prompts, 20)
+    by_prompt, hook = _ahead(want, wrong)
+    by_prompt.update({tuple(p): w.tokens for p, w in zip(prompts, want, strict=True)})
+    MixedRecorder.mixed = 0
+    sched = BatchScheduler(
+        lambda: MixedRecorder(tiny_model_path, rows=2), 2, step_tokens=8, spec_tokens=K
+    ).start()
+    engine = sched.wait_ready(60)
+    sched.draft_hook = hook
+    made = [make_request(tok, p, 20) for p in prompts]
+    try:
+        sched.submit_all([req for req, _ in made])
+        for _, out in made:
+            assert out.done.wait(60)
+    finally:
+        sched.close(10)
+    got = [out for _, out in made]
+    _same(got, want)
+    assert MixedRecorder.mixed > 0
+    assert (sched.accepted_tokens == 0) is wrong
+    _rows_hold_only_real_tokens(engine, prompts, got)
+
+
 def test_stop_sequence_inside_an_accepted_run(tiny_model_path, tok) -> None:
     prompt = PLAIN[0]
     plain = _reference(tiny_model_path, tok, [prompt], 24)[0]
