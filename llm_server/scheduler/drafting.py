@@ -201,6 +201,7 @@ def drafts(
     out: dict[int, tuple[int, ...]] = {}
     rates: dict[int, float] = {}
     decoding = 0
+    costs.tick()
     for row, req in running.items():
         if req.prefilled < len(req.prompt) or req.last_token is None:
             continue

@@ -28,6 +28,9 @@ ROW_FADE = 0.98  # per step: a row's evidence fades, so its source's rate takes 
 PRIOR_TRIALS = 1.0  # positions' worth of the source's rate in a row's estimate
 MAX_RATE = 0.99
 SOURCE_MEMORY = 0.98  # weight of a source's earlier evidence at each verified draft
+# per step: a source's evidence fades toward its start, so one that fell under the bar (and so
+# stopped being tried) is tried again after a while: what it meets may have changed
+SOURCE_FADE = 0.995
 SOURCE_START = {"prediction": 0.8}  # a source's rate before any evidence (others: DEFAULT)
 DEFAULT_START = 0.5
 COST_MEMORY = 0.95  # weight of earlier steps in the cost fit, per measured step
@@ -98,6 +101,12 @@ class StepCosts:
             SOURCE_MEMORY * hits + accepted,
             SOURCE_MEMORY * trials + tried,
         ]
+
+    def tick(self) -> None:
+        """One step passed."""
+        for record in self._sources.values():
+            record[0] *= SOURCE_FADE
+            record[1] *= SOURCE_FADE
 
     def source_rate(self, source: str) -> float:
         start = SOURCE_START.get(source, DEFAULT_START)

@@ -149,6 +149,13 @@ def test_drafts_thin_out_as_rows_fill_and_acceptance_drops() -> None:
     for _ in range(200):
         row.tick()
     assert costs.lengths(4, {0: (row.rate(0.5), 4)}) == {0: 1}
+    # a source that fell under the bar is tried again once its record has faded
+    for _ in range(5):
+        costs.note("ngram1", 4, 0)
+    assert costs.lengths(4, {0: (costs.source_rate("ngram1"), 4)}) == {}
+    for _ in range(600):
+        costs.tick()
+    assert costs.lengths(4, {0: (costs.source_rate("ngram1"), 4)}) == {0: 1}
     # a row that keeps more than its source's rate is trusted more than the source
     good = Acceptance()
     good.note(4, 4, 0.5)
