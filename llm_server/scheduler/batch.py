@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 # SmolLM2 (docs/ARCHITECTURE.md "Step budget")
 DEFAULT_STEP_TOKENS = 128
 # --speculative / --spec-tokens defaults (scheduler/drafting.py; measured in README)
-DEFAULT_SPECULATIVE = "off"
+DEFAULT_SPECULATIVE = "ngram"
 DEFAULT_SPEC_TOKENS = 8
 
 

@@ -16,7 +16,7 @@ def server(tiny_model_path):
     """Two batched rows, `--speculative off`: a prediction drafts in any mode."""
     from llm_server.testing.live import serving
 
-    with serving(tiny_model_path, concurrent=2) as srv:
+    with serving(tiny_model_path, concurrent=2, speculative="off") as srv:
         yield srv
 
 

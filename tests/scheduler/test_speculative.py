@@ -238,7 +238,11 @@ def test_drafts_verified_beside_prompt_chunks_roll_back_exactly(tiny_model_path,
     by_prompt.update({tuple(p): w.tokens for p, w in zip(prompts, want, strict=True)})
     MixedRecorder.mixed = 0
     sched = BatchScheduler(
-        lambda: MixedRecorder(tiny_model_path, rows=2), 2, step_tokens=8, spec_tokens=K
+        lambda: MixedRecorder(tiny_model_path, rows=2),
+        2,
+        step_tokens=8,
+        speculative="off",
+        spec_tokens=K,
     ).start()
     engine = sched.wait_ready(60)
     sched.draft_hook = hook
@@ -278,7 +282,9 @@ def test_eos_and_max_tokens_inside_an_accepted_run(tiny_model_path, tok) -> None
     for params, limit in (({"eos": eos}, 24), ({}, 7)):
         outs = []
         for hook in (None, _ahead([], False)[1]):
-            sched = BatchScheduler(lambda: ReleaseRecorder(tiny_model_path, rows=1), 1).start()
+            sched = BatchScheduler(
+                lambda: ReleaseRecorder(tiny_model_path, rows=1), 1, speculative="off"
+            ).start()
             sched.wait_ready(60)
             if hook is not None:
                 sched.draft_hook = lambda req: plain.tokens[
@@ -303,7 +309,9 @@ def test_eos_and_max_tokens_inside_an_accepted_run(tiny_model_path, tok) -> None
 def test_cancel_during_an_accepted_run_leaks_no_row(tiny_model_path, tok) -> None:
     prompt = PLAIN[2]
     plain = _reference(tiny_model_path, tok, [prompt], 30)[0]
-    sched = BatchScheduler(lambda: ReleaseRecorder(tiny_model_path, rows=2), 2).start()
+    sched = BatchScheduler(
+        lambda: ReleaseRecorder(tiny_model_path, rows=2), 2, speculative="off"
+    ).start()
     engine = sched.wait_ready(60)
     sched.draft_hook = lambda req: plain.tokens[
         len(req.decoder.tokens) : len(req.decoder.tokens) + K
