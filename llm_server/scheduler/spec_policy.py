@@ -3,9 +3,9 @@
 A step of T positions costs about `a + b*T` seconds, plus `c` when it verifies drafts (logits
 at every drafted position, the drafted rows' own attention group). `StepCosts` fits (a, b, c)
 by least squares with forgetting over the decode-only steps the scheduler measures (forward +
-commit; a prompt chunk's positions cost less each and would skew the line), so
-the model follows the hardware and the load: on 2 CPU cores b is ~10% of a (a forward becomes
-compute-bound within a few positions), on Metal it is far smaller.
+commit; a prompt chunk's positions cost less each and would skew the line), so the model
+follows the hardware and the load: on 2 CPU cores b came out at 6-12% of a (a forward becomes
+compute-bound within a few positions); on Metal it should be far smaller.
 
 The rule (`StepCosts.lengths`): plain decoding of R rows makes R tokens per `a + b*R` seconds.
 A row's j-th draft id is kept with probability alpha^j (alpha: the acceptance rate of the
@@ -14,7 +14,7 @@ lately, see `Acceptance`), so it is worth its position only if alpha^j beats wha
 makes in the position's time: alpha^j > b * R / (a + b*R). Each row drafts the ids that pass;
 the step drafts at all only if their expected tokens also pay for `c`. More rows decoding make
 each position dearer relative to the tokens plain decoding makes, so drafting thins out as the
-batch fills, and a row whose drafts fail stops drafting until its record fades.
+batch fills, and a row (or a source) whose drafts fail stops drafting until its record fades.
 """
 
 from __future__ import annotations
