@@ -64,9 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--speculative",
         default=DEFAULT_SPECULATIVE,
         choices=["ngram", "off"],
-        help="speculative decoding for greedy requests: 'ngram' drafts up to --spec-tokens ids "
-        "by prompt lookup (the row's last tokens matched in its prompt and output) and verifies "
-        "them in the batched forward; output is unchanged (default %(default)s)",
+        help="speculative decoding: 'ngram' drafts up to --spec-tokens ids by prompt lookup "
+        "(the row's last tokens matched in its prompt and output), as many as the measured "
+        "step costs and the row's acceptance say pay, and verifies them in the batched "
+        "forward; greedy output is unchanged, sampled output keeps its distribution. A "
+        "request's 'prediction' drafts in either mode (default %(default)s)",
     )
     p.add_argument(
         "--spec-tokens",

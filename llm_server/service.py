@@ -169,9 +169,11 @@ class ModelService:
         params: list[SamplingParams],
         constraints: list[LogitsConstraint | None] | None = None,
         keep_tokens: frozenset[int] = frozenset(),
+        prediction: tuple[int, ...] | None = None,
     ) -> list[GenerationHandle]:
         """Admit one generation per prompt, all or none (QueueFull/SchedulerClosed); one
-        handle per prompt, in order. `params[i]` and `constraints[i]` go with `prompts[i]`."""
+        handle per prompt, in order. `params[i]` and `constraints[i]` go with `prompts[i]`;
+        `prediction`: token ids each output is expected to repeat (a drafting source)."""
         loop = asyncio.get_running_loop()
         eos = self.tokenizer.eos_token_ids
         constraints = constraints or [None] * len(prompts)
@@ -182,7 +184,11 @@ class ModelService:
             decoder = Decoder(sp, eos, detokenize, constraint, prompt)
             exclusive = constraint is not None and self.config.constrained_mode == "exclusive"
             req = GenerationRequest(
-                prompt=prompt, decoder=decoder, emit=_emitter(loop, queue), exclusive=exclusive
+                prompt=prompt,
+                decoder=decoder,
+                emit=_emitter(loop, queue),
+                exclusive=exclusive,
+                prediction=prediction,
             )
             reqs.append(req)
             handles.append(GenerationHandle(req, queue))

@@ -72,8 +72,17 @@ async def start_chat(service: ModelService, chat: ChatRequest, param: str = "mes
     `param` names the request field an empty or too long prompt is blamed on."""
     plan = await plan_chat(service, chat)
     check_prompt(service, len(plan.prompt), param)
+    predicted = None
+    if chat.prediction is not None:  # a drafting source (scheduler/drafting.py)
+        predicted = tuple(service.tokenizer.encode(chat.prediction, add_special_tokens=False))
     handles = admit_all(
-        service, [plan.prompt], chat.params, chat.n, list(plan.constraints), plan.keep_tokens
+        service,
+        [plan.prompt],
+        chat.params,
+        chat.n,
+        list(plan.constraints),
+        plan.keep_tokens,
+        predicted,
     )
     return Started(plan, handles)
 

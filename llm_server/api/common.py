@@ -162,12 +162,14 @@ def admit_all(
     n: int = 1,
     constraints: list[LogitsConstraint | None] | None = None,
     keep_tokens: frozenset[int] = frozenset(),
+    prediction: tuple[int, ...] | None = None,
 ) -> list[GenerationHandle]:
     """Admit `n` choices of every prompt, all or none (429/503 before any response byte).
 
     Handles come prompt by prompt, choices within each: handle i is choice index i (the order
     OpenAI gives `choices[i].index`). `constraints` has one entry per handle when given.
     `keep_tokens`: special tokens kept in the text (tool-call markers the parsers read).
+    `prediction`: token ids every choice's output is expected to repeat (predicted outputs).
     """
     total = len(prompts) * n
     if n > 1 and total > service.capacity:
@@ -179,7 +181,7 @@ def admit_all(
     ids = [p for p in prompts for _ in range(n)]
     per_choice = [choice_params(params, j) for _ in prompts for j in range(n)]
     try:
-        return service.start_generations(ids, per_choice, constraints, keep_tokens)
+        return service.start_generations(ids, per_choice, constraints, keep_tokens, prediction)
     except (QueueFull, SchedulerClosed) as exc:
         raise scheduler_errors(exc) from None
 

@@ -193,6 +193,16 @@ SCHEMAS: dict[str, dict] = {
                     },
                 }
             ),
+            "prediction": nullable(
+                {
+                    "type": "object",
+                    "required": ["type", "content"],
+                    "properties": {
+                        "type": {"type": "string", "enum": ["content"]},
+                        "content": {"oneOf": [STR, {"type": "array", "items": {"type": "object"}}]},
+                    },
+                }
+            ),
             **tools.REQUEST_FIELDS,
         },
     },

@@ -75,4 +75,11 @@ RESPONSE_MESSAGE = {
     },
 }
 CHAT_FINISH = {"type": "string", "enum": ["stop", "length", "tool_calls"]}
-COMPLETION_DETAILS = {"type": "object", "properties": {"reasoning_tokens": INT}}
+COMPLETION_DETAILS = {
+    "type": "object",
+    "properties": {
+        "reasoning_tokens": INT,
+        "accepted_prediction_tokens": INT,  # with `prediction` (predicted outputs)
+        "rejected_prediction_tokens": INT,
+    },
+}

@@ -89,6 +89,11 @@ def _usage(finishes: list[FinishEvent], answers: list[ChatOutput]) -> dict:
     if answers[0].splitter is not None:
         reasoning = sum(a.reasoning_tokens for a in answers)
         out["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    if all(f.prediction is not None for f in finishes):  # the request sent `prediction`
+        out.setdefault("completion_tokens_details", {}).update(
+            accepted_prediction_tokens=sum(f.prediction.accepted for f in finishes),
+            rejected_prediction_tokens=sum(f.prediction.rejected for f in finishes),
+        )
     return out
 
 

@@ -31,6 +31,7 @@ class ChatRequest:
     tools: ToolRequest = ToolRequest()
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
     thinking_budget: int | None = None  # thinking tokens before </think> is forced (Messages)
+    prediction: str | None = None  # OpenAI predicted output: text the answer likely repeats
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ UNSUPPORTED_FIELDS = {
     "functions": "the deprecated 'functions' is not supported; send 'tools' instead",
     "function_call": "the deprecated 'function_call' is not supported; send 'tool_choice'",
     "audio": "audio output is not supported; this server generates text",
-    "prediction": "predicted outputs ('prediction') are not supported",
+    "prediction": "predicted outputs ('prediction') are supported on /v1/chat/completions only",
     "web_search_options": "web search is not supported by a local model",
     "suffix": "'suffix' (insertion) is not supported; send the text before it as 'prompt'",
 }
@@ -321,6 +322,8 @@ def parse_chat(
         )
     if fmt is not None and fmt.get("type") == "text":
         fmt = None
+    prediction = parse_prediction(body)
+    body = {k: v for k, v in body.items() if k != "prediction"}  # taken: not unsupported here
     return ChatRequest(
         messages=messages,
         params=_sampling(body, max_tokens, logprobs, top, vocab_size, defaults),
@@ -331,7 +334,35 @@ def parse_chat(
         n=parse_n(body),
         tools=parse_tools(body),
         template_kwargs=parse_template_kwargs(body),
+        prediction=prediction,
     )
+
+
+def parse_prediction(body: dict) -> str | None:
+    """OpenAI's `prediction`: {"type": "content", "content": a string or text parts}."""
+    pred = body.get("prediction")
+    if pred is None:
+        return None
+    why = '\'prediction\' must be {"type": "content", "content": a string or text parts}'
+    if (
+        not isinstance(pred, dict)
+        or pred.get("type") != "content"
+        or set(pred) - {"type", "content"}
+    ):
+        raise invalid("prediction", why)
+    content = pred.get("content")
+    if isinstance(content, str):
+        return content
+    if (
+        isinstance(content, list)
+        and content
+        and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content
+        )
+    ):
+        return "".join(p["text"] for p in content)
+    raise invalid("prediction", why)
 
 
 def _prompts(body: dict, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:

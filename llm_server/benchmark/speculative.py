@@ -5,14 +5,16 @@
 The edit workload asks the model to reproduce a given passage (code or text) with one change,
 the case prompt-lookup drafts are for; the chat workload is the first prompts of
 llm-benchmark's fixed set (prompts.json). Both run greedy on the scheduler in-process (no
-HTTP), at each concurrency, `--speculative off` then `ngram`, on the same engine settings; it
-prints completion tok/s, the draft acceptance rate and whether the outputs were identical.
+HTTP), at each concurrency, `--speculative off` and `ngram` alternating (`--repeats` each, the
+median time), on the same engine settings; it prints completion tok/s, the draft acceptance
+rate and whether the outputs were identical.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -106,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="1,4", help="comma-separated row counts")
     p.add_argument("--chat-prompts", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--spec-tokens", type=int, default=4)
+    p.add_argument("--spec-tokens", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=2, help="runs of each mode (median time)")
     args = p.parse_args(argv)
     if args.model is None:
         from llm_server.default_model import default_model_path
@@ -117,15 +120,22 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|")
     for name, prompts in loads.items():
         for rows in (int(c) for c in args.concurrency.split(",")):
-            off, t_off, _, _ = run(args.model, prompts, rows, "off", args.max_tokens, 0)
-            on, t_on, drafted, accepted = run(
-                args.model, prompts, rows, "ngram", args.max_tokens, args.spec_tokens
-            )
-            n = sum(map(len, off))
+            # off and on alternate, `--repeats` times each: load that drifts hits both alike
+            t_off, t_on, drafted, accepted, same = [], [], 0, 0, True
+            for _ in range(args.repeats):
+                off, t, _, _ = run(args.model, prompts, rows, "off", args.max_tokens, 0)
+                t_off.append(t)
+                on, t, d, a = run(
+                    args.model, prompts, rows, "ngram", args.max_tokens, args.spec_tokens
+                )
+                t_on.append(t)
+                drafted, accepted, same = drafted + d, accepted + a, same and on == off
+            n_off, n_on = sum(map(len, off)), sum(map(len, on))
+            s_off, s_on = statistics.median(t_off), statistics.median(t_on)
             rate = f"{accepted}/{drafted} ({accepted / max(drafted, 1):.0%})"
             print(
-                f"| {name} | {rows} | {n / t_off:.1f} | {sum(map(len, on)) / t_on:.1f} | "
-                f"{t_off / t_on:.2f}x | {rate} | {on == off} |",
+                f"| {name} | {rows} | {n_off / s_off:.1f} | {n_on / s_on:.1f} | "
+                f"{s_off / s_on:.2f}x | {rate} | {same} |",
                 flush=True,
             )
     return 0

@@ -19,7 +19,7 @@ import numpy as np
 from llm_server import blas
 from llm_server.engines.base import EngineError
 from llm_server.engines.layout import row_views
-from llm_server.engines.step import PrefillChunk, StepPlan, StepResult
+from llm_server.engines.step import DecodeRow, PrefillChunk, StepPlan, StepResult
 
 if TYPE_CHECKING:
     from llm_server.engines.mlx_engine import MLXEngine
@@ -59,11 +59,26 @@ class StepRunner:
             if max(starts) >= self.context_length:
                 raise EngineError(f"a row is full ({self.context_length} positions)")
             groups.append(([d.row for d in plain], starts, [[d.token] for d in plain]))
+        # drafted rows with drafts of one length share a group (one attention per layer for
+        # them all, not one per row: per-group work is what made 4 drafted rows cost 2x); the
+        # unfused forward reads every position of one-row groups only
         every: set[int] = set()
+        order: list[DecodeRow] = []
+        by_len: dict[int, list[DecodeRow]] = {}
         for d in plan.decode:
             if d.row in drafts:
-                every.add(len(groups))
-                groups.append(([d.row], [self.cursor(d.row)], [[d.token, *drafts[d.row]]]))
+                key = len(drafts[d.row]) if self._fused is not None else -1 - len(by_len)
+                by_len.setdefault(key, []).append(d)
+        for same in by_len.values():
+            every.add(len(groups))
+            order += same
+            groups.append(
+                (
+                    [d.row for d in same],
+                    [self.cursor(d.row) for d in same],
+                    [[d.token, *drafts[d.row]] for d in same],
+                )
+            )
         before = self._states.snapshot([*rows, *(c.row for c in plan.prefill)])
         cached: dict[int, int] = {}
         segments: list[tuple[PrefillChunk, list[int]]] = []
@@ -94,14 +109,14 @@ class StepRunner:
         # positions (the first predicts after the pending token, the rest after each draft id)
         at = {d.row: i for i, d in enumerate(plain)}
         off, verified = len(plain), {}
-        for d in plan.decode:
+        for d in plain:
             self._row_tokens[d.row].append(int(d.token))
-            if d.row in drafts:
-                n = len(drafts[d.row])
-                at[d.row] = off
-                verified[d.row] = logits[off + 1 : off + 1 + n]
-                self._row_tokens[d.row].extend(drafts[d.row])  # until `rewind` drops rejects
-                off += n + 1
+        for d in order:  # the drafted rows, in the order of their groups
+            n = len(drafts[d.row])
+            at[d.row] = off
+            verified[d.row] = logits[off + 1 : off + 1 + n]
+            self._row_tokens[d.row].extend([int(d.token), *drafts[d.row]])  # until `rewind`
+            off += n + 1
         picked = [at[r] for r in rows]
         cursors: dict[int, int] = {}
         for i, (chunk, seg) in enumerate(segments):

@@ -25,7 +25,7 @@ from typing import Protocol
 from llm_server.decoding import FinishReason
 from llm_server.engines.base import Engine
 from llm_server.engines.step import StepPlan
-from llm_server.scheduler.drafting import drafts
+from llm_server.scheduler.drafting import drafts, prediction_usage
 from llm_server.scheduler.executor import PlanExecutor
 from llm_server.scheduler.lease import Lease
 from llm_server.scheduler.pipelining import Pipeline
@@ -36,6 +36,7 @@ from llm_server.scheduler.request import (
     QueueFull,
     SchedulerClosed,
 )
+from llm_server.scheduler.spec_policy import StepCosts
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,8 @@ log = logging.getLogger(__name__)
 # SmolLM2 (docs/ARCHITECTURE.md "Step budget")
 DEFAULT_STEP_TOKENS = 128
 # --speculative / --spec-tokens defaults (scheduler/drafting.py; measured in README)
-DEFAULT_SPECULATIVE = "off"
-DEFAULT_SPEC_TOKENS = 4
+DEFAULT_SPECULATIVE = "ngram"
+DEFAULT_SPEC_TOKENS = 8
 
 
 class Pump(Protocol):
@@ -102,6 +103,7 @@ class BatchScheduler(PlanExecutor):
         self.spec_tokens = spec_tokens
         # tests: request -> the draft to verify (replaces prompt lookup and its back-off)
         self.draft_hook: Callable[[GenerationRequest], tuple[int, ...]] | None = None
+        self.spec_costs = StepCosts()  # measured step costs and acceptance (spec_policy.py)
         self.drafted_tokens = 0  # draft ids verified
         self.accepted_tokens = 0  # draft ids kept
         self.engine: Engine | None = None
@@ -336,12 +338,14 @@ class BatchScheduler(PlanExecutor):
             )
 
     def _drafts(self) -> dict[int, tuple[int, ...]]:
-        """Each decoding greedy row's draft for the next step (drafting.py); {} when off."""
+        """Each decoding row's draft for the next step (drafting.py): prompt lookup under
+        `--speculative ngram`, a request's `prediction` in any mode; {} when none applies."""
         if self.spec_tokens <= 0 or not getattr(self.engine, "speculative", False):
             return {}
-        if self.speculative == "off" and self.draft_hook is None:
+        lookup = self.speculative == "ngram"
+        if not (lookup or self.draft_hook or any(r.prediction for r in self._running.values())):
             return {}
-        return drafts(self._running, self.spec_tokens, self.draft_hook)
+        return drafts(self._running, self.spec_tokens, self.spec_costs, lookup, self.draft_hook)
 
     def _apply(self, step: StepPlan) -> None:
         """The plan's bookkeeping before its forward: retire, drop, admit (S2, S3, S5)."""
@@ -391,5 +395,6 @@ class BatchScheduler(PlanExecutor):
                 timings=req.timings(),
                 error=error,
                 cached_tokens=req.cached_tokens,
+                prediction=prediction_usage(req),
             )
         )

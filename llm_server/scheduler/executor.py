@@ -51,8 +51,8 @@ class PlanExecutor:
             rows = (*step.decode_rows, *step.chunk_rows)
             self.step_trace.append(tuple(self._running[r].seq for r in rows))
         t0 = time.perf_counter()
+        drafted = any(d.draft for d in step.decode)
         try:
-            drafted = any(d.draft for d in step.decode)
             if self.engine.pipelined and not step.prefill and not drafted:
                 reqs = [self._running[d.row] for d in step.decode]
                 step_reqs, logits = self._pipeline.step(
@@ -79,6 +79,8 @@ class PlanExecutor:
         else:
             self._commit(step, result, owners)
             self._pipeline.check(self._running, self.engine)
+            if not step.prefill:  # forward + commit: what a draft position costs (spec_policy)
+                self.spec_costs.observe(step.tokens, drafted, time.perf_counter() - t0)
         if step.decode:
             self.decode_steps += 1
         seconds, rows = time.perf_counter() - t0, len(step.decode) + len(step.prefill)
@@ -142,7 +144,7 @@ class PlanExecutor:
         self.drafted_tokens += n
         self.accepted_tokens += matched
         if req.draft is not None:
-            req.draft.note(n, matched)
+            req.draft.note(n, matched, self.spec_costs)
         for out in outs:
             if not self._emit(req, out):
                 return

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llm_server.decoding import Decoder, FinishReason, TokenLogprob
-from llm_server.scheduler.drafting import DraftState
+from llm_server.scheduler.drafting import DraftState, PredictionUsage
 
 
 class QueueFull(Exception):
@@ -54,6 +54,7 @@ class FinishEvent:
     timings: Timings
     error: str | None = None  # set when reason is ERROR
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    prediction: PredictionUsage | None = None  # predicted-output counts (None: no prediction)
 
 
 Event = TokenEvent | FinishEvent
@@ -80,6 +81,8 @@ class GenerationRequest:
     started_at: float | None = None
     first_token_at: float | None = None
     draft: DraftState | None = None  # speculative drafting record (None: never drafted)
+    # OpenAI predicted output: token ids the output is expected to repeat (a drafting source)
+    prediction: tuple[int, ...] | None = None
     _wake: Callable[[], None] | None = None
 
     def cancel(self) -> None:

@@ -17,8 +17,9 @@ from llm_server.decoding import Decoder, FinishReason, SamplingParams
 from llm_server.engines.mlx_engine import MLXEngine
 from llm_server.engines.step import DecodeRow
 from llm_server.scheduler import BatchScheduler, GenerationRequest
-from llm_server.scheduler.drafting import MISSES, PAUSE, DraftState, propose
+from llm_server.scheduler.drafting import NgramIndex, propose
 from llm_server.scheduler.planner import plan
+from llm_server.scheduler.spec_policy import Acceptance, StepCosts
 from llm_server.tokenizer import Tokenizer
 from tests.scheduler.helpers import Outcome, make_request
 
@@ -101,14 +102,64 @@ def test_propose_takes_the_latest_longest_match() -> None:
     assert propose([1, 2, 1, 2], 0) == ()
 
 
-def test_a_row_whose_drafts_keep_failing_pauses() -> None:
-    state = DraftState()
-    for _ in range(MISSES):
-        assert state.wants()
-        state.note(4, 0)
-    assert [state.wants() for _ in range(PAUSE + 1)] == [False] * PAUSE + [True]
-    state.note(4, 2)  # an accepted draft resets the back-off
-    assert state.wants() and state.backoff == PAUSE and (state.drafted, state.accepted) == (12, 2)
+def test_the_index_follows_the_tokens_as_a_scan_would() -> None:
+    """The incremental index proposes what a right-to-left scan of the whole history does."""
+
+    def scan(tokens, k):
+        for n in range(min(3, len(tokens) - 1), 0, -1):
+            tail = tokens[len(tokens) - n :]
+            for i in range(len(tokens) - n - 1, -1, -1):
+                if tokens[i : i + n] == tail:
+                    return tuple(tokens[i + n : i + n + k])
+        return ()
+
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 6, 300).tolist()
+    index = NgramIndex(tokens[:20])
+    for j in range(20, 300):
+        assert index.propose(4)[0] == scan(tokens[:j], 4)
+        index.extend([tokens[j]])
+
+
+def test_step_costs_fit_the_measured_steps() -> None:
+    costs = StepCosts()
+    for positions, drafted in [(1, 0), (5, 1), (9, 1), (3, 0), (2, 1), (1, 0)] * 4:
+        costs.observe(positions, bool(drafted), 0.050 + 0.006 * positions + 0.002 * drafted)
+    a, b, c = costs.coefficients()
+    # the prior (a quarter step's worth) pulls the fit by under 10%
+    assert (a, b, c) == pytest.approx((0.05, 0.006, 0.002), rel=0.1)
+
+
+def test_drafts_thin_out_as_rows_fill_and_acceptance_drops() -> None:
+    costs = StepCosts()
+    for positions, drafted in [(1, 0), (5, 1), (9, 1), (4, 0), (20, 1), (36, 1)] * 4:
+        costs.observe(positions, bool(drafted), 0.050 + 0.006 * positions + 0.002 * drafted)
+    # one row: a position costs 0.006 s of 0.056 s per plain token, so p > 0.107 pays
+    assert costs.lengths(1, {0: (0.9, 8)}) == {0: 8}
+    assert costs.lengths(1, {0: (0.5, 8)}) == {0: 3}  # 0.5^3 = 0.125, 0.5^4 = 0.0625
+    # four rows: 4 tokens per 0.074 s, so a position must be kept with p > 0.324
+    assert costs.lengths(4, {r: (0.5, 8) for r in range(4)}) == {r: 1 for r in range(4)}
+    assert costs.lengths(4, {0: (0.9, 8), 1: (0.3, 8)}) == {0: 8}
+    assert costs.lengths(4, {0: (0.3, 8)}) == {}
+    # a row whose drafts all fail falls under the bar, then its record fades and it retries
+    row = Acceptance()
+    for _ in range(3):
+        row.note(4, 0, 0.5)
+    assert costs.lengths(4, {0: (row.rate(0.5), 4)}) == {}
+    for _ in range(200):
+        row.tick()
+    assert costs.lengths(4, {0: (row.rate(0.5), 4)}) == {0: 1}
+    # a source that fell under the bar is tried again once its record has faded
+    for _ in range(5):
+        costs.note("ngram1", 4, 0)
+    assert costs.lengths(4, {0: (costs.source_rate("ngram1"), 4)}) == {}
+    for _ in range(600):
+        costs.tick()
+    assert costs.lengths(4, {0: (costs.source_rate("ngram1"), 4)}) == {0: 1}
+    # a row that keeps more than its source's rate is trusted more than the source
+    good = Acceptance()
+    good.note(4, 4, 0.5)
+    assert good.rate(0.5) == pytest.approx(0.5 * 5 / 3) and good.rate(0.9) == 0.99
 
 
 def test_plan_carries_drafts_and_counts_them_in_the_budget() -> None:
@@ -166,6 +217,49 @@ def test_injected_drafts_keep_the_output(tiny_model_path, tok, wrong) -> None:
     _rows_hold_only_real_tokens(engine, prompts, got)
 
 
+class MixedRecorder(ReleaseRecorder):
+    """Counts the steps that verify drafts and run prompt chunks in the same forward."""
+
+    mixed = 0
+
+    def run(self, plan):
+        if plan.prefill and any(d.draft for d in plan.decode):
+            MixedRecorder.mixed += 1
+        return super().run(plan)
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["all-right", "all-wrong"])
+def test_drafts_verified_beside_prompt_chunks_roll_back_exactly(tiny_model_path, tok, wrong):
+    """A short prompt decodes with drafts while a long one is still arriving in 8-position
+    chunks in the same forwards: accepted or rolled back, both outputs equal serving alone."""
+    prompts = [PLAIN[0], REPETITIVE[0]]  # 17 and 60 prompt tokens
+    want = _reference(tiny_model_path, tok, prompts, 20)
+    by_prompt, hook = _ahead(want, wrong)
+    by_prompt.update({tuple(p): w.tokens for p, w in zip(prompts, want, strict=True)})
+    MixedRecorder.mixed = 0
+    sched = BatchScheduler(
+        lambda: MixedRecorder(tiny_model_path, rows=2),
+        2,
+        step_tokens=8,
+        speculative="off",
+        spec_tokens=K,
+    ).start()
+    engine = sched.wait_ready(60)
+    sched.draft_hook = hook
+    made = [make_request(tok, p, 20) for p in prompts]
+    try:
+        sched.submit_all([req for req, _ in made])
+        for _, out in made:
+            assert out.done.wait(60)
+    finally:
+        sched.close(10)
+    got = [out for _, out in made]
+    _same(got, want)
+    assert MixedRecorder.mixed > 0
+    assert (sched.accepted_tokens == 0) is wrong
+    _rows_hold_only_real_tokens(engine, prompts, got)
+
+
 def test_stop_sequence_inside_an_accepted_run(tiny_model_path, tok) -> None:
     prompt = PLAIN[0]
     plain = _reference(tiny_model_path, tok, [prompt], 24)[0]
@@ -188,7 +282,9 @@ def test_eos_and_max_tokens_inside_an_accepted_run(tiny_model_path, tok) -> None
     for params, limit in (({"eos": eos}, 24), ({}, 7)):
         outs = []
         for hook in (None, _ahead([], False)[1]):
-            sched = BatchScheduler(lambda: ReleaseRecorder(tiny_model_path, rows=1), 1).start()
+            sched = BatchScheduler(
+                lambda: ReleaseRecorder(tiny_model_path, rows=1), 1, speculative="off"
+            ).start()
             sched.wait_ready(60)
             if hook is not None:
                 sched.draft_hook = lambda req: plain.tokens[
@@ -213,7 +309,9 @@ def test_eos_and_max_tokens_inside_an_accepted_run(tiny_model_path, tok) -> None
 def test_cancel_during_an_accepted_run_leaks_no_row(tiny_model_path, tok) -> None:
     prompt = PLAIN[2]
     plain = _reference(tiny_model_path, tok, [prompt], 30)[0]
-    sched = BatchScheduler(lambda: ReleaseRecorder(tiny_model_path, rows=2), 2).start()
+    sched = BatchScheduler(
+        lambda: ReleaseRecorder(tiny_model_path, rows=2), 2, speculative="off"
+    ).start()
     engine = sched.wait_ready(60)
     sched.draft_hook = lambda req: plain.tokens[
         len(req.decoder.tokens) : len(req.decoder.tokens) + K
@@ -243,14 +341,14 @@ def test_cancel_during_an_accepted_run_leaks_no_row(tiny_model_path, tok) -> Non
     assert all(engine.cursor(r) == 0 for r in range(2))
 
 
-def test_sampled_and_constrained_rows_do_not_draft(tiny_model_path, tok) -> None:
+def test_rows_with_logprobs_do_not_draft(tiny_model_path, tok) -> None:
+    """Logprobs are reported as numbers, and a verified position's logits equal plain
+    decoding's only to float32 rounding: such rows decode one token a step."""
     prompts = REPETITIVE[:2]
-    outs, sched, _ = _serve(
-        tiny_model_path, tok, prompts, 20, 2, "ngram", temperature=0.8, seed=1, ignore_eos=True
-    )
-    assert sched.drafted_tokens == 0 and all(len(o.tokens) == 20 for o in outs)
     outs, sched, _ = _serve(tiny_model_path, tok, prompts, 20, 2, "ngram", logprobs=True)
-    assert sched.drafted_tokens == 0
+    assert sched.drafted_tokens == 0 and all(len(o.tokens) == 20 for o in outs)
+    outs, sched, _ = _serve(tiny_model_path, tok, prompts, 20, 2, "ngram")
+    assert sched.drafted_tokens > 0  # the same prompts without logprobs do draft
 
 
 # -- the real default model ---------------------------------------------------------

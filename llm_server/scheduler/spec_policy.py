@@ -1,0 +1,137 @@
+"""When a draft pays: a step-cost model from measured step times and per-row acceptance rates.
+
+A step of T positions costs about `a + b*T` seconds, plus `c` when it verifies drafts (logits
+at every drafted position, the drafted rows' own attention group). `StepCosts` fits (a, b, c)
+by least squares with forgetting over the decode-only steps the scheduler measures (forward +
+commit; a prompt chunk's positions cost less each and would skew the line), so the model
+follows the hardware and the load: on 2 CPU cores b came out at 6-12% of a (a forward becomes
+compute-bound within a few positions); on Metal it should be far smaller.
+
+The rule (`StepCosts.lengths`): plain decoding of R rows makes R tokens per `a + b*R` seconds.
+A row's j-th draft id is kept with probability alpha^j (alpha: the acceptance rate of the
+draft's source, e.g. a 3-token lookup match, scaled by how the row fared against that rate
+lately, see `Acceptance`), so it is worth its position only if alpha^j beats what plain decoding
+makes in the position's time: alpha^j > b * R / (a + b*R). Each row drafts the ids that pass;
+the step drafts at all only if their expected tokens also pay for `c`. More rows decoding make
+each position dearer relative to the tokens plain decoding makes, so drafting thins out as the
+batch fills, and a row (or a source) whose drafts fail stops drafting until its record fades.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+ROW_MEMORY = 0.7  # weight of a row's earlier evidence at each verified draft
+ROW_FADE = 0.98  # per step: a row's evidence fades, so its source's rate takes over again
+PRIOR_TRIALS = 1.0  # positions' worth of the source's rate in a row's estimate
+MAX_RATE = 0.99
+SOURCE_MEMORY = 0.98  # weight of a source's earlier evidence at each verified draft
+# per step: a source's evidence fades toward its start, so one that fell under the bar (and so
+# stopped being tried) is tried again after a while: what it meets may have changed
+SOURCE_FADE = 0.995
+SOURCE_START = {"prediction": 0.8}  # a source's rate before any evidence (others: DEFAULT)
+DEFAULT_START = 0.5
+COST_MEMORY = 0.95  # weight of earlier steps in the cost fit, per measured step
+PRIOR_B, PRIOR_C = 0.1, 0.05  # b and c as fractions of a before steps of several sizes
+PRIOR_STEPS = 0.25  # weight of that prior, in measured steps
+
+
+@dataclass
+class Acceptance:
+    """A row's recent draft acceptance relative to its drafts' sources: kept ids over the ids
+    the sources' rates expected over the positions tried (geometric: after the first rejected
+    id nothing more is learned); the record fades, so the sources' rates take over again."""
+
+    hits: float = 0.0
+    expected: float = 0.0
+
+    def note(self, drafted: int, accepted: int, source_rate: float) -> None:
+        tried = accepted + (1 if accepted < drafted else 0)
+        self.hits = ROW_MEMORY * self.hits + accepted
+        self.expected = ROW_MEMORY * self.expected + tried * source_rate
+
+    def tick(self) -> None:
+        """One step passed."""
+        self.hits *= ROW_FADE
+        self.expected *= ROW_FADE
+
+    def rate(self, source_rate: float) -> float:
+        """The chance each id of a draft from a source with `source_rate` is kept."""
+        factor = (self.hits + PRIOR_TRIALS) / (self.expected + PRIOR_TRIALS)
+        return min(source_rate * factor, MAX_RATE)
+
+
+class StepCosts:
+    """The fitted step cost and the acceptance rate of each drafting source."""
+
+    def __init__(self) -> None:
+        self._s = np.zeros((3, 3))  # weighted sum of x x^T, x = [1, positions, drafted]
+        self._v = np.zeros(3)  # weighted sum of x * seconds
+        self._coef: tuple[float, float, float] | None = None
+        self._sources: dict[str, list[float]] = {}  # source -> [hits, trials]
+
+    def observe(self, positions: int, drafted: bool, seconds: float) -> None:
+        """One measured step: `positions` in its forward, whether it verified drafts."""
+        x = np.array([1.0, float(positions), float(drafted)])
+        self._s = COST_MEMORY * self._s + np.outer(x, x)
+        self._v = COST_MEMORY * self._v + x * seconds
+        self._coef = None
+
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """(a, b, c) in seconds; None before any step was measured."""
+        if self._coef is None and self._s[0, 0] > 0:
+            n, mean_t = self._s[0, 0], self._s[0, 1] / self._s[0, 0]
+            mean_y = self._v[0] / n
+            a0 = mean_y / (1.0 + PRIOR_B * mean_t + PRIOR_C * self._s[0, 2] / n)
+            prior = np.array([a0, PRIOR_B * a0, PRIOR_C * a0])
+            # ridge toward the prior, a quarter step's worth on each coefficient (at its scale)
+            weight = PRIOR_STEPS * np.diag([1e-6, max(mean_t, 1.0) ** 2, 1.0])
+            a, b, c = np.linalg.solve(self._s + weight, self._v + weight @ prior)
+            a = max(a, 1e-6)
+            self._coef = (a, min(max(b, 1e-3 * a), a), max(c, 0.0))
+        return self._coef
+
+    def note(self, source: str, drafted: int, accepted: int) -> None:
+        """A verified draft from `source` (the rate new rows start from)."""
+        hits, trials = self._sources.setdefault(source, [0.0, 0.0])
+        tried = accepted + (1 if accepted < drafted else 0)
+        self._sources[source] = [
+            SOURCE_MEMORY * hits + accepted,
+            SOURCE_MEMORY * trials + tried,
+        ]
+
+    def tick(self) -> None:
+        """One step passed."""
+        for record in self._sources.values():
+            record[0] *= SOURCE_FADE
+            record[1] *= SOURCE_FADE
+
+    def source_rate(self, source: str) -> float:
+        start = SOURCE_START.get(source, DEFAULT_START)
+        hits, trials = self._sources.get(source, (0.0, 0.0))
+        return (hits + 2.0 * start) / (trials + 2.0)
+
+    def lengths(self, decoding: int, rows: dict[int, tuple[float, int]]) -> dict[int, int]:
+        """Draft ids worth verifying per row. `decoding`: rows decoding this step; `rows`:
+        row -> (its acceptance rate, ids it could draft)."""
+        coef = self.coefficients()
+        if coef is None:
+            return {row: n for row, (_, n) in rows.items()}
+        a, b, c = coef
+        per_second = decoding / (a + b * decoding)  # tokens plain decoding makes
+        bar = b * per_second  # a draft position must be kept more often than this
+        out: dict[int, int] = {}
+        gain = 0.0
+        for row, (alpha, most) in rows.items():
+            n, p = 0, alpha
+            while n < most and p > bar:
+                gain += p
+                n, p = n + 1, p * alpha
+            if n:
+                out[row] = n
+        positions = sum(out.values())
+        if gain <= (b * positions + c) * per_second:
+            return {}
+        return out
