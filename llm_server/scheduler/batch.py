@@ -3,12 +3,13 @@
 Once per step boundary (`step()`):
   1. serve exclusive leases (the batch is paused while one is held, S6);
   2. plan the step (planner.plan, pure): rows to retire, queued requests to drop or admit (FIFO),
-     decode rows, prompt chunks under the `--step-tokens` budget, whether the scorer runs;
+     decode rows, prompt chunks and scoring chunks under the `--step-tokens` budget, whether a
+     pump runs;
   3. apply its bookkeeping: retire, drop, give admitted requests their rows;
   4. run its forward (`engine.run`, or the pipeline for greedy decode-only steps) and commit:
-     sample per row, emit, retire rows that hit EOS, a stop sequence or their limit
-     (executor.py);
-  5. let the scorer run one padded scoring chunk on its own session (C1).
+     sample per row, emit, retire rows that hit EOS, a stop sequence or their limit; scoring
+     chunks' log-probabilities go to the scorer (executor.py);
+  5. let a pump (embeddings; the session scorer fallback) run one chunk on its session (C1).
 An idle scheduler sleeps on a condition variable, so a lone request starts at once (S7).
 """
 
@@ -36,6 +37,7 @@ from llm_server.scheduler.request import (
     QueueFull,
     SchedulerClosed,
 )
+from llm_server.scheduler.scorer import Scorer
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,8 @@ DEFAULT_SPEC_TOKENS = 4
 
 
 class Pump(Protocol):
-    """Work the scheduler runs between decode steps (the scorer)."""
+    """Work the scheduler runs between steps on a session of its own (embeddings, the session
+    scorer fallback)."""
 
     def pending(self) -> bool: ...
 
@@ -106,6 +109,7 @@ class BatchScheduler(PlanExecutor):
         self.accepted_tokens = 0  # draft ids kept
         self.engine: Engine | None = None
         self.pump: Pump | None = None
+        self.scorer: Scorer | None = None  # its prompts ride in the plans on scoring rows
         self._cond = threading.Condition()
         self._queue: collections.deque[GenerationRequest] = collections.deque()
         self._running: dict[int, GenerationRequest] = {}
@@ -260,17 +264,19 @@ class BatchScheduler(PlanExecutor):
             )
             self.max_concurrent = rows
         self._free = list(range(rows))
+        if self.scorer is not None:
+            self.scorer.attach(self.engine)  # scoring rows, or the session fallback
 
     def step(self) -> StepPlan:
         """One step boundary on the calling thread (the scheduler thread; tests drive it
         directly): serve leases (S6), plan, apply the plan's bookkeeping, run its forward and
-        commit it, then let the scorer run (C1). Returns the plan it executed."""
+        commit it, then let a pump run (C1). Returns the plan it executed."""
         self._serve_leases()
         step = self._plan()
         self._apply(step)
         if step.forward:
             self._execute(step)
-        if step.score and self.pump is not None:
+        if step.pump and self.pump is not None:
             self._pipeline.drop(self.engine)
             self.pump.run_batch(self.engine)
         return step
@@ -281,6 +287,7 @@ class BatchScheduler(PlanExecutor):
             or self._running
             or self._leases
             or (self.pump is not None and self.pump.pending())
+            or (self.scorer is not None and self.scorer.pending())
         )
 
     def _wait_for_work(self) -> bool:
@@ -323,6 +330,7 @@ class BatchScheduler(PlanExecutor):
         """The next step (planner.plan) on a consistent view of the queue and the rows."""
         in_flight = self._pipeline.pending_for(self._running, self.engine)
         step_drafts = {} if in_flight else self._drafts()
+        scoring = () if self.scorer is None else self.scorer.open_prompts(self.engine)
         with self._cond:
             return plan(
                 self._queue,
@@ -330,9 +338,10 @@ class BatchScheduler(PlanExecutor):
                 self._free,
                 self.step_tokens,
                 admit=not in_flight,  # the step in flight is for the current rows
-                score=self.pump is not None and self.pump.pending() and not self._leases,
+                pump=self.pump is not None and self.pump.pending() and not self._leases,
                 share_min=self.engine.shared_prefix_min,
                 drafts=step_drafts,
+                scoring=() if self._leases else scoring,
             )
 
     def _drafts(self) -> dict[int, tuple[int, ...]]:

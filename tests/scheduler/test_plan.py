@@ -184,10 +184,10 @@ def test_cancelled_rows_retire_and_cancelled_queued_requests_drop():
     assert [(a.seq, a.row) for a in p.admit] == [(waiting.seq, 3)]  # the retired row is reused
 
 
-def test_no_admission_while_a_pipelined_step_is_in_flight_and_scoring_flag():
+def test_no_admission_while_a_pipelined_step_is_in_flight_and_pump_flag():
     waiting, _ = request([6, 7])
-    p = plan([waiting], {}, [0], budget=16, admit=False, score=True)
-    assert p.admit == () and p.prefill == () and p.score
+    p = plan([waiting], {}, [0], budget=16, admit=False, pump=True)
+    assert p.admit == () and p.prefill == () and p.pump
 
 
 def test_a_newcomer_waits_a_step_to_copy_a_shared_prefix():
@@ -294,7 +294,7 @@ class Pump:
         self.ran.append(len(engine.plans))
 
 
-def test_scoring_runs_one_batch_per_step_and_waits_for_leases():
+def test_a_pump_runs_one_batch_per_step_and_waits_for_leases():
     sched = scheduler(2, 64)
     sched.pump = Pump(3)
     req, _ = request([1, 2, 3], 10)
@@ -307,11 +307,11 @@ def test_scoring_runs_one_batch_per_step_and_waits_for_leases():
 
     seen = lease.submit(holder)
     p = sched.step()  # the lease is served first; the step then runs, scoring after it
-    assert seen.result(0) == 0 and p.score and sched.pump.ran == [1]
+    assert seen.result(0) == 0 and p.pump and sched.pump.ran == [1]
     sched.step()
     sched.step()
     assert sched.pump.ran == [1, 2, 3]
-    assert not sched.step().score
+    assert not sched.step().pump
 
 
 @pytest.mark.parametrize("budget", [0, 16])
