@@ -4,14 +4,17 @@ driven on the test thread)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from llm_server.decoding import Decoder, FinishReason, SamplingParams
-from llm_server.engines.base import EngineError
-from llm_server.engines.step import StepPlan, StepResult
+from llm_server.engines.base import SCORE_CHUNK, EngineError
+from llm_server.engines.step import ScoreChunkResult, StepPlan, StepResult
 from llm_server.scheduler import BatchScheduler, FinishEvent, GenerationRequest, TokenEvent
 from llm_server.scheduler.planner import plan
+from llm_server.scheduler.scorer import Scorer
 
 VOCAB = 64
 EOS = 0
@@ -29,17 +32,20 @@ class FakeEngine:
     dtype = "float32"
     vocab_size = VOCAB
 
-    def __init__(self, rows: int, context_length: int = 4096, share_min: int = 0) -> None:
+    def __init__(
+        self, rows: int, context_length: int = 4096, share_min: int = 0, score_rows: int = 0
+    ) -> None:
         self.rows = rows
+        self.score_rows = score_rows  # scoring rows after the serving rows
         self.context_length = context_length
         self.shared_prefix_min = share_min
-        self.held: list[list[int]] = [[] for _ in range(rows)]
+        self.held: list[list[int]] = [[] for _ in range(rows + score_rows)]
         self.plans: list[StepPlan] = []  # every plan run, in order
         self.fail_rows: set[int] = set()  # forwards touching these rows raise
 
     def run(self, plan: StepPlan) -> StepResult:
         touched = {d.row for d in plan.decode} | {c.row for c in plan.prefill}
-        if touched & self.fail_rows:
+        if touched & self.fail_rows or any(c.prompt[0] in self.fail_rows for c in plan.score):
             raise EngineError("simulated failure")
         self.plans.append(plan)
         rows, logits, cursors, cached = [], [], {}, {}
@@ -58,8 +64,17 @@ class FakeEngine:
             if c.end == len(c.prompt):
                 rows.append(c.row)
                 logits.append(self._logits(c.row))
+        scores = {}
+        for c in plan.score:
+            assert c.row >= self.rows and (c.start == 0 or len(self.held[c.row]) == c.start)
+            self.held[c.row] = self.held[c.row][: c.start] + list(c.prompt[c.start : c.end])
+            scores[c.row] = fake_scores(c.prompt, c.start, c.end, c.top_k)
         return StepResult(
-            tuple(rows), np.array(logits, np.float32).reshape(-1, VOCAB), cursors, cached
+            tuple(rows),
+            np.array(logits, np.float32).reshape(-1, VOCAB),
+            cursors,
+            cached,
+            scores=scores,
         )
 
     def _logits(self, row: int) -> np.ndarray:
@@ -90,6 +105,18 @@ class FakeEngine:
         pass
 
 
+def fake_scores(prompt, start: int, end: int, k: int) -> ScoreChunkResult:
+    """Log-probs of positions start..end-1 [1, q], each a function of the prompt up to it."""
+    lp = [-((sum(prompt[: i + 1]) * 7 + i) % 13) / 4 for i in range(start, end)]
+    ids = [(sum(prompt[: i + 1]) % (VOCAB - 1)) + 1 for i in range(start, end)]
+    return ScoreChunkResult(
+        token_logprobs=np.array([lp], np.float32),
+        top_ids=np.array([[[t] * k for t in ids]], np.int32).reshape(1, end - start, k),
+        top_logprobs=np.array([[[v] * k for v in lp]], np.float32).reshape(1, end - start, k),
+        greedy_ids=np.array([ids], np.int32),
+    )
+
+
 class Out:
     def __init__(self) -> None:
         self.tokens: list[int] = []
@@ -108,17 +135,18 @@ def request(prompt: list[int], max_tokens: int = 4, **kw) -> tuple[GenerationReq
     return GenerationRequest(prompt=prompt, decoder=dec, emit=out.emit, **kw), out
 
 
-def scheduler(rows: int, step_tokens: int, **kw) -> BatchScheduler:
+def scheduler(rows: int, step_tokens: int, scorer: Scorer | None = None, **kw) -> BatchScheduler:
     sched = BatchScheduler(
         lambda: FakeEngine(rows, **kw), max_concurrent=rows, max_queued=64, step_tokens=step_tokens
     )
+    sched.scorer = scorer
     sched.load()
     return sched
 
 
 def drain(sched: BatchScheduler, limit: int = 1000) -> list[StepPlan]:
     plans = []
-    while not sched.idle():
+    while not sched.idle() or (sched.scorer is not None and sched.scorer.pending()):
         plans.append(sched.step())
         assert len(plans) < limit
     return plans
@@ -328,3 +356,82 @@ def test_exclusive_requests_run_alone_before_the_step(budget):
     assert len(other_out.tokens) == 2  # the batch moved one step only
     drain(sched)
     assert excl_out.tokens == alone([3, 4, 5], 4) and other_out.tokens == alone([1, 2], 6)
+
+
+# -- scoring chunks in the plan (the engine's scoring rows) ---------------------------
+
+
+def _open(prompt: list[int], row: int, done: int = 0) -> SimpleNamespace:
+    """What the planner reads of an open scoring prompt (scorer.OpenPrompt)."""
+    return SimpleNamespace(key=row, row=row, prompt=prompt, done=done, top_k=1)
+
+
+def _decoding(rows: int) -> dict[int, GenerationRequest]:
+    running = {}
+    for row in range(rows):
+        req, _ = request([1, 2])
+        req.row, req.prefilled, req.last_token = row, 2, 9
+        running[row] = req
+    return running
+
+
+def test_a_scoring_chunk_respects_the_step_budget_together_with_decode_rows():
+    long, short = _open(list(range(1, 301)), 8, done=40), _open([5] * 20, 9)
+    p = plan([], _decoding(7), [7], budget=32, scoring=[long, short])
+    assert [d.row for d in p.decode] == list(range(7))
+    assert [(c.row, c.start, c.end) for c in p.score] == [(8, 40, 65)]  # 32 - 7 decode rows
+    assert p.tokens == 32
+    p = plan([], _decoding(7), [7], budget=64, scoring=[long, short])
+    assert [(c.row, c.start, c.end) for c in p.score] == [(8, 40, 97)] and p.tokens == 64
+    # a prompt chunk goes first; scoring gets what it leaves (here nothing)
+    newcomer, _ = request(list(range(3, 103)))
+    p = plan([newcomer], _decoding(7), [7], budget=32, scoring=[long])
+    assert [(c.start, c.end) for c in p.prefill] == [(0, 25)] and p.score == ()
+    # with no row generating nobody is stalled: every open prompt advances a chunk (C3)
+    p = plan([], {}, [0], budget=32, scoring=[long, short])
+    assert [(c.row, c.start, c.end) for c in p.score] == [(8, 40, 40 + SCORE_CHUNK), (9, 0, 20)]
+    # no scoring while a pipelined step is in flight
+    assert plan([], _decoding(2), [], budget=32, admit=False, scoring=[long]).score == ()
+
+
+def test_decode_rows_keep_advancing_every_step_while_a_long_scoring_batch_runs():
+    scorer = Scorer()
+    sched = scheduler(2, 32, scorer=scorer, score_rows=2)
+    chats = []
+    for prompt in ([1, 2, 3], [4, 5]):
+        req, out = request(prompt, 40)
+        sched.submit(req)
+        chats.append(out)
+    sched.step()  # both prompts prefilled
+    prompts = [list(range(1 + i, 151 + i)) for i in range(4)]  # 600 positions to score
+    scored = scorer.submit(prompts, 1, True, context_length=4096)
+    steps = []
+    while not scored.future.done():
+        p = sched.step()
+        steps.append(p)
+        assert [d.row for d in p.decode] == [0, 1]  # never paused for the scoring batch
+        assert p.tokens <= 32 and all(c.row in (2, 3) for c in p.score)
+    assert all(p.score for p in steps) and len(steps) == 20  # 600 positions, 30 a step
+    assert all(len(out.tokens) == 1 + len(steps) for out in chats)
+    for prompt, got in zip(prompts, scored.future.result(0), strict=True):
+        want = fake_scores(prompt, 0, len(prompt), 1)
+        assert got.token_logprobs[:-1] == [None, *want.token_logprobs[0, :-1].tolist()]
+        assert got.generated == int(want.greedy_ids[0, -1]) == got.tokens[-1]
+    drain(sched)
+    assert [o.tokens for o in chats] == [alone([1, 2, 3], 40), alone([4, 5], 40)]
+    assert sched.engine.plans[-1].score == () and sorted(scorer._free) == [2, 3]
+
+
+def test_a_failed_scoring_chunk_fails_only_its_request():
+    scorer = Scorer()
+    sched = scheduler(1, 64, scorer=scorer, score_rows=2)
+    chat, chat_out = request([1, 2], 6)
+    sched.submit(chat)
+    sched.engine.fail_rows = {13}  # scoring prompts starting with 13 fail in the forward
+    bad = scorer.submit([[13] * 30, [7] * 3], 0, False, context_length=4096)
+    good = scorer.submit([[4] * 50], 2, False, context_length=4096)
+    drain(sched)
+    assert "simulated" in str(bad.future.exception(0))
+    [got] = good.future.result(0)
+    assert got.token_logprobs[1:] == fake_scores([4] * 50, 0, 50, 2).token_logprobs[0, :-1].tolist()
+    assert chat_out.tokens == alone([1, 2], 6) and sorted(scorer._free) == [1, 2]
