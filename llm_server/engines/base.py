@@ -72,9 +72,11 @@ class Engine(Protocol):
     def run(self, plan: StepPlan) -> StepResult:
         """Execute the forward part of a step plan (engines/step.py): every decode row advances
         one token and every prompt chunk is written at its row's cursor (a fresh row is reset
-        first and may start past a reused prefix). Rows advance only if the whole step
-        succeeded; on an error nothing moved (the scheduler then retries per request, S8).
-        Returns the last-position logits of the decode rows and of rows whose prompt ended.
+        first and may start past a reused prefix); every scoring chunk runs on its scoring row
+        and is reduced to log-probabilities (C3; engines with `score_rows` only). Rows advance
+        only if the whole step succeeded; on an error nothing moved (the scheduler then
+        retries per request, S8). Returns the last-position logits of the decode rows and of
+        rows whose prompt ended, and the scoring chunks' results (`StepResult.scores`).
         """
         ...
 

@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from llm_server.decoding import FinishReason
 from llm_server.engines.base import Engine
@@ -31,6 +30,7 @@ from llm_server.scheduler.executor import PlanExecutor
 from llm_server.scheduler.lease import Lease
 from llm_server.scheduler.pipelining import Pipeline
 from llm_server.scheduler.planner import plan
+from llm_server.scheduler.pumps import Pump
 from llm_server.scheduler.request import (
     FinishEvent,
     GenerationRequest,
@@ -47,15 +47,6 @@ DEFAULT_STEP_TOKENS = 128
 # --speculative / --spec-tokens defaults (scheduler/drafting.py; measured in README)
 DEFAULT_SPECULATIVE = "off"
 DEFAULT_SPEC_TOKENS = 4
-
-
-class Pump(Protocol):
-    """Work the scheduler runs between steps on a session of its own (embeddings, the session
-    scorer fallback)."""
-
-    def pending(self) -> bool: ...
-
-    def run_batch(self, engine: Engine) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -282,13 +273,12 @@ class BatchScheduler(PlanExecutor):
         return step
 
     def _has_work(self) -> bool:
-        return bool(
-            self._queue
-            or self._running
-            or self._leases
-            or (self.pump is not None and self.pump.pending())
-            or (self.scorer is not None and self.scorer.pending())
-        )
+        return bool(self._queue or self._running or self._leases or self._side_work())
+
+    def _side_work(self) -> bool:
+        """A pump or the scorer has work (scoring rows ride in the plans, pumps after them)."""
+        pumped = self.pump is not None and self.pump.pending()
+        return pumped or (self.scorer is not None and self.scorer.pending())
 
     def _wait_for_work(self) -> bool:
         with self._cond:

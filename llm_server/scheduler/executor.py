@@ -190,8 +190,7 @@ class PlanExecutor:
         return not (
             self._queue
             or self._leases
-            or (self.pump is not None and self.pump.pending())
-            or (self.scorer is not None and self.scorer.pending())
+            or self._side_work()
             or any(r.prefilled < len(r.prompt) for r in self._running.values())
         )
 
