@@ -102,18 +102,9 @@ def plan(
             chunks.append(chunk)
             left = None if left is None else left - chunk.tokens
 
-    score: list[ScoreChunk] = []
-    if admit and scoring:
-        if not decode and not chunks:
-            left = None  # nobody to stall: every open prompt advances a whole chunk
-        elif left == 0 and not chunks:
-            left = 1
-        for p in scoring:
-            if left == 0:
-                break
-            n = min(SCORE_CHUNK, len(p.prompt) - p.done, SCORE_CHUNK if left is None else left)
-            score.append(ScoreChunk(p.key, p.row, p.prompt, p.done, p.done + n, p.top_k))
-            left = None if left is None else left - n
+    # nobody to stall (no row decoding or in its prompt): every open prompt advances a chunk
+    idle = not decode and not chunks
+    score = _score_chunks(scoring, None if idle else left) if admit else ()
 
     return StepPlan(
         retire=retire,
@@ -121,10 +112,23 @@ def plan(
         admit=tuple(admissions),
         decode=decode,
         prefill=tuple(chunks),
-        score=tuple(score),
+        score=score,
         pump=pump,
         budget=max(budget, 0),
     )
+
+
+def _score_chunks(scoring: Sequence[OpenPrompt], left: int | None) -> tuple[ScoreChunk, ...]:
+    """The open scoring prompts' next chunks, in the order they were opened: at most
+    SCORE_CHUNK positions each (C3) and `left` positions in all (None: no bound)."""
+    out: list[ScoreChunk] = []
+    for p in scoring:
+        if left == 0:
+            break
+        n = min(SCORE_CHUNK, len(p.prompt) - p.done, SCORE_CHUNK if left is None else left)
+        out.append(ScoreChunk(p.key, p.row, p.prompt, p.done, p.done + n, p.top_k))
+        left = None if left is None else left - n
+    return tuple(out)
 
 
 def _chunk(req: GenerationRequest, row: int, start: int, left: int | None) -> PrefillChunk:
