@@ -12,9 +12,10 @@ loaded. A request completes when all of its prompts have been scored.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -23,7 +24,7 @@ import numpy as np
 from llm_server.decoding import MAX_TOP_LOGPROBS
 from llm_server.engines.base import Engine, ScoreChunkResult
 from llm_server.engines.step import ScoreChunk
-from llm_server.scheduler.score_session import SessionScoring
+from llm_server.scheduler.score_session import ScoreForward, SessionScoring
 from llm_server.scheduler.shortest_first import PumpRequest, ShortestFirstQueue
 
 log = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ class Scorer:
 
     def __init__(
         self,
-        wake=lambda: None,
+        wake: Callable[[], None] = lambda: None,
         max_batch: int = MAX_SCORE_BATCH,
         max_queued: int = 64,
         retry_after: float = 1.0,
@@ -136,7 +137,8 @@ class Scorer:
         self._keys = itertools.count(1)
 
     @property
-    def trace(self):
+    def trace(self) -> collections.deque[ScoreForward]:
+        """The fallback session's forwards (tests, diagnostics); empty on scoring rows."""
         return self.session.trace
 
     # -- any thread ------------------------------------------------------------------
@@ -192,7 +194,9 @@ class Scorer:
                 self._open.append(OpenPrompt(key, m, self._free.pop(0), m.request.engine_k))
         return tuple(self._open)
 
-    def commit(self, engine: Engine, chunks: Sequence[ScoreChunk], scores) -> None:
+    def commit(
+        self, engine: Engine, chunks: Sequence[ScoreChunk], scores: Mapping[int, ScoreChunkResult]
+    ) -> None:
         """Note each chunk's reduced results; deliver and free the prompts now complete."""
         by_key = {p.key: p for p in self._open}
         for chunk in chunks:
