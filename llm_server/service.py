@@ -25,7 +25,7 @@ from llm_server.scheduler.batch import DEFAULT_SPEC_TOKENS, DEFAULT_SPECULATIVE,
 from llm_server.scheduler.embedder import Embedder
 from llm_server.scheduler.pumps import Pumps
 from llm_server.scheduler.request import Event
-from llm_server.scheduler.scorer import ScoredPrompt, Scorer, check_prompts
+from llm_server.scheduler.scorer import ScoredPrompt, Scorer
 from llm_server.tokenizer import Tokenizer
 from llm_server.tools.detect import model_syntax
 
@@ -104,9 +104,11 @@ class ModelService:
             speculative=config.speculative,
             spec_tokens=config.spec_tokens,
         )
-        # Scoring runs between decode steps on the engine's separate scoring session (C1).
+        # Scoring rides in the step plans on the engine's scoring rows, or (the fallback) runs
+        # between steps on its separate session, a pump (C1; Scorer.attach chooses).
         pump_queued = config.concurrent_requests + config.max_queued  # requests per pump
         self.scorer = Scorer(wake=self.scheduler.wake, max_queued=pump_queued)
+        self.scheduler.scorer = self.scorer
         # Embeddings run the same way, on their own session; the two pumps take turns.
         self.embedding: EmbeddingConfig | None = None
         self.embedding_error: str | None = None  # why embeddings are refused, if they are
@@ -115,7 +117,7 @@ class ModelService:
         except EmbeddingConfigError as exc:
             self.embedding_error = str(exc)
             log.warning("embeddings are off for this model: %s", exc)
-        pumps: list = [self.scorer]
+        pumps: list = [self.scorer.session]
         self.embedder: Embedder | None = None
         if self.embedding is not None:
             self.embedder = Embedder(
@@ -214,8 +216,7 @@ class ModelService:
         Raises ValueError (empty or too long prompt, bad top_k), QueueFull, SchedulerClosed,
         or ScoringError when the engine failed on this request's batch.
         """
-        check_prompts(prompts, self.context_length, top_k)
-        req = self.scorer.submit(prompts, top_k, generate_one)
+        req = self.scorer.submit(prompts, top_k, generate_one, self.context_length)
         return await asyncio.wrap_future(req.future)
 
     async def embed(self, inputs: list[list[int]]) -> np.ndarray:

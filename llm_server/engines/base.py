@@ -7,27 +7,16 @@ A serial engine is the same contract with one row. Engines are driven from ONE t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
-from llm_server.engines.step import StepPlan, StepResult
+from llm_server.engines.step import ScoreChunkResult, StepPlan, StepResult
 
 # The scoring session advances this many positions per forward (C3).
 SCORE_CHUNK = 128
 # The last scoring chunk pads up to one of these position counts (C4).
 SCORE_BUCKETS = (16, 32, 64, 128)
-
-
-@dataclass(frozen=True)
-class ScoreChunkResult:
-    """Log-probabilities of one scoring chunk, reduced on the engine before the next chunk."""
-
-    token_logprobs: np.ndarray  # [N, q] float32: log p(target[n, i] | prefix up to i)
-    top_ids: np.ndarray  # [N, q, k] int32: top-k token ids per position (k may be 0)
-    top_logprobs: np.ndarray  # [N, q, k] float32
-    greedy_ids: np.ndarray  # [N, q] int32: argmax token per position
 
 
 class EngineError(RuntimeError):
@@ -61,6 +50,10 @@ class Engine(Protocol):
     # StepResult.verified) and `rewind(row, cursor)` drops rejected positions (MLX, rows
     # without recurrent state); absent or False: the scheduler never drafts
     speculative: bool
+    # scoring rows the row store holds after the `rows` serving rows (rows .. rows+score_rows-1):
+    # scoring chunks then ride in `run(plan)` (StepPlan.score). 0 or absent: the engine scores
+    # on its separate session (`score_begin`/`score_chunk`), the fallback (scheduler/scorer.py)
+    score_rows: int
 
     def prefill(self, row: int, tokens: Sequence[int]) -> np.ndarray:
         """Reset `row`, run `tokens` through it (chunked); its cursor becomes len(tokens).
@@ -79,9 +72,11 @@ class Engine(Protocol):
     def run(self, plan: StepPlan) -> StepResult:
         """Execute the forward part of a step plan (engines/step.py): every decode row advances
         one token and every prompt chunk is written at its row's cursor (a fresh row is reset
-        first and may start past a reused prefix). Rows advance only if the whole step
-        succeeded; on an error nothing moved (the scheduler then retries per request, S8).
-        Returns the last-position logits of the decode rows and of rows whose prompt ended.
+        first and may start past a reused prefix); every scoring chunk runs on its scoring row
+        and is reduced to log-probabilities (C3; engines with `score_rows` only). Rows advance
+        only if the whole step succeeded; on an error nothing moved (the scheduler then
+        retries per request, S8). Returns the last-position logits of the decode rows and of
+        rows whose prompt ended, and the scoring chunks' results (`StepResult.scores`).
         """
         ...
 
@@ -102,6 +97,8 @@ class Engine(Protocol):
     def thread_exit(self) -> None:
         """The thread driving the engine is about to end: free what it holds per thread."""
         ...
+
+    # The scoring session: the fallback for engines whose row store cannot hold scoring rows.
 
     def score_begin(self, batch: int) -> None:
         """Open a fresh scoring session of `batch` rows, separate from the decode rows."""

@@ -120,6 +120,7 @@ class CoreMLEngine:
 
     name = "coreml"
     pipelined = False  # each predict() is synchronous
+    score_rows = 0  # scores on its separate session (the fallback, scheduler/score_session.py)
     dynamic_shapes = False
     padded_shapes = True  # q must be one of the enumerated sizes
     dtype = "float16"

@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from llm_server.engines import score_reduce
+from llm_server.engines.layout import output_head
 
 NUMPY_MIN_ELEMENTS = 32_768  # below this an MLX op beats a round trip through numpy
 _INSTALLED: set[str] = set()
@@ -167,8 +168,7 @@ def _split_linear_class():
 
 def lm_head(model, hidden: mx.array) -> mx.array:
     """The output projection, split across streams for a 1-2 row decode step on the CPU."""
-    tied = getattr(model.args, "tie_word_embeddings", False) or not hasattr(model, "lm_head")
-    layer = model.model.embed_tokens if tied else model.lm_head
+    layer, tied = output_head(model)
     weight = getattr(layer, "weight", None)
     plain = _rows(hidden) > SPLIT_MAX_ROWS or weight is None or weight.dtype != mx.float32
     if plain or not on_cpu() or (not tied and "bias" in layer):

@@ -27,7 +27,7 @@ import mlx.nn as nn
 
 from llm_server.engines import cpu_kernels, decode_attention
 from llm_server.engines.compiled_step import CompiledSteps
-from llm_server.engines.layout import PLAIN_HEAD_MODULES, model_family
+from llm_server.engines.layout import PLAIN_HEAD_MODULES, model_family, output_head
 from llm_server.engines.row_cache import RowView
 
 _KNOWN_ATTN = {"q_proj", "k_proj", "v_proj", "o_proj", "rope", "q_norm", "k_norm"}
@@ -187,8 +187,7 @@ class FusedForward:
             return None
         if not isinstance(getattr(inner, "norm", None), nn.RMSNorm):
             return None
-        tied = getattr(model.args, "tie_word_embeddings", False) or not hasattr(model, "lm_head")
-        head = inner.embed_tokens if tied else model.lm_head
+        head, tied = output_head(model)
         if type(head) not in (nn.Embedding, nn.Linear):
             return None  # a quantized head
         lm_head = _Linear(head.weight, None if tied else _bias(head))

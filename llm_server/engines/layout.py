@@ -167,3 +167,11 @@ def last_logits(model, inner: str | None, ids: mx.array, cache: list) -> mx.arra
     if inner is None:
         return model(ids, cache=cache)[:, -1, :]
     return type(model).__call__(_HeadProxy(model, inner), ids, cache=cache)[:, -1, :]
+
+
+def output_head(model) -> tuple[object, bool]:
+    """The model's output projection and whether it is tied to the input embeddings
+    (`tie_word_embeddings`, or no `lm_head` at all: bare checkpoints), the one place that
+    decides it. A tied head is the `nn.Embedding`, applied with `as_linear`."""
+    tied = getattr(model.args, "tie_word_embeddings", False) or not hasattr(model, "lm_head")
+    return (model.model.embed_tokens if tied else model.lm_head), tied

@@ -1,8 +1,9 @@
 """MLX engine: mlx-lm model classes driven through a row-addressed KV cache.
 
 Rows share one preallocated store; each row has its own cursor. Prefill touches one row,
-decode runs every requested row in one batched forward with a per-row mask, and scoring uses
-its own cache so the decode rows are never disturbed. Sliding-window layers get a per-row window
+decode runs every requested row in one batched forward with a per-row mask (mlx_decode.py), a
+step plan runs decode rows, prompt chunks and scoring chunks in one forward (mlx_steps.py), and
+the store holds `score_rows` scoring rows after the serving rows for those scoring chunks. Sliding-window layers get a per-row window
 mask, recurrent layers a per-row state slot (see layout.py); a model whose caches cannot be held
 per row is served on one row through mlx-lm's own caches (`serial_reason` says why).
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -35,6 +35,7 @@ from llm_server.engines.layout import (
     model_family,
     row_views,
 )
+from llm_server.engines.mlx_decode import DecodeRunner
 from llm_server.engines.mlx_sessions import SessionRunner
 from llm_server.engines.mlx_steps import StepRunner
 from llm_server.engines.prefix_cache import PrefixCache
@@ -47,10 +48,11 @@ log = logging.getLogger(__name__)
 
 SPLIT_MAX_POSITIONS = 256  # forwards up to this many positions split their products (see _split)
 PREFILL_CHUNK = 512  # prompt positions per prefill forward (bounds activation memory)
+SCORE_ROWS = 8  # scoring rows of the store: scoring prompts open at once (see __init__)
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
-class MLXEngine(StepRunner, SessionRunner):
+class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
     """Engine protocol implementation on MLX (Metal on a Mac, the CPU on Linux)."""
 
     name = "mlx"
@@ -70,6 +72,7 @@ class MLXEngine(StepRunner, SessionRunner):
         compiled_decode: bool | None = None,
         group=None,
         parallel: str = "tensor",
+        score_rows: int = SCORE_ROWS,
     ) -> None:
         """`prefix_cache_bytes`: bound of the prompt prefix cache (None: an eighth of the weights, at least 64 MiB; 0: off).
 
@@ -88,6 +91,10 @@ class MLXEngine(StepRunner, SessionRunner):
         The fused forward and pipelining are off: they do not compose with it.
         `parallel`: "tensor" (above) or "pipeline": this rank keeps a contiguous slice of the
         layers and their KV (llm_server.distributed.pipeline).
+        `score_rows`: rows the store keeps after the serving rows for scoring prompts, whose
+        chunks then ride in the step plans' forwards (8: each a prompt, up to 128 positions a
+        forward when nothing else runs). 0, and always on a model whose rows cannot hold them
+        (recurrent state, serial, sharded, heads only mlx-lm can run): the separate session.
         """
         from mlx_lm.utils import load_model
 
@@ -125,7 +132,7 @@ class MLXEngine(StepRunner, SessionRunner):
             # evenly, a pipeline stage counts the whole model's layers), from the same bound
             if prefix_cache_bytes is None:
                 prefix_cache_bytes = max(checkpoint_bytes(path) // 8, 64 << 20)
-            fused_decode, pipeline = False, False
+            fused_decode, pipeline, score_rows = False, False, 0
         self.has_lm_head = getattr(self.model, "has_lm_head", True)
         self.quantized = quantized.prepare(self.model, keep_quantized)  # float32 on the CPU
         cpu_kernels.install(self.model)  # numpy softmax/SiLU for big tensors on the CPU
@@ -165,6 +172,7 @@ class MLXEngine(StepRunner, SessionRunner):
         if prefix_cache_bytes is None:
             prefix_cache_bytes = max(self.weight_bytes() // 8, 64 << 20)
         self._prefix_cache_bytes = prefix_cache_bytes
+        self._score_rows = max(score_rows, 0)
         self._init_rows(rows)
         if self.serial_reason is None and model_family(self.model) not in VERIFIED_FAMILIES:
             problem = row_forward_problem(self)  # an architecture the tests do not cover
@@ -183,16 +191,20 @@ class MLXEngine(StepRunner, SessionRunner):
         rewindable = not (self._layout.stateful or serial)
         self.pipelined = self._pipeline and rewindable
         # drafts can be verified (logits at every position) and rejected positions dropped
-        self.speculative = rewindable and (self._fused is not None or self._plain_head)
-        self._store = RowStore(self.num_layers, self.rows, self.context_length)
+        all_positions = rewindable and (self._fused is not None or self._plain_head)
+        self.speculative = all_positions
+        # scoring rows need logits at every position and no state carried between prompts
+        self.score_rows = self._score_rows if all_positions else 0
+        total = self.rows + self.score_rows  # store rows: the serving rows, then scoring rows
+        self._store = RowStore(self.num_layers, total, self.context_length)
         states = [(i, c.size) for i, c in enumerate(self._layout.leaves) if c.kind != KV]
-        self._states = StateStore([i for i, _ in states], self.rows, [n for _, n in states])
+        self._states = StateStore([i for i, _ in states], total, [n for _, n in states])
         self._serial_cache: list | None = None  # mlx-lm's caches of the one row (serial mode)
         # ids whose KV each row holds; a row's cursor is the length of its list
-        self._row_tokens: list[list[int]] = [[] for _ in range(self.rows)]
-        self.row_cached = [0] * self.rows  # prompt tokens the last prefill took from the cache
-        self._ahead = [0] * self.rows  # decode steps started on a row and not yet finished
-        self._epoch = [0] * self.rows  # bumped by release(): in-flight steps are then void
+        self._row_tokens: list[list[int]] = [[] for _ in range(total)]
+        self.row_cached = [0] * total  # prompt tokens the last prefill took from the cache
+        self._ahead = [0] * total  # decode steps started on a row and not yet finished
+        self._epoch = [0] * total  # bumped by release(): in-flight steps are then void
         self.prefix_cache = PrefixCache(
             self._prefix_cache_bytes if rewindable else 0, layers=self._counted_layers()
         )
@@ -210,10 +222,11 @@ class MLXEngine(StepRunner, SessionRunner):
         return len(self._row_tokens[row])
 
     def release(self, row: int) -> None:
-        """Free `row`; its history (prompt + generated) goes to the prefix cache first."""
-        self._check_row(row)
+        """Free `row`; a serving row's history (prompt + generated) goes to the prefix cache
+        first (a scoring row's never: scoring needs the logits of every position anyway)."""
+        self._check_row(row, scoring=True)
         held = self._row_tokens[row]
-        if held and self.prefix_cache.enabled:
+        if held and self.prefix_cache.enabled and row < self.rows:
             keys, values = self._store.read_row(row, len(held))
             self.prefix_cache.insert(held, keys, values)
         self._row_tokens[row] = []
@@ -291,7 +304,7 @@ class MLXEngine(StepRunner, SessionRunner):
         if not self.prefix_cache.enabled:
             return best_row, best
         query = np.asarray(tokens[:-1], dtype=np.int64)
-        for r, held in enumerate(self._row_tokens):
+        for r, held in enumerate(self._row_tokens[: self.rows]):
             n = min(len(held), query.size)
             if r == row or n <= max(best, self.prefix_cache.min_tokens - 1):
                 continue
@@ -300,87 +313,6 @@ class MLXEngine(StepRunner, SessionRunner):
             if length > best and length >= self.prefix_cache.min_tokens:
                 best_row, best = r, length
         return best_row, best
-
-    def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
-        return self.decode_finish(self.decode_start(rows, tokens))
-
-    def decode_start(self, rows: Sequence[int], tokens: Sequence[int] | mx.array) -> DecodeStep:
-        """Build one batched decode step and start evaluating it; returns at once.
-
-        `tokens` may be the lazy `greedy` ids of a step still in flight: the scheduler then
-        builds step n+1 while step n computes. Rows advance when the step is finished.
-        """
-        rows = list(rows)
-        if len(rows) != len(tokens) or not rows:
-            raise ValueError("decode needs one token per row and at least one row")
-        for r in rows:
-            self._check_row(r)
-        starts = [self.cursor(r) + self._ahead[r] for r in rows]
-        for r, s in zip(rows, starts, strict=True):
-            if s >= self.context_length:
-                raise EngineError(f"row {r} is full ({self.context_length} positions)")
-        if isinstance(tokens, mx.array):
-            ids = tokens.astype(mx.int32).reshape(-1, 1)
-        else:
-            ids = mx.array(np.asarray(tokens, dtype=np.int32).reshape(-1, 1))
-        split = self._split(len(rows))
-        if split:
-            self._split_steps += 1
-            blas.set_threads(1)  # one BLIS thread per split half until the step is finished
-        before = self._states.snapshot(rows)
-        try:
-            logits = self._graph(rows, starts, ids, split)
-            greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
-            mx.async_eval(logits, greedy, *self._held())
-        except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
-            self._states.restore(before)  # the rows' states as before the failed step
-            self._end_split(split)
-            raise EngineError(f"forward failed: {exc}") from exc
-        for r in rows:
-            self._ahead[r] += 1
-        return DecodeStep(rows, [self._epoch[r] for r in rows], tokens, logits, greedy, split)
-
-    def decode_finish(self, step: DecodeStep) -> np.ndarray:
-        """Wait for `step`; advance its rows (those not released since); logits [B, vocab]."""
-        try:
-            # wait for everything the step started, not only the logits: work left pending on
-            # a stream of a thread that then exits aborts the process ("terminate called")
-            mx.eval(step.logits, step.greedy)
-            logits = np.array(step.logits, copy=False)
-            if isinstance(step.tokens, mx.array):
-                tokens = np.array(step.tokens).reshape(-1).tolist()
-            else:
-                tokens = [int(t) for t in step.tokens]
-        except Exception as exc:  # noqa: BLE001
-            self._settle(step, None)
-            raise EngineError(f"forward failed: {exc}") from exc
-        self._settle(step, tokens)
-        return logits
-
-    def decode_cancel(self, step: DecodeStep) -> None:
-        """Drop `step` without advancing its rows (the positions it wrote are rewritten by the
-        next step of each row). Waits for it: nothing may be left computing (see finish)."""
-        try:
-            mx.eval(step.logits, step.greedy)
-        except Exception:  # noqa: BLE001 - its results are dropped anyway
-            log.debug("a cancelled decode step failed", exc_info=True)
-        finally:
-            self._settle(step, None)
-
-    def _settle(self, step: DecodeStep, tokens: list[int] | None) -> None:
-        for i, (r, epoch) in enumerate(zip(step.rows, step.epochs, strict=True)):
-            if self._epoch[r] != epoch:
-                continue  # released (and maybe reused) while the step was in flight
-            self._ahead[r] -= 1
-            if tokens is not None:
-                self._row_tokens[r].append(tokens[i])
-        self._end_split(step.split)
-
-    def _end_split(self, split: bool) -> None:
-        if split:
-            self._split_steps -= 1
-            if self._split_steps == 0:
-                blas.set_threads(blas.default_threads())
 
     def kv_bytes(self) -> int:
         """Bytes held by the decode rows: KV store and recurrent states (or mlx-lm's caches)."""
@@ -409,9 +341,11 @@ class MLXEngine(StepRunner, SessionRunner):
             return True  # BLIS runs a 1-2 row product on one core whatever its thread count
         return blas.threads_settable() and positions <= SPLIT_MAX_POSITIONS
 
-    def _check_row(self, row: int) -> None:
-        if not 0 <= row < self.rows:
-            raise ValueError(f"row {row} out of range 0..{self.rows - 1}")
+    def _check_row(self, row: int, scoring: bool = False) -> None:
+        """A serving row (`scoring`: or one of the scoring rows after them)."""
+        last = self.rows + (self.score_rows if scoring else 0) - 1
+        if not 0 <= row <= last:
+            raise ValueError(f"row {row} out of range 0..{last}")
 
     def _graph(
         self, rows: list[int], starts: list[int], ids: mx.array, split: bool, every: bool = False
@@ -445,18 +379,6 @@ class MLXEngine(StepRunner, SessionRunner):
             length=q,
             mask=row_mask(starts, q, kv_len),
             kv_len=kv_len,
-            all_rows=rows == list(range(self.rows)),
+            all_rows=rows == list(range(self._store.rows)),
             group_axis=self._grouped_scores,
         )
-
-
-@dataclass
-class DecodeStep:
-    """A decode step started by `MLXEngine.decode_start`."""
-
-    rows: list[int]
-    epochs: list[int]  # each row's release count at the start
-    tokens: Sequence[int] | mx.array  # input ids (ints, or lazy ids of the step before)
-    logits: mx.array  # [B, vocab] float32, evaluating
-    greedy: mx.array  # [B] int32 argmax of logits, evaluating
-    split: bool

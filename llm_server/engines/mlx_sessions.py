@@ -1,5 +1,6 @@
 """The MLX engine's scoring and embedding sessions: padded batches on caches of their own, so
-the decode rows are never disturbed (C1, C3).
+the decode rows are never disturbed (C1, C3). Scoring uses its session only as the fallback
+for models whose row store holds no scoring rows (`score_rows` 0, see mlx_engine.py).
 
 Part of `MLXEngine` (a mixin, as mlx_steps.py is): it reads the engine's model, fused forward,
 product split and context length.
@@ -38,9 +39,9 @@ class SessionRunner:
     def score_chunk(self, tokens: np.ndarray, targets: np.ndarray, top_k: int) -> ScoreChunkResult:
         if self._score_cache is None:
             raise RuntimeError("score_begin() must be called before score_chunk()")
+        # prompts were checked once, when queued (scheduler/scorer.py: check_prompts), and the
+        # session's chunks never pass the context (score_session.chunk_sizes)
         n, q = tokens.shape
-        if self._score_offset + q > self.context_length:
-            raise ValueError(f"scoring past the context of {self.context_length} positions")
         ids = mx.array(np.asarray(tokens, dtype=np.int32))
         split = self._split(n * q)
         with blas.threads(1) if split else nullcontext():  # as in _run_groups

@@ -1,11 +1,12 @@
-"""Running a step plan on the MLX engine: decode rows and prompt chunks in ONE forward.
+"""Running a step plan on the MLX engine: decode rows, prompt and scoring chunks in ONE forward.
 
-Part of `MLXEngine` (a mixin; the row store, prefill and decode stay in mlx_engine.py). A fresh
-chunk opens its row first (reset, then the longest prefix held elsewhere is copied in). On the
-fused layers every group (the decode rows at q=1, each chunk at its length) shares one packed
-forward (`FusedForward.forward_groups`); other models build one graph per group over the same
-row store and state slots and evaluate them together. Rows advance only when the whole step
-succeeded.
+Part of `MLXEngine` (a mixin; the row store and prefill stay in mlx_engine.py). A fresh prompt
+chunk opens its row first (reset, then the longest prefix held elsewhere is copied in); a
+scoring chunk runs on a scoring row (reset at its first chunk), gets logits at every position,
+and they are reduced to log-probabilities before `run` returns (C3). On the fused layers every
+group (the decode rows at q=1, each chunk at its length) shares one packed forward
+(`FusedForward.forward_groups`); other models build one graph per group over the same row store
+and state slots and evaluate them together. Rows advance only when the whole step succeeded.
 """
 
 from __future__ import annotations
@@ -17,9 +18,18 @@ import mlx.core as mx
 import numpy as np
 
 from llm_server import blas
+from llm_server.engines import cpu_kernels
 from llm_server.engines.base import EngineError
 from llm_server.engines.layout import row_views
-from llm_server.engines.step import DecodeRow, PrefillChunk, StepPlan, StepResult
+from llm_server.engines.score_reduce import log_softmax, reduce_logits_mlx, reduce_logprobs
+from llm_server.engines.step import (
+    DecodeRow,
+    PrefillChunk,
+    ScoreChunk,
+    ScoreChunkResult,
+    StepPlan,
+    StepResult,
+)
 
 if TYPE_CHECKING:
     from llm_server.engines.mlx_engine import MLXEngine
@@ -29,11 +39,11 @@ class StepRunner:
     """The `run(plan)` half of `MLXEngine`."""
 
     def run(self: MLXEngine, plan: StepPlan) -> StepResult:
-        """Execute a step plan: the decode rows and every prompt chunk in ONE forward (the
-        fused layers; separate graphs evaluated together otherwise). Rows advance only when
-        the whole forward succeeded."""
+        """Execute a step plan: the decode rows, every prompt chunk and every scoring chunk in
+        ONE forward (the fused layers; separate graphs evaluated together otherwise). Rows
+        advance only when the whole forward succeeded."""
         drafted = any(d.draft for d in plan.decode)
-        if not plan.prefill and not drafted:
+        if not plan.prefill and not plan.score and not drafted:
             if not plan.decode:
                 return StepResult((), np.zeros((0, self.vocab_size), np.float32))
             rows = [d.row for d in plan.decode]
@@ -96,11 +106,15 @@ class StepRunner:
                 seg = prompt[start : min(len(prompt), start + chunk.tokens)]
                 segments.append((chunk, seg))
                 groups.append(([chunk.row], [start], [seg]))
+            for sc in plan.score:
+                every.add(len(groups))
+                groups.append(([sc.row], [sc.start], [self._score_segment(sc)]))
             logits = self._run_groups(groups, frozenset(every))
+            scores = self._reduce_scores(plan.score, logits)
         except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
             self._states.restore(before)
-            for chunk in plan.prefill:
-                if chunk.fresh:
+            for chunk in (*plan.prefill, *plan.score):
+                if chunk.start == 0:
                     self._row_tokens[chunk.row] = []  # opened for this step: back to empty
             if isinstance(exc, EngineError):
                 raise
@@ -125,7 +139,50 @@ class StepRunner:
             if cursors[chunk.row] == len(chunk.prompt):
                 picked.append(off + i)
         out_rows = tuple(rows + [c.row for c, _ in segments if cursors[c.row] == len(c.prompt)])
-        return StepResult(out_rows, logits[picked], cursors, cached, verified)
+        for sc in plan.score:
+            self._row_tokens[sc.row].extend(int(t) for t in sc.prompt[sc.start : sc.end])
+        return StepResult(out_rows, logits[picked], cursors, cached, verified, scores)
+
+    def _score_segment(self: MLXEngine, chunk: ScoreChunk) -> list[int]:
+        """The ids a scoring chunk runs, its row reset first when the chunk opens it."""
+        self._check_row(chunk.row, scoring=True)
+        if chunk.row < self.rows:
+            raise ValueError(f"row {chunk.row} is a serving row, not a scoring row")
+        if not 0 <= chunk.start < chunk.end <= min(len(chunk.prompt), self.context_length):
+            raise ValueError(f"a scoring chunk {chunk.start}..{chunk.end} cannot be run")
+        if chunk.start == 0:
+            self._row_tokens[chunk.row] = []
+        elif chunk.start != self.cursor(chunk.row):
+            raise ValueError(f"scoring row {chunk.row} is at {self.cursor(chunk.row)}")
+        return [int(t) for t in chunk.prompt[chunk.start : chunk.end]]
+
+    def _reduce_scores(
+        self: MLXEngine, chunks: tuple[ScoreChunk, ...], logits: np.ndarray
+    ) -> dict[int, ScoreChunkResult]:
+        """Each scoring chunk's log-probabilities ([1, q] arrays), reduced over all scoring
+        positions at once (C3: the [positions, vocab] logits are never kept)."""
+        if not chunks:
+            return {}
+        # the scoring positions are the last rows of `logits`, in plan order (forward_groups)
+        n = sum(c.tokens for c in chunks)
+        at = len(logits) - n
+        targets = np.concatenate([np.asarray(c.targets(), np.int32) for c in chunks])[None]
+        k = min(max(c.top_k for c in chunks), self.vocab_size)
+        if cpu_kernels.on_cpu():
+            result = reduce_logprobs(log_softmax(np.array(logits[at:])[None]), targets, k)
+        else:
+            result = reduce_logits_mlx(mx.array(logits[at:])[None], targets, k)
+        out, off = {}, 0
+        for c in chunks:
+            part = slice(off, off + c.tokens)
+            out[c.row] = ScoreChunkResult(  # each chunk its own k: the same for all its chunks
+                token_logprobs=result.token_logprobs[:, part],
+                top_ids=result.top_ids[:, part, : c.top_k],
+                top_logprobs=result.top_logprobs[:, part, : c.top_k],
+                greedy_ids=result.greedy_ids[:, part],
+            )
+            off += c.tokens
+        return out
 
     def rewind(self: MLXEngine, row: int, cursor: int) -> None:
         """Drop `row`'s positions from `cursor` on (a draft's rejected tokens): the row's token

@@ -51,6 +51,42 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
+class ScoreChunk:
+    """A piece of a scoring prompt to run on one of the engine's scoring rows this step (C3).
+
+    The engine runs it as one more row group of the step's forward, with logits at every
+    position, and reduces them to log-probabilities before the step returns (never held).
+    """
+
+    key: int  # the scorer's id of the prompt (stable across the prompt's chunks)
+    row: int  # engine scoring row (`Engine.score_rows`: rows after the serving rows)
+    prompt: Sequence[int]  # the whole prompt; the chunk is prompt[start:end]
+    start: int  # first position to run: the row's cursor (0: the row is reset first)
+    end: int  # one past the last position; position i is scored against prompt[i + 1]
+    top_k: int  # top-k entries per position the reduction keeps (0: none)
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
+
+    def targets(self) -> list[int]:
+        """The id whose log-probability each position gets: the next prompt token (the last
+        position repeats the last token, C4: it is read only for the greedy next token)."""
+        nxt = list(self.prompt[self.start + 1 : self.end + 1])
+        return nxt + [self.prompt[-1]] * (self.tokens - len(nxt))
+
+
+@dataclass(frozen=True)
+class ScoreChunkResult:
+    """Log-probabilities of one scoring chunk, reduced on the engine before the next chunk."""
+
+    token_logprobs: np.ndarray  # [N, q] float32: log p(target[n, i] | prefix up to i)
+    top_ids: np.ndarray  # [N, q, k] int32: top-k token ids per position (k may be 0)
+    top_logprobs: np.ndarray  # [N, q, k] float32
+    greedy_ids: np.ndarray  # [N, q] int32: argmax token per position
+
+
+@dataclass(frozen=True)
 class Admission:
     """A queued request that takes a free row at this step."""
 
@@ -68,13 +104,19 @@ class StepPlan:
     admit: tuple[Admission, ...] = ()  # FIFO queue heads taking free rows (S2, S3)
     decode: tuple[DecodeRow, ...] = ()  # rows advancing one token, in row order (S2)
     prefill: tuple[PrefillChunk, ...] = ()  # prompt chunks, in admission order
-    score: bool = False  # the scorer runs one padded batch after the forward (C1)
+    score: tuple[ScoreChunk, ...] = ()  # scoring chunks on the engine's scoring rows (C1, C3)
+    pump: bool = False  # a pump (embeddings, the session scorer) runs one batch after it
     budget: int = 0  # the step-token budget it was planned under (0: unlimited)
 
     @property
     def tokens(self) -> int:
-        """Positions the forward runs: one per decode row plus each chunk's length."""
-        return sum(1 + len(d.draft) for d in self.decode) + sum(c.tokens for c in self.prefill)
+        """Positions the forward runs: one per decode row (plus its draft) and each prompt
+        and scoring chunk's length."""
+        return (
+            sum(1 + len(d.draft) for d in self.decode)
+            + sum(c.tokens for c in self.prefill)
+            + sum(c.tokens for c in self.score)
+        )
 
     @property
     def decode_rows(self) -> tuple[int, ...]:
@@ -87,7 +129,7 @@ class StepPlan:
     @property
     def forward(self) -> bool:
         """Whether `engine.run` has anything to do."""
-        return bool(self.decode or self.prefill)
+        return bool(self.decode or self.prefill or self.score)
 
 
 @dataclass(frozen=True)
@@ -101,6 +143,8 @@ class StepResult:
     # drafted row -> logits [n, vocab] after each of its first n draft ids (n <= its draft: cut
     # where the row is full); the row's cursor moved past all n until the scheduler rewinds it
     verified: Mapping[int, np.ndarray] = field(default_factory=dict)
+    # scoring row -> its chunk's log-probabilities ([1, q] arrays), in the plan's order
+    scores: Mapping[int, ScoreChunkResult] = field(default_factory=dict)
 
 
 def run_by_primitives(engine: Engine, plan: StepPlan) -> StepResult:
@@ -111,6 +155,8 @@ def run_by_primitives(engine: Engine, plan: StepPlan) -> StepResult:
     parts: list[np.ndarray] = []
     cursors: dict[int, int] = {}
     cached: dict[int, int] = {}
+    if plan.score:
+        raise ValueError(f"{engine.name} has no scoring rows (score_rows = 0)")
     if plan.decode:
         rows += [d.row for d in plan.decode]
         parts.append(engine.decode(rows, [d.token for d in plan.decode]))

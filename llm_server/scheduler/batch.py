@@ -3,12 +3,13 @@
 Once per step boundary (`step()`):
   1. serve exclusive leases (the batch is paused while one is held, S6);
   2. plan the step (planner.plan, pure): rows to retire, queued requests to drop or admit (FIFO),
-     decode rows, prompt chunks under the `--step-tokens` budget, whether the scorer runs;
+     decode rows, prompt chunks and scoring chunks under the `--step-tokens` budget, whether a
+     pump runs;
   3. apply its bookkeeping: retire, drop, give admitted requests their rows;
   4. run its forward (`engine.run`, or the pipeline for greedy decode-only steps) and commit:
-     sample per row, emit, retire rows that hit EOS, a stop sequence or their limit
-     (executor.py);
-  5. let the scorer run one padded scoring chunk on its own session (C1).
+     sample per row, emit, retire rows that hit EOS, a stop sequence or their limit; scoring
+     chunks' log-probabilities go to the scorer (executor.py);
+  5. let a pump (embeddings; the session scorer fallback) run one chunk on its session (C1).
 An idle scheduler sleeps on a condition variable, so a lone request starts at once (S7).
 """
 
@@ -20,7 +21,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from llm_server.decoding import FinishReason
 from llm_server.engines.base import Engine
@@ -30,12 +30,14 @@ from llm_server.scheduler.executor import PlanExecutor
 from llm_server.scheduler.lease import Lease
 from llm_server.scheduler.pipelining import Pipeline
 from llm_server.scheduler.planner import plan
+from llm_server.scheduler.pumps import Pump
 from llm_server.scheduler.request import (
     FinishEvent,
     GenerationRequest,
     QueueFull,
     SchedulerClosed,
 )
+from llm_server.scheduler.scorer import Scorer
 from llm_server.scheduler.spec_policy import StepCosts
 
 log = logging.getLogger(__name__)
@@ -46,14 +48,6 @@ DEFAULT_STEP_TOKENS = 128
 # --speculative / --spec-tokens defaults (scheduler/drafting.py; measured in README)
 DEFAULT_SPECULATIVE = "ngram"
 DEFAULT_SPEC_TOKENS = 8
-
-
-class Pump(Protocol):
-    """Work the scheduler runs between decode steps (the scorer)."""
-
-    def pending(self) -> bool: ...
-
-    def run_batch(self, engine: Engine) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -108,6 +102,7 @@ class BatchScheduler(PlanExecutor):
         self.accepted_tokens = 0  # draft ids kept
         self.engine: Engine | None = None
         self.pump: Pump | None = None
+        self.scorer: Scorer | None = None  # its prompts ride in the plans on scoring rows
         self._cond = threading.Condition()
         self._queue: collections.deque[GenerationRequest] = collections.deque()
         self._running: dict[int, GenerationRequest] = {}
@@ -262,28 +257,30 @@ class BatchScheduler(PlanExecutor):
             )
             self.max_concurrent = rows
         self._free = list(range(rows))
+        if self.scorer is not None:
+            self.scorer.attach(self.engine)  # scoring rows, or the session fallback
 
     def step(self) -> StepPlan:
         """One step boundary on the calling thread (the scheduler thread; tests drive it
         directly): serve leases (S6), plan, apply the plan's bookkeeping, run its forward and
-        commit it, then let the scorer run (C1). Returns the plan it executed."""
+        commit it, then let a pump run (C1). Returns the plan it executed."""
         self._serve_leases()
         step = self._plan()
         self._apply(step)
         if step.forward:
             self._execute(step)
-        if step.score and self.pump is not None:
+        if step.pump and self.pump is not None:
             self._pipeline.drop(self.engine)
             self.pump.run_batch(self.engine)
         return step
 
     def _has_work(self) -> bool:
-        return bool(
-            self._queue
-            or self._running
-            or self._leases
-            or (self.pump is not None and self.pump.pending())
-        )
+        return bool(self._queue or self._running or self._leases or self._side_work())
+
+    def _side_work(self) -> bool:
+        """A pump or the scorer has work (scoring rows ride in the plans, pumps after them)."""
+        pumped = self.pump is not None and self.pump.pending()
+        return pumped or (self.scorer is not None and self.scorer.pending())
 
     def _wait_for_work(self) -> bool:
         with self._cond:
@@ -325,6 +322,7 @@ class BatchScheduler(PlanExecutor):
         """The next step (planner.plan) on a consistent view of the queue and the rows."""
         in_flight = self._pipeline.pending_for(self._running, self.engine)
         step_drafts = {} if in_flight else self._drafts()
+        scoring = () if self.scorer is None else self.scorer.open_prompts(self.engine)
         with self._cond:
             return plan(
                 self._queue,
@@ -332,9 +330,10 @@ class BatchScheduler(PlanExecutor):
                 self._free,
                 self.step_tokens,
                 admit=not in_flight,  # the step in flight is for the current rows
-                score=self.pump is not None and self.pump.pending() and not self._leases,
+                pump=self.pump is not None and self.pump.pending() and not self._leases,
                 share_min=self.engine.shared_prefix_min,
                 drafts=step_drafts,
+                scoring=() if self._leases else scoring,
             )
 
     def _drafts(self) -> dict[int, tuple[int, ...]]:

@@ -20,12 +20,8 @@ import numpy as np
 
 from llm_server.engines.base import EmbeddingsUnsupported, Engine
 from llm_server.pooling import EmbeddingConfig, PoolAccumulator
-from llm_server.scheduler.scorer import (
-    MAX_SCORE_BATCH,
-    TRACE_LIMIT,
-    chunk_sizes,
-    padded_rows,
-)
+from llm_server.scheduler.score_session import TRACE_LIMIT, chunk_sizes, padded_rows
+from llm_server.scheduler.scorer import MAX_SCORE_BATCH
 from llm_server.scheduler.shortest_first import PumpRequest, ShortestFirstQueue
 
 log = logging.getLogger(__name__)

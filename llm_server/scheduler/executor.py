@@ -2,9 +2,10 @@
 
 Part of `BatchScheduler` (a mixin, so the loop and the queue stay in batch.py): `_execute` runs
 the plan's forward through `engine.run`, or through the pipeline (pipelining.py) when the plan
-only decodes and the engine is pipelined; a failed forward is retried per request so the error
-stays with the request that caused it (S8); `_commit` notes where prompts stand and samples,
-emits and retires per row.
+only decodes and the engine is pipelined; a failed forward is retried per request (each decode
+row, prompt chunk and scoring chunk alone) so the error stays with the request that caused it
+(S8); `_commit` notes where prompts stand, samples, emits and retires per row, and hands the
+scoring chunks' log-probabilities to the scorer.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class PlanExecutor:
         t0 = time.perf_counter()
         drafted = any(d.draft for d in step.decode)
         try:
-            if self.engine.pipelined and not step.prefill and not drafted:
+            if self.engine.pipelined and not step.prefill and not step.score and not drafted:
                 reqs = [self._running[d.row] for d in step.decode]
                 step_reqs, logits = self._pipeline.step(
                     self.engine, reqs, self._running, self._may_speculate()
@@ -69,21 +70,29 @@ class PlanExecutor:
                 "a step of %d positions failed (%s); retrying per request", step.tokens, exc
             )
             self.last_error = str(exc)
-            for alone in [StepPlan(decode=(d,)) for d in step.decode] + [
-                StepPlan(prefill=(c,)) for c in step.prefill
-            ]:
+            for alone in (
+                [StepPlan(decode=(d,)) for d in step.decode]
+                + [StepPlan(prefill=(c,)) for c in step.prefill]
+                + [StepPlan(score=(c,)) for c in step.score]
+            ):
                 try:
                     self._commit(alone, self.engine.run(alone))
                 except Exception as row_exc:  # noqa: BLE001
-                    self._fail(self._running[(alone.decode or alone.prefill)[0].row], row_exc)
+                    if alone.score:
+                        self.scorer.fail(self.engine, alone.score[0], row_exc)
+                    else:
+                        self._fail(self._running[(alone.decode or alone.prefill)[0].row], row_exc)
         else:
             self._commit(step, result, owners)
             self._pipeline.check(self._running, self.engine)
-            if not step.prefill:  # forward + commit: what a draft position costs (spec_policy)
+            if (
+                not step.prefill and not step.score
+            ):  # forward + commit: what a draft position costs (spec_policy)
                 self.spec_costs.observe(step.tokens, drafted, time.perf_counter() - t0)
         if step.decode:
             self.decode_steps += 1
-        seconds, rows = time.perf_counter() - t0, len(step.decode) + len(step.prefill)
+        seconds = time.perf_counter() - t0
+        rows = len(step.decode) + len(step.prefill) + len(step.score)
         for listener in self._step_listeners:
             listener(seconds, rows)
 
@@ -103,7 +112,10 @@ class PlanExecutor:
         result: StepResult,
         owners: dict[int, GenerationRequest] | None = None,
     ) -> None:
-        """Note where prompts stand, sample each row's token, emit, retire the finished."""
+        """Note where prompts stand, sample each row's token, emit, retire the finished; the
+        scoring chunks' log-probabilities go to the scorer."""
+        if step.score:
+            self.scorer.commit(self.engine, step.score, result.scores)
         for chunk in step.prefill:
             req = self._running[chunk.row]
             req.prefilled = result.cursors.get(chunk.row, len(req.prompt))
@@ -182,7 +194,7 @@ class PlanExecutor:
         return not (
             self._queue
             or self._leases
-            or (self.pump is not None and self.pump.pending())
+            or self._side_work()
             or any(r.prefilled < len(r.prompt) for r in self._running.values())
         )
 

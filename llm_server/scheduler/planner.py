@@ -15,19 +15,31 @@ MLX (tests/scheduler/test_plan.py). The rules, in order:
      whose prompt shares at least `share_min` tokens with a prompt that is not computed that
      far yet waits a step too, so it copies the prefix from that row instead of computing it
      again (the engine copies only what a row holds when the step starts);
-  5. the scorer runs after the forward when it has work and no lease waits (C1, S6).
+  5. the open scoring prompts (on the engine's scoring rows, scheduler/scorer.py) get what is
+     left, in the order they were opened, at most SCORE_CHUNK positions each (C1, C3): they
+     ride in the same forward as rows more (each its own query length), so a long scoring
+     batch never pauses the decode rows. With no row decoding or in its prompt nobody is
+     stalled, and every open prompt advances SCORE_CHUNK positions;
+  6. a pump (embeddings, the session scorer fallback) runs after the forward when it has work
+     and no lease waits (C1, S6).
 
 `budget` is `--step-tokens`: positions per forward, decode rows included (0: unlimited, every
 prompt runs whole in the step that admits it). Prefill always gets at least one position, so
-a prompt finishes whatever the number of decoding rows.
+a prompt finishes whatever the number of decoding rows; scoring gets at least one when no
+prompt chunk took the step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from llm_server.engines.step import Admission, DecodeRow, PrefillChunk, StepPlan
+from llm_server.engines.base import SCORE_CHUNK
+from llm_server.engines.step import Admission, DecodeRow, PrefillChunk, ScoreChunk, StepPlan
 from llm_server.scheduler.request import GenerationRequest
+
+if TYPE_CHECKING:
+    from llm_server.scheduler.scorer import OpenPrompt
 
 
 def plan(
@@ -37,15 +49,17 @@ def plan(
     budget: int,
     *,
     admit: bool = True,
-    score: bool = False,
+    pump: bool = False,
     share_min: int = 0,
     drafts: Mapping[int, tuple[int, ...]] | None = None,
+    scoring: Sequence[OpenPrompt] = (),
 ) -> StepPlan:
     """The next step. `running`: row -> request; `free`: rows nobody holds; `admit`: False
     while a pipelined step for the current rows is in flight (newcomers join after it);
-    `score`: the scorer has work and no lease waits; `share_min`: the shortest prompt prefix
+    `pump`: a pump has work and no lease waits; `share_min`: the shortest prompt prefix
     the engine copies from another row (0: it never does); `drafts`: row -> draft ids to
-    verify after its pending token."""
+    verify after its pending token; `scoring`: the scoring prompts open on scoring rows,
+    in the order they were opened."""
     live = {row: req for row, req in running.items() if not req.cancelled.is_set()}
     retire = tuple(sorted(row for row in running if row not in live))
     queued = list(queue)
@@ -88,6 +102,10 @@ def plan(
             chunks.append(chunk)
             left = None if left is None else left - chunk.tokens
 
+    # nobody to stall (no row decoding or in its prompt): every open prompt advances a chunk
+    idle = not decode and not chunks
+    score = _score_chunks(scoring, None if idle else left) if admit else ()
+
     return StepPlan(
         retire=retire,
         drop=drop,
@@ -95,8 +113,22 @@ def plan(
         decode=decode,
         prefill=tuple(chunks),
         score=score,
+        pump=pump,
         budget=max(budget, 0),
     )
+
+
+def _score_chunks(scoring: Sequence[OpenPrompt], left: int | None) -> tuple[ScoreChunk, ...]:
+    """The open scoring prompts' next chunks, in the order they were opened: at most
+    SCORE_CHUNK positions each (C3) and `left` positions in all (None: no bound)."""
+    out: list[ScoreChunk] = []
+    for p in scoring:
+        if left == 0:
+            break
+        n = min(SCORE_CHUNK, len(p.prompt) - p.done, SCORE_CHUNK if left is None else left)
+        out.append(ScoreChunk(p.key, p.row, p.prompt, p.done, p.done + n, p.top_k))
+        left = None if left is None else left - n
+    return tuple(out)
 
 
 def _chunk(req: GenerationRequest, row: int, start: int, left: int | None) -> PrefillChunk:

@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 from llm_server.engines.base import Engine
-from llm_server.scheduler.batch import Pump
+
+
+class Pump(Protocol):
+    """Work the scheduler runs between steps on a session of its own (embeddings, the session
+    scorer fallback)."""
+
+    def pending(self) -> bool: ...
+
+    def run_batch(self, engine: Engine) -> None: ...
 
 
 class Pumps:

@@ -1,11 +1,13 @@
-"""Scoring (`/v1/completions` echo+logprobs) in padded batches between decode steps (C1-C4).
+"""Scoring (`/v1/completions` echo+logprobs): every prompt's log-probabilities (C1-C5).
 
-Algorithm: a request's prompts enter one queue together (C1). When no batch is open, the pump
-takes queued prompts shortest first and stops before a third of the batch's positions would be
-padding (C2). Each `run_batch` call then runs ONE forward of 128 positions on the engine's
-scoring session (C3), so decoding never waits longer than one scoring forward; the last chunk
-pads to a bucket of 16/32/64/128 positions, never past the context (C4). A request completes
-when all of its prompts have been scored.
+A request's prompts enter one shortest-first queue together (C1; shortest_first.py). On an
+engine whose row store holds scoring rows (`Engine.score_rows`), each free scoring row takes the
+next shortest prompt, and the planner gives the open prompts chunks of the step's budget
+(planner.py rule 5): they run as rows of the same forward as the decode rows, each chunk's
+logits reduced to log-probabilities on the engine before the next chunk (C3), with no padding.
+Elsewhere the fallback, score_session.py, scores padded batches on the engine's separate
+session between steps (C2-C4). `Scorer.attach` picks one of the two, once, when the engine is
+loaded. A request completes when all of its prompts have been scored.
 """
 
 from __future__ import annotations
@@ -13,20 +15,21 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from llm_server.decoding import MAX_TOP_LOGPROBS
-from llm_server.engines.base import SCORE_BUCKETS, SCORE_CHUNK, Engine, ScoreChunkResult
+from llm_server.engines.base import Engine, ScoreChunkResult
+from llm_server.engines.step import ScoreChunk
+from llm_server.scheduler.score_session import ScoreForward, SessionScoring
 from llm_server.scheduler.shortest_first import PumpRequest, ShortestFirstQueue
 
 log = logging.getLogger(__name__)
 
-MAX_SCORE_BATCH = 32  # prompts per scoring batch (rows of the scoring session)
-TRACE_LIMIT = 4096  # scoring forwards remembered for tests and diagnostics
+MAX_SCORE_BATCH = 32  # prompts per padded batch on the session fallback
 
 
 @dataclass(frozen=True)
@@ -37,18 +40,6 @@ class ScoredPrompt:
     token_logprobs: list[float | None]  # per token; the first entry is None
     top_logprobs: list[list[tuple[int, float]] | None]  # per token, best first; first is None
     generated: int | None  # the greedy next token id (max_tokens 1), else None
-
-
-@dataclass(frozen=True)
-class ScoreForward:
-    """One scoring forward as it ran (the trace tests read)."""
-
-    batch: int  # sequence number of the scoring batch
-    rows: int  # rows fed to the engine (after power-of-two rounding)
-    q: int  # positions in this forward
-    offset: int  # scoring-session cursor before this forward
-    lengths: tuple[int, ...]  # real prompt lengths of the batch, in row order
-    requests: tuple[int, ...]  # ScoreRequest.seq of each real row
 
 
 class ScoringError(RuntimeError):
@@ -75,6 +66,11 @@ class ScoreRequest(PumpRequest):
         self.results = [None] * len(self.prompts)
         self.remaining = len(self.prompts)
 
+    @property
+    def engine_k(self) -> int:
+        """Top-k entries asked of the engine: the generated token's logprob is the top-1."""
+        return max(self.top_k, 1) if self.generate_one else self.top_k
+
 
 @dataclass(frozen=True)
 class _Queued:
@@ -87,21 +83,24 @@ class _Queued:
 
 
 @dataclass(eq=False)
-class _Batch:
-    """An open scoring batch: padded inputs plus the per-chunk results gathered so far."""
+class OpenPrompt:
+    """A prompt being scored on a scoring row (scheduler thread): what the planner reads."""
 
-    seq: int
-    members: list[_Queued]
-    tokens: np.ndarray  # [rows, length] int32, each row padded with its last token
-    targets: np.ndarray  # [rows, length] int32, the next token per position
-    chunks: list[int]  # positions per forward
-    top_k: int  # k asked of the engine (max over members, >= 1 when a token is generated)
-    offset: int = 0
-    done: list[ScoreChunkResult] = field(default_factory=list)
+    key: int  # stable id of this prompt while it is open (ScoreChunk.key)
+    queued: _Queued
+    row: int  # the engine's scoring row it runs on
+    top_k: int  # k asked of the engine
+    done: int = 0  # positions scored so far (the row's cursor)
+    parts: list[ScoreChunkResult] = field(default_factory=list)  # one per chunk, [1, q]
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.queued.tokens
 
 
-def check_prompts(prompts: Sequence[Sequence[int]], context_length: int, top_k: int) -> None:
-    """Raise ValueError with numbers a user can act on when a scoring request cannot run."""
+def check_prompts(prompts: Sequence[Sequence[int]], context_length: int | None, top_k: int) -> None:
+    """Raise ValueError with numbers a user can act on when a scoring request cannot run
+    (`context_length` None: the engine is not loaded yet, lengths are not checked)."""
     if not prompts:
         raise ValueError("prompt must not be empty")
     if not 0 <= top_k <= MAX_TOP_LOGPROBS:
@@ -109,37 +108,15 @@ def check_prompts(prompts: Sequence[Sequence[int]], context_length: int, top_k: 
     for i, p in enumerate(prompts):
         if not p:
             raise ValueError(f"prompt {i} is empty")
-        if len(p) > context_length:
+        if context_length is not None and len(p) > context_length:
             raise ValueError(
                 f"prompt {i} has {len(p)} tokens; the model's context is {context_length} tokens"
             )
 
 
-def chunk_sizes(length: int, context_length: int, buckets: bool = True) -> list[int]:
-    """Positions per forward for a batch `length` long (C3, C4).
-
-    Full chunks of SCORE_CHUNK, then the rest padded up to a bucket (when the engine wants
-    padded shapes), never past the context.
-    """
-    sizes, offset = [], 0
-    while length - offset > SCORE_CHUNK:
-        sizes.append(SCORE_CHUNK)
-        offset += SCORE_CHUNK
-    rest = length - offset
-    bucket = next(b for b in SCORE_BUCKETS if b >= rest) if buckets else rest
-    sizes.append(min(bucket, context_length - offset))
-    return sizes
-
-
-def padded_rows(n: int, max_rows: int, dynamic_shapes: bool) -> int:
-    """Rows to feed: a power of two on a dynamic-shape graph (fewer distinct shapes), capped."""
-    if not dynamic_shapes:
-        return n
-    return min(1 << (n - 1).bit_length(), max_rows)
-
-
 class Scorer:
-    """The scheduler's pump: queues score requests and advances one batch per call."""
+    """Queues score requests; scores them on the engine's scoring rows inside the step plans,
+    or, as the fallback, on its separate session (`session`, a pump)."""
 
     def __init__(
         self,
@@ -150,161 +127,149 @@ class Scorer:
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
-        self.max_batch = max_batch
         self._queue = ShortestFirstQueue(wake, max_queued, retry_after, "scoring")
-        self._batch: _Batch | None = None  # owned by the scheduler thread
-        self._batch_seqs = itertools.count(1)
-        self.trace: collections.deque[ScoreForward] = collections.deque(maxlen=TRACE_LIMIT)
+        self.session = SessionScoring(
+            self._take, lambda m: m.request.engine_k, self._finish, self._fail, max_batch
+        )
+        self.session.has_queued = lambda: bool(self._queue)
+        self._free: list[int] = []  # scoring rows nobody holds (row-store scoring)
+        self._open: list[OpenPrompt] = []  # in the order they were opened (shortest first)
+        self._keys = itertools.count(1)
+
+    @property
+    def trace(self) -> collections.deque[ScoreForward]:
+        """The fallback session's forwards (tests, diagnostics); empty on scoring rows."""
+        return self.session.trace
 
     # -- any thread ------------------------------------------------------------------
 
-    def submit(self, prompts: list[list[int]], top_k: int, generate_one: bool) -> ScoreRequest:
-        """Queue every prompt of one request together (C1); raises QueueFull/SchedulerClosed."""
+    def submit(
+        self,
+        prompts: list[list[int]],
+        top_k: int,
+        generate_one: bool,
+        context_length: int | None = None,
+    ) -> ScoreRequest:
+        """Check and queue every prompt of one request together (C1): the one place scoring
+        prompts are validated (ValueError); raises QueueFull/SchedulerClosed when full."""
+        check_prompts(prompts, context_length, top_k)
         req = ScoreRequest([list(p) for p in prompts], top_k, generate_one)
         self._queue.push(req, [_Queued(req, i) for i in range(len(req.prompts))])
         return req
 
     def pending(self) -> bool:
-        return self._batch is not None or bool(self._queue)
+        """Any scoring work: queued, open on scoring rows, or a session batch."""
+        return bool(self._queue) or bool(self._open) or self.session.pending()
 
     def close(self) -> None:
         """Refuse new requests and fail the queued ones (the scheduler thread has stopped)."""
         for item in self._queue.close():
             item.request.fail(self._queue.closed_error())
+        for p in self._open:
+            p.queued.request.fail(self._queue.closed_error())
+        self._open = []
 
     # -- the scheduler thread --------------------------------------------------------
 
+    def attach(self, engine: Engine) -> bool:
+        """Choose where scoring runs, once, when the engine is loaded: on the row store's
+        scoring rows (True) or on the separate session, the fallback (False)."""
+        rows = int(getattr(engine, "score_rows", 0) or 0)
+        self._free = list(range(engine.rows, engine.rows + rows))
+        self.session.enabled = rows == 0
+        return rows > 0
+
     def run_batch(self, engine: Engine) -> None:
-        """Advance scoring by ONE forward: open a batch if none is open, run its next chunk."""
-        batch = self._batch
-        if batch is None:
-            batch = self._open(engine)
-            if batch is None:
-                return
-        try:
-            self._forward(engine, batch)
-        except Exception as exc:  # noqa: BLE001 - fails this batch's requests only
-            self._close_batch(engine)
-            self._fail_batch(batch, exc)
-            return
-        if batch.offset >= batch.tokens.shape[1]:
-            self._close_batch(engine)
-            self._deliver(batch)
+        """The fallback: one forward of the session's padded batch (score_session.py)."""
+        self.session.run_batch(engine)
 
-    def _open(self, engine: Engine) -> _Batch | None:
-        """Take the next batch off the queue (C2) and open a scoring session for it."""
-        cap = self.max_batch if engine.dynamic_shapes else min(self.max_batch, engine.rows)
-        members = [m for m in self._queue.take(cap) if m.request.claim()]
-        if not members:
-            return None
-        pad = engine.padded_shapes
-        rows = padded_rows(len(members), cap, engine.dynamic_shapes and pad)
-        tokens, targets = _pad([m.tokens for m in members], rows)
-        chunks = chunk_sizes(tokens.shape[1], engine.context_length, buckets=pad)
-        k = max(m.request.top_k for m in members)
-        if any(m.request.generate_one for m in members):
-            k = max(k, 1)  # the generated token's logprob is the top-1 entry
-        batch = _Batch(
-            seq=next(self._batch_seqs),
-            members=members,
-            tokens=_extend(tokens, sum(chunks)),
-            targets=_extend(targets, sum(chunks)),
-            chunks=chunks,
-            top_k=min(k, engine.vocab_size),
-        )
-        try:
-            engine.score_begin(rows)
-        except Exception as exc:  # noqa: BLE001 - must not escape into the scheduler loop
-            self._fail_batch(batch, exc)
-            return None
-        self._batch = batch
-        return batch
+    def open_prompts(self, engine: Engine) -> tuple[OpenPrompt, ...]:
+        """The prompts to plan this step: abandoned ones dropped, then free scoring rows take
+        the next shortest queued prompts."""
+        for p in [p for p in self._open if p.queued.request.abandoned]:
+            self._close(engine, p)
+        if self._free and self._queue:
+            for m in self._take(len(self._free), padded=False):
+                key = next(self._keys)
+                self._open.append(OpenPrompt(key, m, self._free.pop(0), m.request.engine_k))
+        return tuple(self._open)
 
-    def _forward(self, engine: Engine, batch: _Batch) -> None:
-        q = batch.chunks[len(batch.done)]
-        lo, hi = batch.offset, batch.offset + q
-        self.trace.append(
-            ScoreForward(
-                batch=batch.seq,
-                rows=batch.tokens.shape[0],
-                q=q,
-                offset=lo,
-                lengths=tuple(len(m.tokens) for m in batch.members),
-                requests=tuple(m.request.seq for m in batch.members),
-            )
-        )
-        result = engine.score_chunk(batch.tokens[:, lo:hi], batch.targets[:, lo:hi], batch.top_k)
-        n = len(batch.members)  # padded rows are dropped here, never read
-        batch.done.append(
-            ScoreChunkResult(
-                token_logprobs=result.token_logprobs[:n],
-                top_ids=result.top_ids[:n],
-                top_logprobs=result.top_logprobs[:n],
-                greedy_ids=result.greedy_ids[:n],
-            )
-        )
-        batch.offset = hi
-
-    def _close_batch(self, engine: Engine) -> None:
-        self._batch = None
-        try:
-            engine.score_end()
-        except Exception as exc:  # noqa: BLE001 - the session is dropped either way
-            log.warning("score_end failed: %s", exc)
-
-    def _deliver(self, batch: _Batch) -> None:
-        token_lp = np.concatenate([c.token_logprobs for c in batch.done], axis=1)  # [n, T]
-        top_ids = np.concatenate([c.top_ids for c in batch.done], axis=1)  # [n, T, k]
-        top_lp = np.concatenate([c.top_logprobs for c in batch.done], axis=1)
-        greedy = np.concatenate([c.greedy_ids for c in batch.done], axis=1)  # [n, T]
-        for row, m in enumerate(batch.members):
-            req = m.request
-            if req.abandoned:
+    def commit(
+        self, engine: Engine, chunks: Sequence[ScoreChunk], scores: Mapping[int, ScoreChunkResult]
+    ) -> None:
+        """Note each chunk's reduced results; deliver and free the prompts now complete."""
+        by_key = {p.key: p for p in self._open}
+        for chunk in chunks:
+            p = by_key.get(chunk.key)
+            if p is None:
                 continue
-            req.results[m.index] = _scored(
-                m.tokens, token_lp[row], top_ids[row], top_lp[row], greedy[row], req
-            )
-            req.remaining -= 1
-            if req.remaining == 0:
-                req.future.set_result(list(req.results))
+            try:
+                p.parts.append(scores[chunk.row])
+                p.done = chunk.end
+                if p.done >= len(p.prompt):
+                    self._close(engine, p)
+                    self._finish(p.queued, _joined(p.parts))
+            except Exception as exc:  # noqa: BLE001 - a bug here must not kill the scheduler
+                self._drop(engine, p.queued, exc)
 
-    def _fail_batch(self, batch: _Batch, exc: Exception) -> None:
-        log.error("scoring batch %d failed: %s", batch.seq, exc)
+    def fail(self, engine: Engine, chunk: ScoreChunk, exc: Exception) -> None:
+        """A forward failed on `chunk`: its request fails, its other open prompts close."""
+        p = next((p for p in self._open if p.key == chunk.key), None)
+        if p is not None:
+            self._drop(engine, p.queued, exc)
+
+    def _drop(self, engine: Engine, queued: _Queued, exc: Exception) -> None:
+        log.error("scoring request %d failed: %s", queued.request.seq, exc)
+        self._fail([queued], exc)
+        for q in [q for q in self._open if q.queued.request is queued.request]:
+            self._close(engine, q)
+
+    def _close(self, engine: Engine, p: OpenPrompt) -> None:
+        self._open.remove(p)
+        self._free.append(p.row)
+        self._free.sort()
+        try:
+            engine.release(p.row)
+        except Exception as exc:  # noqa: BLE001 - the row is reset when it is opened again
+            log.warning("releasing scoring row %d failed: %s", p.row, exc)
+
+    def _take(self, cap: int, padded: bool = True) -> list[_Queued]:
+        return [m for m in self._queue.take(cap, padded) if m.request.claim()]
+
+    def _finish(self, m: _Queued, result: ScoreChunkResult) -> None:
+        """One prompt's results [1, T] are complete: the request completes with its last."""
+        req = m.request
+        if req.abandoned:
+            return
+        req.results[m.index] = _scored(m.tokens, result, req)
+        req.remaining -= 1
+        if req.remaining == 0:
+            req.future.set_result(list(req.results))
+
+    def _fail(self, members: Sequence[_Queued], exc: Exception) -> None:
         err = ScoringError(f"scoring failed: {exc}")
-        for m in batch.members:
+        for m in members:
             m.request.fail(err)
 
 
-def _pad(prompts: list[list[int]], rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """Tokens and next-token targets [rows, longest]; padding repeats each row's last token.
-
-    Extra rows copy row 0 so every id is valid; they are never read.
-    """
-    length = max(len(p) for p in prompts)
-    tokens = np.empty((rows, length), dtype=np.int32)
-    for r in range(rows):
-        p = prompts[r] if r < len(prompts) else prompts[0]
-        tokens[r, : len(p)] = p
-        tokens[r, len(p) :] = p[-1]
-    targets = np.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
-    return tokens, targets
+def _joined(parts: list[ScoreChunkResult]) -> ScoreChunkResult:
+    """A prompt's chunks [1, q] joined along the positions: [1, T]."""
+    return ScoreChunkResult(
+        token_logprobs=np.concatenate([c.token_logprobs for c in parts], axis=1),
+        top_ids=np.concatenate([c.top_ids for c in parts], axis=1),
+        top_logprobs=np.concatenate([c.top_logprobs for c in parts], axis=1),
+        greedy_ids=np.concatenate([c.greedy_ids for c in parts], axis=1),
+    )
 
 
-def _extend(a: np.ndarray, length: int) -> np.ndarray:
-    """Pad [rows, T] to [rows, length] by repeating the last column (bucket padding)."""
-    extra = length - a.shape[1]
-    return a if extra <= 0 else np.concatenate([a, np.repeat(a[:, -1:], extra, axis=1)], axis=1)
-
-
-def _scored(
-    tokens: list[int],
-    token_lp: np.ndarray,  # [T] logprob of the next token per position
-    top_ids: np.ndarray,  # [T, k]
-    top_lp: np.ndarray,  # [T, k]
-    greedy: np.ndarray,  # [T]
-    req: ScoreRequest,
-) -> ScoredPrompt:
-    """One prompt's result: position i's outputs describe token i+1."""
+def _scored(tokens: list[int], r: ScoreChunkResult, req: ScoreRequest) -> ScoredPrompt:
+    """One prompt's result from its [1, T] arrays: position i's outputs describe token i+1."""
+    token_lp, top_ids, top_lp, greedy = (
+        r.token_logprobs[0],
+        r.top_ids[0],
+        r.top_logprobs[0],
+        r.greedy_ids[0],
+    )
     n, k = len(tokens), req.top_k
     lps: list[float | None] = [None] + [float(x) for x in token_lp[: n - 1]]
     tops: list[list[tuple[int, float]] | None] = [None] + [

@@ -98,15 +98,18 @@ class ShortestFirstQueue:
         with self._lock:
             return bool(self._heap)
 
-    def take(self, cap: int) -> list[QueuedInput]:
-        """The next batch (at most `cap` inputs, C2), abandoned requests' inputs dropped."""
+    def take(self, cap: int, padded: bool = True) -> list[QueuedInput]:
+        """The next batch (at most `cap` inputs, C2), abandoned requests' inputs dropped.
+        `padded` False: the inputs do not share a padded shape (scoring rows), so the `cap`
+        shortest are taken whatever their lengths."""
         with self._lock:
             live = [e for e in self._heap if not e[2].request.abandoned]
             if len(live) != len(self._heap):
                 self._heap = live
                 heapq.heapify(self._heap)
             lengths = [e[0] for e in heapq.nsmallest(cap, self._heap)]
-            return [heapq.heappop(self._heap)[2] for _ in range(batch_size(lengths, cap))]
+            n = batch_size(lengths, cap) if padded else len(lengths)
+            return [heapq.heappop(self._heap)[2] for _ in range(n)]
 
     def close(self) -> list[QueuedInput]:
         """Refuse new requests; returns the queued inputs for the caller to fail."""

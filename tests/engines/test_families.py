@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.scheduler.scorer import Scorer
 from llm_server.testing.families import FAMILIES, WINDOW, build_family_checkpoint
 from llm_server.testing.live import serving
 from llm_server.tokenizer import Tokenizer
@@ -284,3 +285,18 @@ def test_unverified_architecture_that_differs_is_served_serially(
         engine.release(0)
         assert got == mlx_lm_greedy(path, p, NEW)
     assert MLXEngine(checkpoint("cohere2"), rows=4).serial_reason is None
+
+
+@pytest.mark.parametrize(
+    ("family", "rows"),
+    [("llama", 8), ("mistral", 8), ("gemma3_text", 0), ("qwen3_next", 0), (SERIAL, 0)],
+)
+def test_scoring_rows_only_where_the_row_store_can_hold_them(family, rows, checkpoint):
+    """Scoring rides in the step plans on the store's scoring rows for plain heads (fused or
+    not, sliding windows included); a head only mlx-lm can run, recurrent state and a serial
+    model keep the separate scoring session, chosen once by Scorer.attach."""
+    engine = MLXEngine(checkpoint(family), rows=2)
+    assert engine.score_rows == rows
+    scorer = Scorer()
+    assert scorer.attach(engine) is (rows > 0)
+    assert scorer.session.enabled is (rows == 0)

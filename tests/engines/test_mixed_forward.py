@@ -10,9 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from llm_server.engines.base import EngineError
 from llm_server.engines.fused_decode import FusedForward
 from llm_server.engines.mlx_engine import MLXEngine
-from llm_server.engines.step import DecodeRow, PrefillChunk, StepPlan
+from llm_server.engines.step import DecodeRow, PrefillChunk, ScoreChunk, StepPlan
 from llm_server.scheduler import BatchScheduler
 from llm_server.testing.families import build_family_checkpoint
 from llm_server.tokenizer import Tokenizer
@@ -133,3 +134,61 @@ def test_models_without_fused_layers_split_prompts_exactly(family, tmp_path):
     assert [o.tokens for o in outs] == solo
     assert late_out.tokens == serve_alone(path, tok, late, 6, ignore_eos=True).tokens
     assert sum(c.seq == req.seq for p in engine.plans for c in p.prefill) >= 5
+
+
+def _score_alone(engine: MLXEngine, prompt: list[int], k: int):
+    """The reference: one prompt, one unpadded forward on the separate scoring session."""
+    tokens = np.asarray([prompt], dtype=np.int32)
+    targets = np.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
+    engine.score_begin(1)
+    try:
+        return engine.score_chunk(tokens, targets, k)
+    finally:
+        engine.score_end()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_scoring_chunks_ride_in_the_decode_forward_and_equal_alone(tiny_model_path, fused):
+    """Two scoring prompts on the store's scoring rows advance in chunks inside the forwards
+    of 3 decoding rows: the decode logits are those of decoding alone, the log-probs those of
+    scoring each prompt alone (C3), and the scoring rows end empty."""
+    engine = MLXEngine(tiny_model_path, rows=3, prefix_cache_bytes=0, fused_decode=fused)
+    ref = MLXEngine(tiny_model_path, rows=3, prefix_cache_bytes=0, fused_decode=fused)
+    assert engine.score_rows == 8 and (engine._fused is not None) == fused
+    prompts = _prompts(3, seed=5)
+    for row, p in enumerate(prompts):
+        engine.prefill(row, p)
+        ref.prefill(row, p)
+    scoring = _prompts(2, seed=6, lo=60, hi=61)[0], _prompts(1, seed=7, lo=9, hi=10)[0]
+    rows = (3, 4)  # the scoring rows follow the serving rows
+    tokens, parts = [5, 6, 7], {3: [], 4: []}
+    cuts = {3: [(0, 20), (20, 45), (45, 60)], 4: [(0, 9), None, None]}
+    for step in range(3):
+        chunks = tuple(
+            ScoreChunk(row, row, prompt, *cuts[row][step], top_k=3)
+            for row, prompt in zip(rows, scoring, strict=True)
+            if cuts[row][step] is not None
+        )
+        plan = StepPlan(decode=tuple(DecodeRow(r, t) for r, t in enumerate(tokens)), score=chunks)
+        got = engine.run(plan)
+        want = ref.decode([0, 1, 2], tokens)
+        assert got.rows == (0, 1, 2)
+        np.testing.assert_allclose(got.logits, want, rtol=0, atol=1e-4)
+        assert got.logits.argmax(-1).tolist() == want.argmax(-1).tolist()
+        for c in chunks:
+            assert got.scores[c.row].token_logprobs.shape == (1, c.tokens)
+            parts[c.row].append(got.scores[c.row])
+        tokens = want.argmax(-1).tolist()
+    for row, prompt in zip(rows, scoring, strict=True):
+        alone = _score_alone(ref, prompt, 3)
+        for field in ("token_logprobs", "top_logprobs"):
+            joined = np.concatenate([getattr(p, field) for p in parts[row]], axis=1)
+            np.testing.assert_allclose(joined, getattr(alone, field), rtol=0, atol=1e-4)
+        for field in ("top_ids", "greedy_ids"):
+            joined = np.concatenate([getattr(p, field) for p in parts[row]], axis=1)
+            np.testing.assert_array_equal(joined, getattr(alone, field))
+        assert engine.cursor(row) == len(prompt)
+        engine.release(row)
+    assert [engine.cursor(r) for r in rows] == [0, 0]
+    with pytest.raises(EngineError, match="serving row"):
+        engine.run(StepPlan(score=(ScoreChunk(1, 0, [1, 2], 0, 2, 0),)))

@@ -1,136 +1,15 @@
 """plan() and the step loop on a fake engine that executes plans: admission, budget, fairness,
-cancellation, scoring and leases; no MLX, no threads, no sleeps (the scheduler's `step()` is
-driven on the test thread)."""
+cancellation, pumps and leases; no MLX, no threads, no sleeps (the scheduler's `step()` is
+driven on the test thread). Scoring chunks in the plan: test_plan_scoring.py."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from llm_server.decoding import Decoder, FinishReason, SamplingParams
-from llm_server.engines.base import EngineError
-from llm_server.engines.step import StepPlan, StepResult
-from llm_server.scheduler import BatchScheduler, FinishEvent, GenerationRequest, TokenEvent
+from llm_server.decoding import FinishReason
 from llm_server.scheduler.planner import plan
-
-VOCAB = 64
-EOS = 0
-
-
-class FakeEngine:
-    """Executes plans over per-row token lists; a row's next-token logits are a function of its
-    own history alone, so a request's greedy output does not depend on its neighbours."""
-
-    name = "fake"
-    dynamic_shapes = True
-    padded_shapes = False
-    pipelined = False
-    serial_reason = None
-    dtype = "float32"
-    vocab_size = VOCAB
-
-    def __init__(self, rows: int, context_length: int = 4096, share_min: int = 0) -> None:
-        self.rows = rows
-        self.context_length = context_length
-        self.shared_prefix_min = share_min
-        self.held: list[list[int]] = [[] for _ in range(rows)]
-        self.plans: list[StepPlan] = []  # every plan run, in order
-        self.fail_rows: set[int] = set()  # forwards touching these rows raise
-
-    def run(self, plan: StepPlan) -> StepResult:
-        touched = {d.row for d in plan.decode} | {c.row for c in plan.prefill}
-        if touched & self.fail_rows:
-            raise EngineError("simulated failure")
-        self.plans.append(plan)
-        rows, logits, cursors, cached = [], [], {}, {}
-        for d in plan.decode:
-            assert self.held[d.row], f"decode on empty row {d.row}"
-            self.held[d.row].append(d.token)
-            rows.append(d.row)
-            logits.append(self._logits(d.row))
-        for c in plan.prefill:
-            if c.fresh:
-                self.held[c.row] = []
-                cached[c.row] = 0
-            assert len(self.held[c.row]) == c.start
-            self.held[c.row] += list(c.prompt[c.start : c.end])
-            cursors[c.row] = c.end
-            if c.end == len(c.prompt):
-                rows.append(c.row)
-                logits.append(self._logits(c.row))
-        return StepResult(
-            tuple(rows), np.array(logits, np.float32).reshape(-1, VOCAB), cursors, cached
-        )
-
-    def _logits(self, row: int) -> np.ndarray:
-        h = self.held[row]
-        out = np.zeros(VOCAB, np.float32)
-        out[1 + (sum(h) * 7 + len(h)) % (VOCAB - 1)] = 1.0  # never EOS
-        return out
-
-    def cursor(self, row: int) -> int:
-        return len(self.held[row])
-
-    def cached_tokens(self, row: int) -> int:
-        return 0
-
-    def release(self, row: int) -> None:
-        self.held[row] = []
-
-    def prefill(self, row, tokens):
-        self.held[row] = list(tokens)
-        return self._logits(row)
-
-    def decode(self, rows, tokens):
-        for r, t in zip(rows, tokens, strict=True):
-            self.held[r].append(t)
-        return np.stack([self._logits(r) for r in rows])
-
-    def thread_exit(self) -> None:
-        pass
-
-
-class Out:
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.finish: FinishEvent | None = None
-
-    def emit(self, ev) -> None:
-        if isinstance(ev, TokenEvent):
-            self.tokens.append(ev.token_id)
-        else:
-            self.finish = ev
-
-
-def request(prompt: list[int], max_tokens: int = 4, **kw) -> tuple[GenerationRequest, Out]:
-    out = Out()
-    dec = Decoder(SamplingParams(max_tokens=max_tokens, temperature=0.0), frozenset({EOS}), str)
-    return GenerationRequest(prompt=prompt, decoder=dec, emit=out.emit, **kw), out
-
-
-def scheduler(rows: int, step_tokens: int, **kw) -> BatchScheduler:
-    sched = BatchScheduler(
-        lambda: FakeEngine(rows, **kw), max_concurrent=rows, max_queued=64, step_tokens=step_tokens
-    )
-    sched.load()
-    return sched
-
-
-def drain(sched: BatchScheduler, limit: int = 1000) -> list[StepPlan]:
-    plans = []
-    while not sched.idle():
-        plans.append(sched.step())
-        assert len(plans) < limit
-    return plans
-
-
-def alone(prompt: list[int], max_tokens: int) -> list[int]:
-    sched = scheduler(1, 0)
-    req, out = request(prompt, max_tokens)
-    sched.submit(req)
-    drain(sched)
-    return out.tokens
-
+from tests.scheduler.fakes import alone, drain, request, scheduler
 
 # -- plan() alone ------------------------------------------------------------------
 
@@ -184,10 +63,10 @@ def test_cancelled_rows_retire_and_cancelled_queued_requests_drop():
     assert [(a.seq, a.row) for a in p.admit] == [(waiting.seq, 3)]  # the retired row is reused
 
 
-def test_no_admission_while_a_pipelined_step_is_in_flight_and_scoring_flag():
+def test_no_admission_while_a_pipelined_step_is_in_flight_and_pump_flag():
     waiting, _ = request([6, 7])
-    p = plan([waiting], {}, [0], budget=16, admit=False, score=True)
-    assert p.admit == () and p.prefill == () and p.score
+    p = plan([waiting], {}, [0], budget=16, admit=False, pump=True)
+    assert p.admit == () and p.prefill == () and p.pump
 
 
 def test_a_newcomer_waits_a_step_to_copy_a_shared_prefix():
@@ -294,7 +173,7 @@ class Pump:
         self.ran.append(len(engine.plans))
 
 
-def test_scoring_runs_one_batch_per_step_and_waits_for_leases():
+def test_a_pump_runs_one_batch_per_step_and_waits_for_leases():
     sched = scheduler(2, 64)
     sched.pump = Pump(3)
     req, _ = request([1, 2, 3], 10)
@@ -307,11 +186,11 @@ def test_scoring_runs_one_batch_per_step_and_waits_for_leases():
 
     seen = lease.submit(holder)
     p = sched.step()  # the lease is served first; the step then runs, scoring after it
-    assert seen.result(0) == 0 and p.score and sched.pump.ran == [1]
+    assert seen.result(0) == 0 and p.pump and sched.pump.ran == [1]
     sched.step()
     sched.step()
     assert sched.pump.ran == [1, 2, 3]
-    assert not sched.step().score
+    assert not sched.step().pump
 
 
 @pytest.mark.parametrize("budget", [0, 16])

@@ -1,4 +1,6 @@
-"""Scoring in padded batches between decode steps (DESIGN.md C1-C4), on the tiny model."""
+"""Scoring (DESIGN.md C1-C4) on the tiny model: padded batches on the separate session (the
+fallback, a Scorer driven directly), and prompts on the engine's scoring rows riding in the
+step plans' forwards beside decoding chats (through the service)."""
 
 from __future__ import annotations
 
@@ -13,13 +15,8 @@ from llm_server.decoding import SamplingParams
 from llm_server.engines.base import SCORE_BUCKETS, SCORE_CHUNK, EngineError
 from llm_server.engines.mlx_engine import MLXEngine
 from llm_server.scheduler import FinishEvent, QueueFull, TokenEvent
-from llm_server.scheduler.scorer import (
-    ScoredPrompt,
-    Scorer,
-    ScoringError,
-    chunk_sizes,
-    padded_rows,
-)
+from llm_server.scheduler.score_session import chunk_sizes, padded_rows
+from llm_server.scheduler.scorer import ScoredPrompt, Scorer, ScoringError
 from llm_server.scheduler.shortest_first import batch_size
 
 TOL = 1e-4  # float32 scores, padded batch vs alone
@@ -79,6 +76,7 @@ class RecordingEngine:
         self.poison = poison
         self.fail_begin = False
         self.events: list[tuple[str, int]] = []  # ("decode", rows) | ("score", offset)
+        self.plans: list = []  # every step plan run, in order
         self._offset = 0
 
     def __getattr__(self, name: str):
@@ -89,6 +87,7 @@ class RecordingEngine:
         return self._inner.decode(rows, tokens)
 
     def run(self, plan):  # the scheduler's entry point (step plans)
+        self.plans.append(plan)
         if plan.decode:
             self.events.append(("decode", len(plan.decode)))
         return self._inner.run(plan)
@@ -284,25 +283,33 @@ def test_scores_equal_alone_while_chat_decodes(tiny_model_path, make_service, en
         return await asyncio.gather(*gens), await asyncio.gather(*scores)
 
     alone = asyncio.run(run_alone())
-    events = recorder[0].events
-    events.clear()
+    plans = recorder[0].plans
+    plans.clear()
     together, scored = asyncio.run(run_together())
 
-    assert together == alone  # chat output is token-identical with scoring in between
+    assert together == alone  # chat output is token-identical with scoring in the forwards
     for (prompts, k, gen), results in zip(score_sets, scored, strict=True):
         assert len(results) == len(prompts)
         for prompt, got in zip(prompts, results, strict=True):
             assert_scores_match(engine, prompt, got, k, gen)
 
-    # between two decode steps at most one scoring forward runs (C1: decoding never waits
-    # longer than one forward), and a multi-chunk batch stays open across decode steps
-    kinds = [kind for kind, _ in events]
-    decodes = [i for i, kind in enumerate(kinds) if kind == "decode"]
-    for lo, hi in zip(decodes, decodes[1:], strict=False):
-        assert kinds[lo + 1 : hi].count("score") <= 1
-    after_decode = [events[i + 1] for i in decodes if i + 1 < len(events)]
-    assert any(kind == "score" and offset > 0 for kind, offset in after_decode)
-    assert max(f.q for f in svc.scorer.trace) <= SCORE_CHUNK
+    # the scoring prompts rode in the step plans on the scoring rows (no session forward):
+    # beside decoding rows within the step budget (C1), at most SCORE_CHUNK positions per
+    # prompt per forward (C3), and every position of every prompt ran exactly once
+    assert len(svc.scorer.trace) == 0
+    budget = svc.scheduler.step_tokens
+    assert any(p.decode and p.score for p in plans)
+    assert all(p.tokens <= budget for p in plans if p.decode or p.prefill)
+    chunks = [c for p in plans for c in p.score]
+    assert all(c.row >= 4 and c.tokens <= SCORE_CHUNK for c in chunks)
+    spans: dict[int, list] = {}
+    for c in chunks:
+        spans.setdefault(c.key, []).append((c.start, c.end, len(c.prompt)))
+    for ranges in spans.values():  # each prompt's chunks tile it from 0 to its end
+        assert [lo for lo, _, _ in ranges] == [0] + [hi for _, hi, _ in ranges[:-1]]
+        assert ranges[-1][1] == ranges[-1][2]
+    want = sorted(len(p) for ps, _, _ in score_sets for p in ps)
+    assert sorted(ranges[-1][2] for ranges in spans.values()) == want
 
 
 @pytest.mark.parametrize("concurrent", [1, 4])
