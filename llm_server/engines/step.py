@@ -92,7 +92,7 @@ class Admission:
 
     seq: int  # the request's id
     row: int  # the free row it takes (lowest first)
-    exclusive: bool  # run alone to completion before the step's forward (lease mode)
+    exclusive: bool  # run alone before the forward (--constrained-mode exclusive)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ class PlanExecutor:
     """The execution half of `BatchScheduler` (see batch.py for the state it uses)."""
 
     def _run_exclusive(self: BatchScheduler, req: GenerationRequest) -> None:
-        """Decode `req` alone to completion while the other rows wait (lease mode)."""
+        """Decode `req` alone to completion while the other rows wait (`--constrained-mode exclusive`)."""
         try:
             logits = self.engine.prefill(req.row, req.prompt)
             req.prefilled = len(req.prompt)
