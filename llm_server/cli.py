@@ -175,7 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the tool-call syntax to parse and constrain (default: detected from the chat "
         "template)",
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="server log level (default info)",
+    )
     p.add_argument(
         "--api-key",
         help="require 'Authorization: Bearer KEY' on /v1/* "

@@ -45,7 +45,8 @@ def make_service(
     speculative: str = DEFAULT_SPECULATIVE,
     spec_tokens: int = DEFAULT_SPEC_TOKENS,
     group=None,
-    distributed: tuple[str, float] = ("", 20.0),
+    group_backend: str = "",
+    group_timeout: float = 20.0,
     parallel: str = "tensor",
 ) -> ModelService:
     """A started (loading) service for `model_path`; the engine loads on the scheduler thread."""
@@ -74,9 +75,8 @@ def make_service(
             return engine
         from llm_server.distributed.launch import wrap
 
-        return wrap(
-            engine, group, *distributed, mode=parallel
-        )  # rank 0: every call broadcast first
+        # rank 0: every call broadcast first
+        return wrap(engine, group, group_backend, group_timeout, mode=parallel)
 
     tokenizer_path = model_path.parent if model_path.suffix == ".mlpackage" else model_path
     config = ServiceConfig(
@@ -119,18 +119,16 @@ def service_from_args(
         prefix_cache_bytes=args.prefix_cache_bytes,
         pooling=args.pooling,
         keep_quantized=args.keep_quantized,
-        compiled_decode={"on": True, "off": False}.get(getattr(args, "compiled_decode", "auto")),
+        compiled_decode={"on": True, "off": False}.get(args.compiled_decode),
         chat_template=args.chat_template,
-        tool_parser=getattr(args, "tool_parser", None),
+        tool_parser=args.tool_parser,
         step_tokens=args.step_tokens,
-        speculative=getattr(args, "speculative", DEFAULT_SPECULATIVE),
-        spec_tokens=getattr(args, "spec_tokens", DEFAULT_SPEC_TOKENS),
-        group=getattr(args, "group", None),
-        distributed=(
-            getattr(args, "distributed", None) or "",
-            getattr(args, "distributed_timeout", 20.0),
-        ),
-        parallel="pipeline" if getattr(args, "pipeline", False) else "tensor",
+        speculative=args.speculative,
+        spec_tokens=args.spec_tokens,
+        group=getattr(args, "group", None),  # set by cli.main when it joined a group
+        group_backend=args.distributed or "",
+        group_timeout=args.distributed_timeout,
+        parallel="pipeline" if args.pipeline else "tensor",
     )
 
 

@@ -78,3 +78,23 @@ def test_concurrent_requests_defaults_to_batching():
 
     assert build_parser().parse_args([]).concurrent_requests == 4
     assert build_parser().parse_args(["--concurrent-requests", "1"]).concurrent_requests == 1
+
+
+def test_every_flag_is_in_the_readme_flag_table():
+    import argparse
+    import re
+    from pathlib import Path
+
+    from llm_server.cli import build_parser
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    table = readme.split("| flag | meaning |", 1)[1].split("\n\n", 1)[0]
+    flags = [
+        flag
+        for action in build_parser()._actions
+        if action.help != argparse.SUPPRESS
+        for flag in action.option_strings
+        if flag.startswith("--") and flag != "--help"
+    ]
+    assert len(flags) > 30
+    assert [f for f in flags if not re.search(rf"`{re.escape(f)}[` ]", table)] == []

@@ -15,7 +15,9 @@ from typing import Any
 
 from llm_server.api.chat_run import parse_translated
 from llm_server.api.errors import invalid
-from llm_server.api.schemas import MAX_STOP_LENGTH, ChatRequest
+from llm_server.api.sampling_fields import MAX_STOP_LENGTH
+from llm_server.api.sampling_fields import MAX_STOP_SEQUENCES as CHAT_MAX_STOPS
+from llm_server.api.schemas import ChatRequest
 from llm_server.service import ModelService
 
 MIN_THINKING_BUDGET = 1  # Anthropic asks for 1024 or more; smaller budgets work here too
@@ -76,7 +78,7 @@ def parse_messages_request(
         "chat_template_kwargs": template_kwargs,
     }
     chat = parse_translated(messages, fields, service, _renamed)
-    if len(body.get("stop_sequences") or ()) > 4:  # parse_chat saw the first four only
+    if len(body.get("stop_sequences") or ()) > CHAT_MAX_STOPS:  # parse_chat saw the first few
         chat = replace(chat, params=replace(chat.params, stop=tuple(body["stop_sequences"])))
     return replace(chat, thinking_budget=budget)
 
@@ -273,7 +275,7 @@ def _stop_sequences(stops: Any) -> list | None:
             "stop_sequences",
             f"at most {MAX_STOP_SEQUENCES} stop sequences of {MAX_STOP_LENGTH} characters",
         )
-    return stops[:4] or None  # the rest are set after parse_chat (its limit is OpenAI's 4)
+    return stops[:CHAT_MAX_STOPS] or None  # the rest are set after parse_chat (OpenAI's limit)
 
 
 def _thinking(

@@ -17,7 +17,7 @@ from llm_server.api.openapi_common import (
     ref,
 )
 from llm_server.api.openapi_embeddings import EMBEDDING_SCHEMAS
-from llm_server.api.schemas import (
+from llm_server.api.sampling_fields import (
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS,
     MAX_N,

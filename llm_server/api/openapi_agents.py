@@ -13,7 +13,7 @@ from llm_server.api.openapi_common import (
     number_range,
     post,
 )
-from llm_server.api.schemas import PROBABILITY_RANGE, TEMPERATURE_RANGE
+from llm_server.api.sampling_fields import PROBABILITY_RANGE, TEMPERATURE_RANGE
 
 _TEXT_PART = {
     "type": "object",

@@ -3,8 +3,9 @@
 `python -m llm_server.blas python -m llm_server.benchmark.distributed [RANKS] [MAX_TOKENS]`
 builds a tiny 4-layer checkpoint, starts RANKS ranks (`--distributed ring`, a hostfile of
 127.0.0.1 entries) tensor-parallel, then pipeline-parallel (`--pipeline`), then one in-process
-server, sends the same 8 greedy completions 4 at a time to each and prints one JSON object. On one box the ranks share the cores and every
-collective is a loopback round trip, so this measures the lock-step overhead, not a cluster.
+server, sends the same 8 greedy completions 4 at a time to each and prints one JSON object. On
+one box the ranks share the cores and every collective is a loopback round trip, so this
+measures the lock-step overhead, not a cluster.
 """
 
 from __future__ import annotations

@@ -10,12 +10,13 @@ call. What is left is the scheduler's own bookkeeping and handing events to the 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import threading
 import time
 from dataclasses import dataclass, field
+
+from llm_server.benchmark.settings import probe_parser
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -139,8 +140,7 @@ def measure(model, concurrency: int, requests: int, max_tokens: int) -> HostTime
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m llm_server.benchmark.host", description=__doc__)
-    p.add_argument("--model", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p = probe_parser("host", __doc__)
     p.add_argument("--concurrency", default="1,4", help="comma-separated (default 1,4)")
     p.add_argument("--requests", type=int, default=8, help="requests per concurrency")
     p.add_argument("--max-tokens", type=int, default=48, help="new tokens per request")

@@ -1,7 +1,9 @@
-"""What one `llm-benchmark` run measures: the settings the CLI resolves and the runner reads."""
+"""What one `llm-benchmark` run measures: the settings the CLI resolves and the runner reads;
+and the parser the one-off probes (`python -m llm_server.benchmark.<probe>`) start from."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,3 +26,10 @@ class Settings:
     speculative: str | None = None  # our server's --speculative (None: its default)
     peer: str | None = None  # report kind of a peer server (cli.PEERS), started from peer_cmd
     peer_cmd: str | None = None
+
+
+def probe_parser(probe: str, doc: str | None) -> argparse.ArgumentParser:
+    """The parser of `python -m llm_server.benchmark.<probe>`, with its --model option."""
+    p = argparse.ArgumentParser(prog=f"python -m llm_server.benchmark.{probe}", description=doc)
+    p.add_argument("--model", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    return p

@@ -13,7 +13,6 @@ engine's public calls, so any version runs), each timing `--steps` decode steps.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -22,6 +21,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from llm_server.benchmark.settings import probe_parser
 
 # one checkout's decode steps: argv model rows steps; prints {"ms": [...]}
 _STEPS_SCRIPT = """
@@ -158,8 +159,7 @@ def against(model: str, other: Path, rows: int, steps: int, rounds: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m llm_server.benchmark.step", description=__doc__)
-    p.add_argument("--model", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p = probe_parser("step", __doc__)
     p.add_argument("--rows", default="1", help="comma-separated row counts (default 1)")
     p.add_argument("--steps", type=int, default=40, help="measured steps per row count")
     p.add_argument("--prompt", type=int, default=150, help="prompt tokens of row 0")

@@ -16,10 +16,11 @@ ops, Python) is the whole step minus their sum.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from contextlib import nullcontext
+
+from llm_server.benchmark.settings import probe_parser
 
 
 def _timed(fn, reps: int) -> list[float]:
@@ -93,10 +94,7 @@ def measure(model: str, rows: int, prompt_len: int, reps: int) -> dict[str, list
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="python -m llm_server.benchmark.step_parts", description=__doc__
-    )
-    p.add_argument("--model", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p = probe_parser("step_parts", __doc__)
     p.add_argument("--rows", default="1", help="comma-separated row counts (default 1)")
     p.add_argument("--reps", type=int, default=30, help="measured replays per part")
     p.add_argument("--prompt", type=int, default=150, help="prompt tokens of row 0")

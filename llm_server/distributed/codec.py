@@ -54,14 +54,13 @@ def _ints(values) -> np.ndarray:
 def encode_plan(plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
     """The forward part of a plan: decode (row, token) pairs, then each chunk's fields and
     whole prompt (a fresh chunk opens its row from the prompt's start)."""
-    parts = [_ints([len(plan.decode)])]
+    ints = [len(plan.decode)]
     for d in plan.decode:
-        parts.append(_ints([d.row, d.token]))
-    parts.append(_ints([len(plan.prefill)]))
+        ints += (d.row, d.token)
+    ints.append(len(plan.prefill))
     for c in plan.prefill:
-        parts.append(_ints([c.seq, c.row, c.start, c.end, len(c.prompt)]))
-        parts.append(_ints(c.prompt))
-    payload = np.concatenate(parts)
+        ints += (c.seq, c.row, c.start, c.end, len(c.prompt), *c.prompt)
+    payload = _ints(ints)
     return _header(Op.RUN, payload), payload
 
 
@@ -97,7 +96,7 @@ def decode(header: np.ndarray, payload: np.ndarray) -> Call:
     if payload.size != payload_size(header):
         raise ValueError(f"payload of {payload.size} ints, header says {int(header[2])}")
     op, a, b, c = Op(int(header[1])), int(header[3]), int(header[4]), int(header[5])
-    p = [int(x) for x in payload] if op in (Op.RUN, Op.DECODE) else None
+    p = payload.tolist() if op in (Op.RUN, Op.DECODE) else None
     if op is Op.RUN:
         assert p is not None
         i, decode_rows = 1, []

@@ -53,21 +53,16 @@ class LockstepEngine:
         self.rank_steps = [0] * size
         self.busy_since: float | None = None  # monotonic start of the call in progress
         self.last_sent = time.monotonic()  # when the last call or heartbeat was broadcast
-        self._stopped = False
+        self.stopped = False  # STOP went out: the followers have left their loop
         self._lock = threading.Lock()
         self.lost: str | None = None  # why the group is gone (then every call fails at once)
         self.on_lost = None  # called once with the reason (launch.py: shut the server down)
-
-    @property
-    def stopped(self) -> bool:
-        """Whether STOP went out (the followers have left their loop)."""
-        return self._stopped
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
     def _send(self, call: Call) -> None:
-        if self._stopped:
+        if self.stopped:
             raise RuntimeError("the distributed group is stopped")
         reports = self._transport.send(*encode(call))
         self.last_sent = time.monotonic()
@@ -99,12 +94,12 @@ class LockstepEngine:
         """Broadcast a no-op when no call went out for `idle` seconds (the followers' watchdog
         then knows rank 0 lives, and their reports come in); False when none was due or a call
         holds the group."""
-        if self.lost is not None or self._stopped or time.monotonic() - self.last_sent < idle:
+        if self.lost is not None or self.stopped or time.monotonic() - self.last_sent < idle:
             return False
         if not self._lock.acquire(blocking=False):
             return False  # a call is running: it tells the followers as much
         try:
-            if self._stopped or self.lost is not None:
+            if self.stopped or self.lost is not None:
                 return False
             self.busy_since = time.monotonic()
             self._send(Call(Op.HEARTBEAT))
@@ -164,9 +159,9 @@ class LockstepEngine:
         if self.lost is not None:
             return
         with self._lock:
-            if not self._stopped and self.lost is None:
+            if not self.stopped and self.lost is None:
                 self._send(Call(Op.STOP))
-                self._stopped = True
+                self.stopped = True
 
     def thread_exit(self) -> None:
         """The scheduler thread ends (the service closes): stop the followers too."""

@@ -39,9 +39,9 @@ def apply(engine: Any, call: Call) -> None:
     if call.op is Op.RUN:
         engine.run(call.plan)
     elif call.op is Op.PREFILL:
-        engine.prefill(call.row, [int(t) for t in call.tokens])
+        engine.prefill(call.row, call.tokens.tolist())
     elif call.op is Op.DECODE:
-        engine.decode(list(call.rows), [int(t) for t in call.tokens])
+        engine.decode(list(call.rows), call.tokens.tolist())
     elif call.op is Op.RELEASE:
         engine.release(call.row)
     elif call.op is Op.SCORE_BEGIN:

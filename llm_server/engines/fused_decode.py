@@ -170,7 +170,8 @@ class FusedForward:
         self.lm_head = lm_head
         self.table = table  # [positions, Dh] cos | sin, shared by every layer
         self.half = layers[0].head_dim // 2
-        # compiled decode steps (None, the default: every step builds its graph eagerly)
+        # compiled decode steps; None until `enable_compiled` (the engine's default on the
+        # CPU, `MLXEngine(compiled_decode=...)`): every step builds its graph eagerly
         self.compiled: CompiledSteps | None = None
 
     def enable_compiled(self) -> None:
@@ -277,8 +278,8 @@ class FusedForward:
         every: frozenset[int] = frozenset(),
     ):
         """Several row groups in ONE forward -> logits [rows, vocab] at each row's last position
-        (every position, in order, of the one-row groups whose index is in `every`: a
-        speculative draft being verified).
+        (every position, row by row, of the groups whose index is in `every`: drafts being
+        verified, scoring chunks).
 
         Each group is (ids [b, q], caches, starts, mask) as for `forward`: the decoding rows (q=1)
         and each prompt chunk (one row, q=chunk length) are separate groups. Their positions are

@@ -94,8 +94,8 @@ class StepRunner:
         segments: list[tuple[PrefillChunk, list[int]]] = []
         try:
             for chunk in plan.prefill:
-                prompt = [int(t) for t in chunk.prompt]
                 if chunk.fresh:
+                    prompt = [int(t) for t in chunk.prompt]
                     if not prompt or len(prompt) > self.context_length:
                         raise ValueError(f"a prompt of {len(prompt)} tokens cannot be run")
                     start = cached[chunk.row] = self._open(chunk.row, prompt)
@@ -103,12 +103,16 @@ class StepRunner:
                     start = chunk.start
                     if start != self.cursor(chunk.row):
                         raise ValueError(f"row {chunk.row} is at {self.cursor(chunk.row)}")
-                seg = prompt[start : min(len(prompt), start + chunk.tokens)]
+                # only this chunk's ids: a long prompt is not converted again at every chunk
+                seg = [int(t) for t in chunk.prompt[start : start + chunk.tokens]]
                 segments.append((chunk, seg))
                 groups.append(([chunk.row], [start], [seg]))
+            scored: list[tuple[ScoreChunk, list[int]]] = []
             for sc in plan.score:
                 every.add(len(groups))
-                groups.append(([sc.row], [sc.start], [self._score_segment(sc)]))
+                ids = self._score_segment(sc)
+                scored.append((sc, ids))
+                groups.append(([sc.row], [sc.start], [ids]))
             logits = self._run_groups(groups, frozenset(every))
             scores = self._reduce_scores(plan.score, logits)
         except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
@@ -134,13 +138,13 @@ class StepRunner:
         picked = [at[r] for r in rows]
         cursors: dict[int, int] = {}
         for i, (chunk, seg) in enumerate(segments):
-            self._row_tokens[chunk.row].extend(int(t) for t in seg)
+            self._row_tokens[chunk.row].extend(seg)
             cursors[chunk.row] = self.cursor(chunk.row)
             if cursors[chunk.row] == len(chunk.prompt):
                 picked.append(off + i)
         out_rows = tuple(rows + [c.row for c, _ in segments if cursors[c.row] == len(c.prompt)])
-        for sc in plan.score:
-            self._row_tokens[sc.row].extend(int(t) for t in sc.prompt[sc.start : sc.end])
+        for sc, ids in scored:
+            self._row_tokens[sc.row].extend(ids)
         return StepResult(out_rows, logits[picked], cursors, cached, verified, scores)
 
     def _score_segment(self: MLXEngine, chunk: ScoreChunk) -> list[int]:
@@ -201,7 +205,8 @@ class StepRunner:
         every: frozenset[int] = frozenset(),
     ):
         """Logits [rows, vocab] (numpy) of each group row's last position (every position of
-        the one-row groups in `every`), evaluated now."""
+        the groups in `every`, row by row; the unfused forward gets only one-row groups
+        there), evaluated now."""
         positions = sum(len(rows) * len(toks[0]) for rows, _, toks in groups)
         split = self._split(positions)
         with blas.threads(1) if split else nullcontext():

@@ -20,7 +20,7 @@ import numpy as np
 
 from llm_server.engines.base import EmbeddingsUnsupported, Engine
 from llm_server.pooling import EmbeddingConfig, PoolAccumulator
-from llm_server.scheduler.score_session import TRACE_LIMIT, chunk_sizes, padded_rows
+from llm_server.scheduler.score_session import TRACE_LIMIT, chunk_sizes, pad_rows, padded_rows
 from llm_server.scheduler.scorer import MAX_SCORE_BATCH
 from llm_server.scheduler.shortest_first import PumpRequest, ShortestFirstQueue
 
@@ -139,7 +139,7 @@ class Embedder:
         rows = padded_rows(len(members), cap, engine.dynamic_shapes and pad)
         lengths = [len(m.tokens) for m in members]
         chunks = chunk_sizes(max(lengths), engine.context_length, buckets=pad)
-        tokens = _pad([m.tokens for m in members], rows, sum(chunks))
+        tokens = pad_rows([m.tokens for m in members], rows, sum(chunks))
         batch = _Batch(members, tokens, chunks, PoolAccumulator(self.config.pooling, lengths))
         try:
             engine.embed_begin(rows)
@@ -175,13 +175,3 @@ class Embedder:
             err = EmbeddingError(f"embedding failed: {exc}")
         for m in batch.members:
             m.request.fail(err)
-
-
-def _pad(inputs: list[list[int]], rows: int, length: int) -> np.ndarray:
-    """Tokens [rows, length]: each row padded with its last token; extra rows copy row 0."""
-    tokens = np.empty((rows, length), dtype=np.int32)
-    for r in range(rows):
-        p = inputs[r] if r < len(inputs) else inputs[0]
-        tokens[r, : len(p)] = p
-        tokens[r, len(p) :] = p[-1]
-    return tokens

@@ -85,9 +85,8 @@ class PlanExecutor:
         else:
             self._commit(step, result, owners)
             self._pipeline.check(self._running, self.engine)
-            if (
-                not step.prefill and not step.score
-            ):  # forward + commit: what a draft position costs (spec_policy)
+            if not step.prefill and not step.score:
+                # forward + commit: what a draft position costs (spec_policy)
                 self.spec_costs.observe(step.tokens, drafted, time.perf_counter() - t0)
         if step.decode:
             self.decode_steps += 1

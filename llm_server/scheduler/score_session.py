@@ -125,13 +125,14 @@ class SessionScoring:
             return None
         pad = engine.padded_shapes
         rows = padded_rows(len(members), cap, engine.dynamic_shapes and pad)
-        tokens, targets = _pad([m.tokens for m in members], rows)
-        chunks = chunk_sizes(tokens.shape[1], engine.context_length, buckets=pad)
+        longest = max(len(m.tokens) for m in members)
+        chunks = chunk_sizes(longest, engine.context_length, buckets=pad)
+        tokens = pad_rows([m.tokens for m in members], rows, max(longest, sum(chunks)))
         batch = _Batch(
             seq=next(self._batch_seqs),
             members=members,
-            tokens=_extend(tokens, sum(chunks)),
-            targets=_extend(targets, sum(chunks)),
+            tokens=tokens,
+            targets=np.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1),
             chunks=chunks,
             top_k=min(max(self._top_k(m) for m in members), engine.vocab_size),
         )
@@ -170,37 +171,35 @@ class SessionScoring:
 
     def _deliver(self, batch: _Batch) -> None:
         """Each real row's results over the whole batch (padded rows are never read)."""
-        parts = batch.done
+        whole = join_chunks(batch.done)  # [rows, T]
         for row, m in enumerate(batch.members):
             self._finish(
                 m,
                 ScoreChunkResult(
-                    token_logprobs=np.concatenate(
-                        [c.token_logprobs[row : row + 1] for c in parts], 1
-                    ),
-                    top_ids=np.concatenate([c.top_ids[row : row + 1] for c in parts], 1),
-                    top_logprobs=np.concatenate([c.top_logprobs[row : row + 1] for c in parts], 1),
-                    greedy_ids=np.concatenate([c.greedy_ids[row : row + 1] for c in parts], 1),
+                    token_logprobs=whole.token_logprobs[row : row + 1],
+                    top_ids=whole.top_ids[row : row + 1],
+                    top_logprobs=whole.top_logprobs[row : row + 1],
+                    greedy_ids=whole.greedy_ids[row : row + 1],
                 ),
             )
 
 
-def _pad(prompts: list[list[int]], rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """Tokens and next-token targets [rows, longest]; padding repeats each row's last token.
+def join_chunks(parts: list[ScoreChunkResult]) -> ScoreChunkResult:
+    """Chunks' results [N, q] joined along the positions: [N, T]."""
+    return ScoreChunkResult(
+        token_logprobs=np.concatenate([c.token_logprobs for c in parts], axis=1),
+        top_ids=np.concatenate([c.top_ids for c in parts], axis=1),
+        top_logprobs=np.concatenate([c.top_logprobs for c in parts], axis=1),
+        greedy_ids=np.concatenate([c.greedy_ids for c in parts], axis=1),
+    )
 
-    Extra rows copy row 0 so every id is valid; they are never read.
-    """
-    length = max(len(p) for p in prompts)
+
+def pad_rows(inputs: list[list[int]], rows: int, length: int) -> np.ndarray:
+    """Tokens [rows, length]: each row padded with its last token; extra rows copy row 0 so
+    every id is valid (they are never read)."""
     tokens = np.empty((rows, length), dtype=np.int32)
     for r in range(rows):
-        p = prompts[r] if r < len(prompts) else prompts[0]
+        p = inputs[r] if r < len(inputs) else inputs[0]
         tokens[r, : len(p)] = p
         tokens[r, len(p) :] = p[-1]
-    targets = np.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
-    return tokens, targets
-
-
-def _extend(a: np.ndarray, length: int) -> np.ndarray:
-    """Pad [rows, T] to [rows, length] by repeating the last column (bucket padding)."""
-    extra = length - a.shape[1]
-    return a if extra <= 0 else np.concatenate([a, np.repeat(a[:, -1:], extra, axis=1)], axis=1)
+    return tokens

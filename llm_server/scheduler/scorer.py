@@ -24,7 +24,7 @@ import numpy as np
 from llm_server.decoding import MAX_TOP_LOGPROBS
 from llm_server.engines.base import Engine, ScoreChunkResult
 from llm_server.engines.step import ScoreChunk
-from llm_server.scheduler.score_session import ScoreForward, SessionScoring
+from llm_server.scheduler.score_session import ScoreForward, SessionScoring, join_chunks
 from llm_server.scheduler.shortest_first import PumpRequest, ShortestFirstQueue
 
 log = logging.getLogger(__name__)
@@ -208,7 +208,7 @@ class Scorer:
                 p.done = chunk.end
                 if p.done >= len(p.prompt):
                     self._close(engine, p)
-                    self._finish(p.queued, _joined(p.parts))
+                    self._finish(p.queued, join_chunks(p.parts))
             except Exception as exc:  # noqa: BLE001 - a bug here must not kill the scheduler
                 self._drop(engine, p.queued, exc)
 
@@ -250,16 +250,6 @@ class Scorer:
         err = ScoringError(f"scoring failed: {exc}")
         for m in members:
             m.request.fail(err)
-
-
-def _joined(parts: list[ScoreChunkResult]) -> ScoreChunkResult:
-    """A prompt's chunks [1, q] joined along the positions: [1, T]."""
-    return ScoreChunkResult(
-        token_logprobs=np.concatenate([c.token_logprobs for c in parts], axis=1),
-        top_ids=np.concatenate([c.top_ids for c in parts], axis=1),
-        top_logprobs=np.concatenate([c.top_logprobs for c in parts], axis=1),
-        greedy_ids=np.concatenate([c.greedy_ids for c in parts], axis=1),
-    )
 
 
 def _scored(tokens: list[int], r: ScoreChunkResult, req: ScoreRequest) -> ScoredPrompt:

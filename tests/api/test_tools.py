@@ -54,16 +54,21 @@ def _schema(name: str) -> dict:
     return next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
 
 
-def test_required_call_is_valid_against_the_schema(client):
-    r = client.chat.completions.create(
+def _required_call(client: openai.OpenAI, messages: list[dict], **kw):
+    """A greedy chat completion that must call one of TOOLS."""
+    return client.chat.completions.create(
         model="default",
-        messages=ASK,
+        messages=messages,
         tools=TOOLS,
         tool_choice="required",
         max_tokens=MAX,
         temperature=0,
-        parallel_tool_calls=False,
+        **kw,
     )
+
+
+def test_required_call_is_valid_against_the_schema(client):
+    r = _required_call(client, ASK, parallel_tool_calls=False)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content is None
@@ -160,14 +165,7 @@ def test_parse_with_a_pydantic_tool(client):
 
 def test_three_turn_agent_loop(client, hermes_server):
     messages = list(ASK)
-    first = client.chat.completions.create(
-        model="default",
-        messages=messages,
-        tools=TOOLS,
-        tool_choice="required",
-        max_tokens=MAX,
-        temperature=0,
-    )
+    first = _required_call(client, messages)
     msg = first.choices[0].message
     assert first.choices[0].finish_reason == "tool_calls"
     messages.append(msg.model_dump(exclude_none=True))

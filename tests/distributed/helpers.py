@@ -44,3 +44,21 @@ def score(url: str, prompt: str) -> list[float]:
     )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["logprobs"]["token_logprobs"][1:]
+
+
+def assert_answers_as_one_process(url: str, alone_url: str) -> dict:
+    """The group at url gives one process's completions and scores (greedy, batched), and a
+    prompt extending a finished one hits the prefix cache; returns the group's /health."""
+    group = complete(url, PROMPTS)
+    assert group == complete(alone_url, PROMPTS)
+    assert all(n >= 1 for _, n, _ in group)
+    for prompt in ("The capital of France is Paris.", PROMPTS[2]):
+        got, want = score(url, prompt), score(alone_url, prompt)
+        assert len(got) == len(want) >= 4
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
+    # a prompt extending a finished one starts from the prefix cache, on every rank alike
+    longer = [PROMPTS[1] + " is a city of"]
+    assert complete(url, longer) == complete(alone_url, longer)
+    health = httpx.get(url + "/health").json()
+    assert health["prefix_cache"]["hits"] >= 1
+    return health

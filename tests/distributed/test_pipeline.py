@@ -8,7 +8,7 @@ import pytest
 
 from llm_server.distributed.pipeline import stage_layers
 from llm_server.testing.ranks import start_ranks
-from tests.distributed.helpers import PROMPTS, complete, model_id, score
+from tests.distributed.helpers import assert_answers_as_one_process, complete, model_id
 
 
 @pytest.fixture(scope="module")
@@ -113,18 +113,7 @@ def test_a_follower_exits_when_rank_zero_is_killed(tiny_model_path, tmp_path):
 
 def test_pipeline_ranks_answer_as_one_process(stages, live_server, tiny_model_path):
     alone = live_server(tiny_model_path, concurrent=4)
-    split = complete(stages.url, PROMPTS)
-    assert split == complete(alone.url, PROMPTS)
-    assert all(n >= 1 for _, n, _ in split)
-    for prompt in ("The capital of France is Paris.", PROMPTS[2]):
-        got, want = score(stages.url, prompt), score(alone.url, prompt)
-        assert len(got) == len(want) >= 4
-        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
-    # a prompt extending a finished one starts from the prefix cache, on every rank alike
-    longer = [PROMPTS[1] + " is a city of"]
-    assert complete(stages.url, longer) == complete(alone.url, longer)
-    health = httpx.get(stages.url + "/health").json()
-    assert health["prefix_cache"]["hits"] >= 1
+    health = assert_answers_as_one_process(stages.url, alone.url)
     dist = health["distributed"]
     assert (dist["backend"], dist["mode"], dist["ranks"], dist["lost"]) == (
         "ring",

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from llm_server.testing.ranks import start_ranks
-from tests.distributed.helpers import PROMPTS, complete, model_id, score
+from tests.distributed.helpers import assert_answers_as_one_process, model_id
 
 
 @pytest.fixture(scope="module")
@@ -21,25 +21,14 @@ def ranks(tiny_model_path, tmp_path_factory):
 
 def test_two_ranks_answer_as_one_process(ranks, live_server, tiny_model_path):
     alone = live_server(tiny_model_path, concurrent=4)
-    sharded = complete(ranks.url, PROMPTS)
-    assert sharded == complete(alone.url, PROMPTS)
-    assert all(n >= 1 for _, n, _ in sharded)
-    for prompt in ("The capital of France is Paris.", PROMPTS[2]):
-        got, want = score(ranks.url, prompt), score(alone.url, prompt)
-        assert len(got) == len(want) >= 4
-        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
-    # a prompt extending a finished one starts from the prefix cache, on every rank alike
-    longer = [PROMPTS[1] + " is a city of"]
-    assert complete(ranks.url, longer) == complete(alone.url, longer)
-    health = httpx.get(ranks.url + "/health").json()
-    assert health["prefix_cache"]["hits"] >= 1
+    health = assert_answers_as_one_process(ranks.url, alone.url)
     assert health["distributed"]["backend"] == "ring"
     assert health["distributed"]["mode"] == "tensor"
     assert health["distributed"]["ranks"] == 2
     assert health["distributed"]["steps"] > 0 and health["distributed"]["lost"] is None
 
 
-def test_embeddings_are_refused_on_a_shardedmodel_id(ranks):
+def test_embeddings_are_refused_on_a_sharded_model(ranks):
     r = httpx.post(
         ranks.url + "/v1/embeddings", json={"model": model_id(ranks.url), "input": "hi"}, timeout=60
     )

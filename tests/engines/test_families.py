@@ -131,8 +131,7 @@ def test_scheduler_batches_staggered_requests(family, checkpoint, prompts):
             req, out = make_request(tok, p, NEW, ignore_eos=True)
             sched.submit(req)
             outs.append(out)
-            while not out.tokens and not out.done.is_set():
-                out.done.wait(0.005)
+            out.wait_first_token()
         assert all(o.done.wait(60) for o in outs)
         assert sched.max_rows_busy > 1  # they did share decode steps
         assert [o.tokens for o in outs] == solo

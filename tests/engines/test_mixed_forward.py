@@ -14,10 +14,9 @@ from llm_server.engines.base import EngineError
 from llm_server.engines.fused_decode import FusedForward
 from llm_server.engines.mlx_engine import MLXEngine
 from llm_server.engines.step import DecodeRow, PrefillChunk, ScoreChunk, StepPlan
-from llm_server.scheduler import BatchScheduler
 from llm_server.testing.families import build_family_checkpoint
 from llm_server.tokenizer import Tokenizer
-from tests.scheduler.helpers import make_request, serve_alone
+from tests.scheduler.helpers import make_request, serve_alone, start_scheduler
 
 
 class PlanRecorder(MLXEngine):
@@ -78,12 +77,9 @@ def test_a_chunk_in_the_forward_of_seven_decoding_rows_equals_alone(tiny_model_p
 def _serve_mixed(path, tok, prompts, late, n, step_tokens, **engine_kw):
     """`prompts` start decoding; then `late` arrives. Returns outcomes and the engine."""
     rows = len(prompts) + 1
-    sched = BatchScheduler(
-        lambda: PlanRecorder(path, rows=rows, **engine_kw),
-        max_concurrent=rows,
-        step_tokens=step_tokens,
-    ).start()
-    sched.wait_ready(60)
+    sched = start_scheduler(
+        path, rows, engine_cls=PlanRecorder, step_tokens=step_tokens, **engine_kw
+    )
     try:
         outs = []
         for p in prompts:
@@ -91,8 +87,7 @@ def _serve_mixed(path, tok, prompts, late, n, step_tokens, **engine_kw):
             sched.submit(req)
             outs.append(out)
         for out in outs:
-            while not out.tokens and not out.done.is_set():
-                out.done.wait(0.005)  # every row decodes before the newcomer comes
+            out.wait_first_token()  # every row decodes before the newcomer comes
         req, late_out = make_request(tok, late, 6, ignore_eos=True)
         sched.submit(req)
         for out in [*outs, late_out]:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from llm_server.decoding import Decoder, FinishReason, SamplingParams
-from llm_server.engines.base import EngineError
+from llm_server.engines.base import Engine, EngineError
 from llm_server.engines.mlx_engine import MLXEngine
 from llm_server.scheduler import BatchScheduler, FinishEvent, GenerationRequest, TokenEvent
+from llm_server.scheduler.batch import DEFAULT_STEP_TOKENS
 from llm_server.tokenizer import Tokenizer
 
 
@@ -30,6 +32,11 @@ class Outcome:
             self.finish = ev
             self.done.set()
 
+    def wait_first_token(self) -> None:
+        """Block until the request has a token or has finished."""
+        while not self.tokens and not self.done.is_set():
+            self.done.wait(0.005)
+
     @property
     def reason(self) -> FinishReason | None:
         return None if self.finish is None else self.finish.reason
@@ -44,13 +51,42 @@ def make_request(
     return GenerationRequest(prompt=prompt, decoder=decoder, emit=out.emit), out
 
 
-def start_scheduler(model: Path, concurrent: int, max_queued: int = 64, engine_cls=MLXEngine, **kw):
+def start_scheduler(
+    model: Path,
+    concurrent: int,
+    max_queued: int = 64,
+    engine_cls=MLXEngine,
+    *,
+    step_tokens: int = DEFAULT_STEP_TOKENS,
+    **kw,
+):
     sched = BatchScheduler(
         lambda: engine_cls(model, rows=concurrent, **kw),
         max_concurrent=concurrent,
         max_queued=max_queued,
+        step_tokens=step_tokens,
     ).start()
     sched.wait_ready(60)
+    return sched
+
+
+def serve_together(
+    engine_factory: Callable[[], Engine],
+    reqs: list[tuple[GenerationRequest, Outcome]],
+    hook: Callable | None = None,
+    timeout: float = 60.0,
+    **sched_kw,
+) -> BatchScheduler:
+    """Serve (request, outcome) pairs admitted together, drafts from `hook`; the scheduler, closed."""
+    sched = BatchScheduler(engine_factory, **sched_kw).start()
+    sched.wait_ready(60)
+    sched.draft_hook = hook
+    try:
+        sched.submit_all([req for req, _ in reqs])  # admitted together: same steps every run
+        for _, out in reqs:
+            assert out.done.wait(timeout)
+    finally:
+        sched.close(10)
     return sched
 
 

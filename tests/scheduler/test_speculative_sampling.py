@@ -21,7 +21,7 @@ from llm_server.decoding import Decoder, Sampler, SamplingParams
 from llm_server.engines.mlx_engine import MLXEngine
 from llm_server.scheduler import BatchScheduler, GenerationRequest
 from llm_server.tokenizer import Tokenizer
-from tests.scheduler.helpers import Outcome
+from tests.scheduler.helpers import Outcome, serve_together
 from tests.scheduler.test_speculative import PLAIN, REPETITIVE, _same
 
 K = 4
@@ -34,22 +34,16 @@ def tok(tiny_model_path) -> Tokenizer:
 
 def _serve(model, reqs, rows, speculative="off", hook=None) -> BatchScheduler:
     """Serve (request, outcome) pairs together on `rows` rows; the scheduler, closed."""
-    sched = BatchScheduler(
+    return serve_together(
         lambda: MLXEngine(model, rows=rows),
+        reqs,
+        hook,
+        timeout=120,
         max_concurrent=rows,
         max_queued=len(reqs),
         speculative=speculative,
         spec_tokens=K,
-    ).start()
-    sched.wait_ready(60)
-    sched.draft_hook = hook
-    try:
-        sched.submit_all([r for r, _ in reqs])
-        for _, out in reqs:
-            assert out.done.wait(120)
-    finally:
-        sched.close(10)
-    return sched
+    )
 
 
 def _request(tok, prompt, params: SamplingParams, constraint=None):
