@@ -7,6 +7,10 @@ kernels skip packing, so the matrix-vector products of decoding run ~1.5x faster
 0.3.21 (see README "Linux CPU note"); OpenBLAS stays the fallback. LLM_SERVER_BLAS picks one
 (`blis`, `openblas`, `off`); LLM_SERVER_NO_BLAS_PRELOAD=1 is the same as `off`. A quick numeric
 check after start-up falls back to the other library if the chosen one computes wrong results.
+In front of the BLAS goes `llm_server.native.skinny`'s library: it computes MLX's row-major
+products itself (decoding's few-row products at close to memory speed; each output element
+with one arithmetic whatever the batch) and hands other layouts to the BLAS
+(LLM_SERVER_SKINNY=0 leaves it out).
 Does nothing on macOS (MLX uses Accelerate there).
 """
 
@@ -20,6 +24,8 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
+
+from llm_server.native import skinny
 
 CHOICE_ENV = "LLM_SERVER_BLAS"
 DISABLE_ENV = "LLM_SERVER_NO_BLAS_PRELOAD"
@@ -73,11 +79,15 @@ def preload_env(env: dict[str, str] | None = None) -> dict[str, str]:
     name = chosen_blas(env)
     if name is None:
         return env
-    lib = library_path(name)
+    libs = [library_path(name)]
+    fast = skinny.build() if skinny.enabled(env) else None
+    if fast is not None:
+        libs.insert(0, str(fast))  # first: its cblas_sgemm hands large products to the BLAS
     current = [p for p in env.get("LD_PRELOAD", "").split(":") if p]
-    if lib not in current:
-        others = [p for p in current if not any(k in p for k in ("blis", "openblas"))]
-        env["LD_PRELOAD"] = ":".join([lib, *others])
+    if current[: len(libs)] != libs:
+        marks = ("blis", "openblas", "libllm_skinny-")
+        others = [p for p in current if not any(k in p for k in marks)]
+        env["LD_PRELOAD"] = ":".join([*libs, *others])
     if name == "blis":
         env.setdefault("BLIS_NUM_THREADS", str(os.cpu_count() or 1))
     return env
@@ -109,14 +119,17 @@ def check_blas() -> bool:
     import numpy as np
 
     rng = np.random.default_rng(0)
-    for m, k, n in ((1, 576, 1536), (4, 576, 1536), (8, 64, 300), (300, 576, 600)):
+    shapes = ((1, 576, 1536), (4, 576, 1536), (8, 64, 300), (13, 100, 37), (300, 576, 600))
+    for m, k, n in shapes:
         a = rng.standard_normal((m, k)).astype(np.float32)
         b = rng.standard_normal((n, k)).astype(np.float32)
-        got = np.array(mx.array(a) @ mx.array(b).T)
-        want = a.astype(np.float64) @ b.astype(np.float64).T
-        if not np.allclose(got, want, rtol=1e-4, atol=1e-3 * np.sqrt(k)):
-            _fall_back(f"{m}x{k}x{n} product is wrong")
-            return False
+        for got, want in (
+            (mx.array(a) @ mx.array(b).T, a.astype(np.float64) @ b.astype(np.float64).T),
+            (mx.array(a) @ mx.array(np.ascontiguousarray(b.T)), a.astype(np.float64) @ b.T),
+        ):
+            if not np.allclose(np.array(got), want, rtol=1e-4, atol=1e-3 * np.sqrt(k)):
+                _fall_back(f"{m}x{k}x{n} product is wrong")
+                return False
     return True
 
 
@@ -127,6 +140,7 @@ def _fall_back(reason: str) -> None:
     log.error("BLAS %s computes wrong results (%s); restarting with %s", name, reason, nxt)
     env = dict(os.environ)
     env[CHOICE_ENV] = nxt
+    env[skinny.DISABLE_ENV] = "0"  # the fallback runs the BLAS alone
     env.pop("LD_PRELOAD", None)
     env = preload_env(env)
     env[_REEXEC_ENV] = "fallback"
@@ -145,10 +159,11 @@ def active_blas() -> str:
     except OSError:
         return "unknown"
     libs = {line.split()[-1] for line in text.splitlines() if ".so" in line}
+    front = " + skinny products" if any("libllm_skinny-" in p for p in libs) else ""
     for name, marker in (("blis", "blis-pthread"), ("openblas", "openblas-pthread")):
         found = sorted(p for p in libs if marker in p)
         if found:
-            return f"{name} ({found[0]})"
+            return f"{name} ({found[0]}){front}"
     return "reference"
 
 

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from llm_server import blas
+from llm_server.native import skinny
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux-only preload")
 
@@ -19,7 +20,11 @@ def test_choice_follows_env_and_installed_libraries():
     assert blas.chosen_blas({}) == (installed[0] if installed else None)
     for name in installed:
         env = blas.preload_env({"LLM_SERVER_BLAS": name, "LD_PRELOAD": "/x/libfoo.so"})
-        assert env["LD_PRELOAD"].split(":") == [blas.library_path(name), "/x/libfoo.so"]
+        first = [str(skinny.build())] if skinny.build() else []
+        assert env["LD_PRELOAD"].split(":") == [*first, blas.library_path(name), "/x/libfoo.so"]
+        alone = {"LLM_SERVER_BLAS": name, "LLM_SERVER_SKINNY": "0"}
+        assert blas.preload_env(alone)["LD_PRELOAD"] == blas.library_path(name)
+        assert blas.preload_env(env)["LD_PRELOAD"] == env["LD_PRELOAD"]  # idempotent
 
 
 def test_entry_point_runs_with_a_fast_blas_and_correct_products():
@@ -28,17 +33,22 @@ def test_entry_point_runs_with_a_fast_blas_and_correct_products():
         pytest.skip("no BLIS or OpenBLAS installed")
     assert blas.active_blas().split()[0] in ("blis", "openblas")
     assert blas.check_blas()
+    if skinny.build() is not None:  # built (a C compiler and AVX2/AVX-512): in front
+        assert skinny.loaded() and blas.active_blas().endswith("+ skinny products")
 
 
 @pytest.mark.parametrize("name", ["blis", "openblas"])
 def test_each_library_computes_correct_products(name):
     if blas.library_path(name) is None:
         pytest.skip(f"{name} is not installed")
-    env = blas.preload_env({**_base_env(), "LLM_SERVER_BLAS": name})
     code = "from llm_server import blas; assert blas.check_blas(); print(blas.active_blas())"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith(name)
+    for front in ("1", "0"):  # with the skinny library in front, and the BLAS alone
+        env = blas.preload_env({**_base_env(), "LLM_SERVER_BLAS": name, "LLM_SERVER_SKINNY": front})
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith(name)
+        in_front = front == "1" and skinny.build() is not None
+        assert out.stdout.strip().endswith("+ skinny products") == in_front, out.stdout
 
 
 def _base_env() -> dict[str, str]:

@@ -18,6 +18,7 @@ import numpy as np
 
 from llm_server.engines import score_reduce
 from llm_server.engines.layout import output_head
+from llm_server.native import skinny
 
 NUMPY_MIN_ELEMENTS = 32_768  # below this an MLX op beats a round trip through numpy
 _INSTALLED: set[str] = set()
@@ -80,6 +81,15 @@ def log_softmax(logits: mx.array) -> np.ndarray:
 
 
 SPLIT_MAX_ROWS = 2  # BLIS runs a 1-2 row product on one core; from 4 rows it uses both
+
+
+def split_helps(rows: int) -> bool:
+    """Whether a product of `rows` rows runs faster as two halves on two streams: only under
+    the BLAS alone. The preloaded skinny library (llm_server.native.skinny) threads the
+    products itself, at close to memory speed."""
+    return rows <= SPLIT_MAX_ROWS and not skinny.loaded()
+
+
 _local = threading.local()  # MLX streams belong to the thread that made them
 
 
@@ -102,12 +112,12 @@ def release_streams() -> None:
     alive the process can abort at exit ("terminate called without an active exception").
     """
     streams = getattr(_local, "streams", None)
-    if streams is None:
-        return
-    for stream in streams:
+    for stream in streams or ():
         mx.synchronize(stream)
-    mx.clear_streams()
-    del _local.streams
+    mx.synchronize()
+    mx.clear_streams()  # also the thread's own default stream (no split streams: still needed)
+    if streams is not None:
+        del _local.streams
 
 
 def split_matmul(x: mx.array, weight: mx.array) -> mx.array:
@@ -158,7 +168,7 @@ def _split_linear_class():
             return obj
 
         def __call__(self, x: mx.array) -> mx.array:
-            if _rows(x) > SPLIT_MAX_ROWS or self.weight.dtype != mx.float32 or not on_cpu():
+            if not split_helps(_rows(x)) or self.weight.dtype != mx.float32 or not on_cpu():
                 return super().__call__(x)
             out = split_matmul(x, self.weight)
             return out + self.bias if "bias" in self else out
@@ -170,7 +180,7 @@ def lm_head(model, hidden: mx.array) -> mx.array:
     """The output projection, split across streams for a 1-2 row decode step on the CPU."""
     layer, tied = output_head(model)
     weight = getattr(layer, "weight", None)
-    plain = _rows(hidden) > SPLIT_MAX_ROWS or weight is None or weight.dtype != mx.float32
+    plain = not split_helps(_rows(hidden)) or weight is None or weight.dtype != mx.float32
     if plain or not on_cpu() or (not tied and "bias" in layer):
         return layer.as_linear(hidden) if tied else layer(hidden)
     return split_matmul(hidden, weight)

@@ -43,6 +43,7 @@ from llm_server.engines.probe import supports_batching
 from llm_server.engines.row_cache import ForwardPlan, RowStore, row_mask
 from llm_server.engines.row_state import StateStore
 from llm_server.engines.selfcheck import VERIFIED_FAMILIES, row_forward_problem
+from llm_server.native import skinny
 
 log = logging.getLogger(__name__)
 
@@ -337,6 +338,8 @@ class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
         """
         if self._fused is None or not cpu_kernels.on_cpu() or self.dtype != "float32":
             return False
+        if skinny.loaded():
+            return False  # the skinny library threads the products itself (blas.py)
         if positions <= cpu_kernels.SPLIT_MAX_ROWS:
             return True  # BLIS runs a 1-2 row product on one core whatever its thread count
         return blas.threads_settable() and positions <= SPLIT_MAX_POSITIONS

@@ -113,8 +113,7 @@ def test_a_step_on_another_thread_equals_the_first_threads(tiny_llama_path):
 def test_smollm2_compiled_greedy_equals_eager(default_model_path):
     """SmolLM2: 40 steps on 3 rows at different cursors, across span boundaries and the store's
     growth past GROW positions; then a newcomer's chunk rides with the decoding rows and they
-    get the logits of a compiled step (2+ rows: BLIS sums a lone row's products in another
-    order, see ARCHITECTURE S10)."""
+    get the logits of a compiled step."""
     from llm_server.engines.step import DecodeRow, PrefillChunk, StepPlan
 
     compiled, eager = _pair(default_model_path, rows=4)
@@ -136,6 +135,41 @@ def test_smollm2_compiled_greedy_equals_eager(default_model_path):
     )
     mixed = eager.run(plan)  # the eager packed forward
     np.testing.assert_array_equal(mixed.logits[:3], compiled.decode([0, 1, 2], tokens))
+
+
+@pytest.mark.slow
+def test_smollm2_lone_row_equals_the_same_row_batched(default_model_path):
+    """S10 on SmolLM2's dimensions: a request decoding alone gets the logits it gets beside
+    two others and beside a 24-token prompt chunk, bit for bit. The skinny products give every
+    output element one summation order whatever the rows beside it (with BLIS alone a 1-row
+    product sums in another order: up to 5e-5 apart)."""
+    from llm_server.engines.step import DecodeRow, PrefillChunk, StepPlan
+    from llm_server.native import skinny
+
+    if not skinny.loaded():
+        pytest.skip("needs the skinny products preloaded (Linux with a C compiler)")
+    alone, batched = MLXEngine(default_model_path, rows=4), MLXEngine(default_model_path, rows=4)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(100, 40000, n).tolist() for n in (70, 33, 120)]
+    first = alone.prefill(0, prompts[0])
+    np.testing.assert_array_equal(first, batched.prefill(0, prompts[0]))
+    last = [int(np.argmax(batched.prefill(r, p))) for r, p in enumerate(prompts[1:], 1)]
+    token = int(np.argmax(first))
+    for step in range(6):
+        lone = alone.decode([0], [token])
+        if step % 2:  # beside two decoding rows
+            both = batched.decode([0, 1, 2], [token, *last])
+            last = both[1:].argmax(-1).tolist()
+        else:  # beside two decoding rows and a newcomer's prompt chunk on row 3
+            plan = StepPlan(
+                decode=(DecodeRow(0, token), DecodeRow(1, last[0]), DecodeRow(2, last[1])),
+                prefill=(PrefillChunk(10 + step, 3, rng.integers(100, 40000, 24).tolist(), 0, 24),),
+            )
+            both = batched.run(plan).logits[:3]
+            batched.release(3)
+            last = both[1:].argmax(-1).tolist()
+        np.testing.assert_array_equal(lone, both[:1])
+        token = int(np.argmax(lone))
 
 
 def test_unsplit_steps_equal_eager(tiny_model_path):

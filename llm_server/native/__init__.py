@@ -1,0 +1,1 @@
+"""C code the Linux CPU path preloads (see `llm_server.native.skinny`)."""

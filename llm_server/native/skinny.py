@@ -1,0 +1,124 @@
+"""The skinny-product library: its build, its path, and a ctypes handle for tests.
+
+`skinny_sgemm.c` exports `cblas_sgemm` and computes MLX's row-major float32 products itself
+(fastest where decoding needs it, on products of a few rows, and with one arithmetic per
+output element whatever the batch), handing other layouts to the BLAS preloaded after it (see
+the C file). It is compiled here, once per source and machine, with the system C compiler
+(`$CC`, else `cc`) into the cache folder, and `blas.preload_env` puts it first in LD_PRELOAD.
+No compiler, a failed build or LLM_SERVER_SKINNY=0 leave the BLAS alone: slower decoding, the
+same server. Linux only (on macOS MLX runs its products on Metal or Accelerate).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+DISABLE_ENV = "LLM_SERVER_SKINNY"  # "0": do not preload the library
+THREADS_ENV = "LLM_SERVER_SKINNY_THREADS"  # its thread count (default: BLIS_NUM_THREADS, CPUs)
+SOURCE = Path(__file__).with_name("skinny_sgemm.c")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-Wall", "-Wno-psabi")
+LIBS = ("-lpthread", "-lm", "-ldl")
+BUILD_TIMEOUT_S = 120
+
+log = logging.getLogger(__name__)
+
+
+def enabled(env: dict[str, str] | None = None) -> bool:
+    env = os.environ if env is None else env
+    return sys.platform.startswith("linux") and env.get(DISABLE_ENV, "1") != "0"
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("LLM_SERVER_CACHE")
+    if root:
+        return Path(root).expanduser() / "native"
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "llm-server" / "native"
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags: `-march=native` builds for them, so they are part of the key."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_path() -> Path:
+    """Where this source, compiler and CPU's build lives (it may not exist yet)."""
+    cc = os.environ.get("CC", "cc")
+    key = "\n".join([SOURCE.read_text(), cc, *FLAGS, platform.machine(), _cpu_flags()])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return _cache_dir() / f"libllm_skinny-{digest}.so"
+
+
+@functools.cache
+def build() -> Path | None:
+    """The built library, compiling it first when missing; None when it cannot be built."""
+    if not sys.platform.startswith("linux"):
+        return None
+    path = library_path()
+    if path.exists():
+        return path
+    cc = shlex.split(os.environ.get("CC", "cc"))
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so.part", dir=path.parent)
+        os.close(fd)
+        cmd = [*cc, *FLAGS, "-o", tmp, str(SOURCE), *LIBS]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            log.warning("skinny products not built (%s): %s", " ".join(cmd), done.stderr[-2000:])
+            return None
+        os.replace(tmp, path)  # atomic: concurrent builders each leave a whole file
+        for old in path.parent.glob("libllm_skinny-*.so"):
+            if old != path:  # an earlier source's build (a process mapping it keeps its copy)
+                old.unlink(missing_ok=True)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("skinny products not built: %s", exc)
+        return None
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+@functools.cache
+def loaded() -> bool:
+    """Whether this process has the library mapped (preloaded)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return "libllm_skinny-" in maps.read()
+    except OSError:
+        return False
+
+
+@functools.cache
+def handle() -> ctypes.CDLL | None:
+    """The built library loaded by ctypes (for tests and benchmarks), or None."""
+    path = build()
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    f = ctypes.c_float
+    p = ctypes.c_void_p
+    i = ctypes.c_int
+    lib.llm_skinny_sgemm.argtypes = [i, i, i, i, f, p, i, p, i, f, p, i]
+    lib.llm_skinny_sgemm.restype = None
+    lib.llm_skinny_threads.restype = i
+    return lib

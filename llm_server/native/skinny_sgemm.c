@@ -1,0 +1,303 @@
+/* Float32 products for MLX's CPU backend on Linux (preloaded before BLIS; see blas.py).
+ *
+ * MLX runs every float32 matmul as cblas_sgemm. Decoding multiplies a few rows (one per batch
+ * row) by every weight matrix, and BLIS's gemm reads the weights there at ~13-17 GB/s where the
+ * memory allows ~45. This library exports cblas_sgemm and computes the row-major products with
+ * an untransposed A itself, C = alpha * A * op(B) + beta * C:
+ * - B stored [N, K] (`x @ weight.T`, every weight product): each output is a dot product over
+ *   K; a tile of MT rows of A times NB rows of B keeps its MT * NB accumulators and the NB
+ *   weight vectors in registers, so each weight row is read once from memory for MT rows
+ *   (and from cache for the next MT). On a 2-core EPYC with SmolLM2's 211 matrices: 1 row
+ *   ~19 ms vs BLIS ~31, 8 rows ~30 vs ~43, 128 rows ~210 vs ~250.
+ * - B stored [K, N] (`probs @ values` in attention): a vector of columns, summing k in order.
+ * Every other product goes to the next cblas_sgemm in the link order (the preloaded BLAS).
+ *
+ * Each output element has one fixed arithmetic. B [N, K]: lane l of a VL-float accumulator (16
+ * with AVX-512, 8 with AVX2) sums k = l, l+VL, ... with fused multiply-adds, the lanes are added
+ * in a fixed tree, then the K % VL tail in order. B [K, N]: k = 0, 1, ... in order with fused multiply-adds. The order
+ * depends on K alone, never on M, N, the tile, the block or the thread, so a row's products are
+ * bit-identical alone, batched, or beside a prompt chunk (ARCHITECTURE S10).
+ *
+ * Threads: a pool of LLM_SERVER_SKINNY_THREADS (default: BLIS_NUM_THREADS, else the CPU count)
+ * splits N. Workers spin briefly between products, then sleep. A second caller while the pool
+ * is busy computes on its own thread.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <unistd.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define VL 16 /* floats per vector */
+#define NB 8  /* weight rows per tile */
+#define MT 3  /* rows of A per tile: MT * NB accumulators + NB weights + 1 of A in 32 registers */
+typedef float vec __attribute__((vector_size(64), aligned(4)));
+static inline vec vfma(vec a, vec b, vec c) {
+    return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+}
+#define PIN(v) __asm__("" : "+v"(v)) /* in a register: not re-read by every row's FMA */
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VL 8
+#define NB 4
+#define MT 2 /* 8 accumulators + 4 weights + 1 of A in 16 registers */
+typedef float vec __attribute__((vector_size(32), aligned(4)));
+static inline vec vfma(vec a, vec b, vec c) {
+    return (vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+}
+#define PIN(v) ((void)0) /* (an asm pin spills 32-byte vectors to the stack) */
+#else
+#error "skinny products need AVX-512F, or AVX2 with FMA (blas.py then preloads the BLAS alone)"
+#endif
+#define CPU_RELAX() _mm_pause()
+
+#define X_BLOCK_BYTES (256 * 1024) /* rows of A per block: stay in L2 while weights pass */
+#define SPIN 20000                  /* pauses a worker waits for the next product, then sleeps */
+#define MIN_WORK_PER_THREAD 65536   /* multiply-adds; below this one thread does the product */
+
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+
+static inline vec vload(const float *p) {
+#if VL == 16
+    return (vec)_mm512_loadu_ps(p);
+#else
+    return (vec)_mm256_loadu_ps(p);
+#endif
+}
+
+static inline float vsum(vec v) { /* a fixed tree: halves added until one lane is left */
+    typedef float v4 __attribute__((vector_size(16)));
+#if VL == 16
+    typedef float v8 __attribute__((vector_size(32)));
+    v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    vec a = v;
+#endif
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+typedef struct {
+    int m, n, k, trans_b;
+    float alpha, beta;
+    const float *a, *b;
+    float *c;
+    int lda, ldb, ldc;
+} product_t;
+
+/* rows x cols outputs at (m0, n0); rows <= MT, cols <= NB (constants after inlining) */
+static inline __attribute__((always_inline)) void tile(const product_t *p, int m0, int n0,
+                                                       const int rows, const int cols) {
+    const float *x = p->a + (size_t)m0 * p->lda, *w = p->b + (size_t)n0 * p->ldb;
+    vec acc[MT][NB];
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < cols; j++) acc[i][j] = (vec){0};
+    int k = 0;
+    for (; k + VL <= p->k; k += VL) {
+        vec wv[NB];
+        for (int j = 0; j < cols; j++) {
+            wv[j] = vload(w + (size_t)j * p->ldb + k);
+            PIN(wv[j]);
+        }
+        for (int i = 0; i < rows; i++) {
+            vec xv = vload(x + (size_t)i * p->lda + k);
+            for (int j = 0; j < cols; j++) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < cols; j++) {
+            const float *xr = x + (size_t)i * p->lda, *wr = w + (size_t)j * p->ldb;
+            float s = vsum(acc[i][j]);
+            for (int kk = k; kk < p->k; kk++) s = fmaf(xr[kk], wr[kk], s);
+            float *out = p->c + (size_t)(m0 + i) * p->ldc + n0 + j;
+            *out = p->beta == 0.0f ? p->alpha * s : p->alpha * s + p->beta * *out;
+        }
+}
+
+/* B stored [K, N] (`x @ v`, attention's probabilities times values): each output element sums
+ * k = 0, 1, ... in order with fused multiply-adds, VL columns to a vector */
+#define NV 4 /* vectors of columns per tile */
+static inline __attribute__((always_inline)) void tile_kn(const product_t *p, int m, int n0,
+                                                          const int vecs) {
+    const float *x = p->a + (size_t)m * p->lda;
+    vec acc[NV];
+    for (int j = 0; j < vecs; j++) acc[j] = (vec){0};
+    for (int k = 0; k < p->k; k++) {
+        vec xv = (vec){0} + x[k];
+        const float *w = p->b + (size_t)k * p->ldb + n0;
+        for (int j = 0; j < vecs; j++) acc[j] = vfma(xv, vload(w + VL * j), acc[j]);
+    }
+    float *out = p->c + (size_t)m * p->ldc + n0;
+    for (int j = 0; j < vecs; j++)
+        for (int l = 0; l < VL; l++) {
+            float v = acc[j][l], *o = out + VL * j + l;
+            *o = p->beta == 0.0f ? p->alpha * v : p->alpha * v + p->beta * *o;
+        }
+}
+
+static void columns_kn(const product_t *p, int n0, int n1) {
+    int n = n0;
+    for (; n + VL * NV <= n1; n += VL * NV)
+        for (int m = 0; m < p->m; m++) tile_kn(p, m, n, NV);
+    for (; n + VL <= n1; n += VL)
+        for (int m = 0; m < p->m; m++) tile_kn(p, m, n, 1);
+    for (; n < n1; n++)
+        for (int m = 0; m < p->m; m++) {
+            const float *x = p->a + (size_t)m * p->lda;
+            float s = 0.0f;
+            for (int k = 0; k < p->k; k++) s = fmaf(x[k], p->b[(size_t)k * p->ldb + n], s);
+            float *o = p->c + (size_t)m * p->ldc + n;
+            *o = p->beta == 0.0f ? p->alpha * s : p->alpha * s + p->beta * *o;
+        }
+}
+
+static void columns(const product_t *p, int n0, int n1) {
+    if (!p->trans_b) {
+        columns_kn(p, n0, n1);
+        return;
+    }
+    /* blocks of A's rows small enough to stay in L2 while every weight tile passes them */
+    int block = (int)(X_BLOCK_BYTES / ((size_t)p->k * sizeof(float))) / MT * MT;
+    if (block < MT) block = MT;
+    for (int m0 = 0; m0 < p->m; m0 += block) {
+        int m1 = m0 + block < p->m ? m0 + block : p->m;
+        int n = n0;
+        for (; n + NB <= n1; n += NB) {
+            int m = m0;
+            for (; m + MT <= m1; m += MT) tile(p, m, n, MT, NB);
+            if (m1 - m == 2) tile(p, m, n, 2, NB);
+            if (m1 - m == 1) tile(p, m, n, 1, NB);
+        }
+        for (; n < n1; n++)
+            for (int m = m0; m < m1; m++) tile(p, m, n, 1, 1);
+    }
+}
+
+/* ---- the pool ---- */
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+static pthread_mutex_t pool_busy = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t wake_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake_cv = PTHREAD_COND_INITIALIZER;
+static int pool_threads = 1;
+static product_t job;
+static int job_parts;
+static atomic_uint generation;
+static atomic_int finished;
+
+static void part(int t, int parts) {
+    int tiles = (job.n + 15) / 16; /* whole 16-column blocks: a tile never straddles threads */
+    int n0 = tiles * t / parts * 16, n1 = tiles * (t + 1) / parts * 16;
+    if (n1 > job.n) n1 = job.n;
+    if (n0 < n1) columns(&job, n0, n1);
+}
+
+static void *worker(void *arg) {
+    int t = (int)(long)arg;
+    unsigned seen = 0;
+    for (;;) {
+        int spins = 0;
+        while (atomic_load_explicit(&generation, memory_order_acquire) == seen) {
+            if (++spins < SPIN) {
+                CPU_RELAX();
+                continue;
+            }
+            pthread_mutex_lock(&wake_mu);
+            while (atomic_load_explicit(&generation, memory_order_acquire) == seen)
+                pthread_cond_wait(&wake_cv, &wake_mu);
+            pthread_mutex_unlock(&wake_mu);
+        }
+        seen = atomic_load_explicit(&generation, memory_order_acquire);
+        if (t < job_parts) part(t, job_parts);
+        atomic_fetch_add_explicit(&finished, 1, memory_order_acq_rel);
+    }
+    return NULL;
+}
+
+static void start_pool(void) {
+    const char *env = getenv("LLM_SERVER_SKINNY_THREADS");
+    if (!env || !*env) env = getenv("BLIS_NUM_THREADS");
+    long n = env && *env ? strtol(env, NULL, 10) : sysconf(_SC_NPROCESSORS_ONLN);
+    pool_threads = n < 1 ? 1 : n > 64 ? 64 : (int)n;
+    for (int t = 1; t < pool_threads; t++) {
+        pthread_t th;
+        if (pthread_create(&th, NULL, worker, (void *)(long)t) != 0) {
+            pool_threads = t;
+            break;
+        }
+        pthread_detach(th);
+    }
+}
+
+static void skinny(const product_t *p) {
+    pthread_once(&pool_once, start_pool);
+    long work = (long)p->m * p->n * p->k;
+    int parts = (int)(work / MIN_WORK_PER_THREAD);
+    if (parts > pool_threads) parts = pool_threads;
+    if (parts > (p->n + 15) / 16) parts = (p->n + 15) / 16;
+    if (parts <= 1 || pthread_mutex_trylock(&pool_busy) != 0) {
+        columns(p, 0, p->n);
+        return;
+    }
+    job = *p;
+    job_parts = parts;
+    atomic_store_explicit(&finished, 0, memory_order_relaxed);
+    pthread_mutex_lock(&wake_mu);
+    atomic_fetch_add_explicit(&generation, 1, memory_order_acq_rel);
+    pthread_cond_broadcast(&wake_cv);
+    pthread_mutex_unlock(&wake_mu);
+    part(0, parts);
+    while (atomic_load_explicit(&finished, memory_order_acquire) < pool_threads - 1) CPU_RELAX();
+    pthread_mutex_unlock(&pool_busy);
+}
+
+/* ---- the entry point ---- */
+typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *,
+                         int, float, float *, int);
+static sgemm_fn next_sgemm;
+static pthread_once_t next_once = PTHREAD_ONCE_INIT;
+static void find_next(void) { next_sgemm = (sgemm_fn)dlsym(RTLD_NEXT, "cblas_sgemm"); }
+
+/* for tests and the benchmark: the pool's size, and the product alone */
+int llm_skinny_threads(void) {
+    pthread_once(&pool_once, start_pool);
+    return pool_threads;
+}
+void llm_skinny_sgemm(int trans_b, int m, int n, int k, float alpha, const float *a, int lda,
+                      const float *b, int ldb, float beta, float *c, int ldc) {
+    product_t p = {m, n, k, trans_b != 0, alpha, beta, a, b, c, lda, ldb, ldc};
+    if (m > 0 && n > 0) skinny(&p);
+}
+
+void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
+                 const float *a, int lda, const float *b, int ldb, float beta, float *c,
+                 int ldc) {
+    pthread_once(&next_once, find_next);
+    int ours = order == ROW_MAJOR && trans_a == NO_TRANS && m > 0 && n > 0 && k > 0 &&
+               lda >= k && ldc >= n && (trans_b == TRANS ? ldb >= k : trans_b == NO_TRANS && ldb >= n);
+    if (ours) {
+        llm_skinny_sgemm(trans_b == TRANS, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+        return;
+    }
+    if (next_sgemm != NULL) {
+        next_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+        return;
+    }
+    /* no BLAS after us (not how blas.py preloads this library): a plain loop, right if slow */
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < n; j++) {
+            float s = 0.0f;
+            for (int l = 0; l < k; l++) {
+                int ai = order == ROW_MAJOR ? (trans_a == NO_TRANS ? i * lda + l : l * lda + i)
+                                            : (trans_a == NO_TRANS ? l * lda + i : i * lda + l);
+                int bi = order == ROW_MAJOR ? (trans_b == NO_TRANS ? l * ldb + j : j * ldb + l)
+                                            : (trans_b == NO_TRANS ? j * ldb + l : l * ldb + j);
+                s += a[ai] * b[bi];
+            }
+            float *out = order == ROW_MAJOR ? c + i * ldc + j : c + j * ldc + i;
+            *out = beta == 0.0f ? alpha * s : alpha * s + beta * *out;
+        }
+}

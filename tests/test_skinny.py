@@ -1,0 +1,134 @@
+"""The skinny-product library (llm_server/native): right products, one arithmetic per output.
+
+The library is what MLX's float32 products run on under `make test` on Linux (preloaded in
+front of BLIS). What a user relies on: the products are right, and a row's products do not
+depend on the rows beside it, so a request's logits are the same alone, batched or beside a
+prompt chunk (ARCHITECTURE S10).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from llm_server.native import skinny
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux CPU only")
+
+# (M, N, K): decode-sized and prompt-sized rows, tails in N (% 8, % 16) and K (% 16), tiny K
+SHAPES = [(1, 1536, 576), (3, 960, 576), (8, 576, 1536), (13, 37, 100), (40, 9, 3), (150, 64, 7)]
+
+
+@pytest.fixture(scope="module")
+def lib():
+    handle = skinny.handle()
+    if handle is None:
+        pytest.skip("no C compiler, or a CPU without AVX2/AVX-512: the BLAS runs alone")
+    return handle
+
+
+def _product(lib, a, b, trans_b=True, alpha=1.0, beta=0.0, c=None, ld_pad=0):
+    """C = alpha * a @ (b.T if trans_b else b) + beta * C through the library; `ld_pad`: extra
+    columns in every operand's rows (views into wider buffers, as MLX passes strided rows)."""
+    m, k = a.shape
+    n = b.shape[0] if trans_b else b.shape[1]
+    wide_a = np.zeros((m, k + ld_pad), np.float32)
+    wide_a[:, :k] = a
+    wide_b = np.zeros((b.shape[0], b.shape[1] + ld_pad), np.float32)
+    wide_b[:, : b.shape[1]] = b
+    out = np.full((m, n + ld_pad), np.nan, np.float32)
+    out[:, :n] = 0 if c is None else c
+    lib.llm_skinny_sgemm(
+        int(trans_b), m, n, k, alpha, wide_a.ctypes.data, k + ld_pad, wide_b.ctypes.data,
+        b.shape[1] + ld_pad, beta, out.ctypes.data, n + ld_pad,
+    )  # fmt: skip
+    assert np.isnan(out[:, n:]).all()  # nothing written past N
+    return out[:, :n]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("trans_b", [True, False])
+def test_products_are_right(lib, shape, trans_b):
+    m, n, k = shape
+    rng = np.random.default_rng(m * 1000 + n + k)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    b = w if trans_b else np.ascontiguousarray(w.T)
+    want = a.astype(np.float64) @ w.T.astype(np.float64)
+    tol = dict(rtol=1e-5, atol=1e-5 * np.sqrt(k))
+    np.testing.assert_allclose(_product(lib, a, b, trans_b), want, **tol)
+    c = rng.standard_normal((m, n)).astype(np.float32)
+    got = _product(lib, a, b, trans_b, alpha=0.5, beta=2.0, c=c, ld_pad=5)
+    np.testing.assert_allclose(got, 0.5 * want + 2.0 * c, **tol)
+
+
+@pytest.mark.parametrize("trans_b", [True, False])
+def test_a_rows_products_do_not_depend_on_the_rows_beside_it(lib, trans_b):
+    """Row i of a 16-row product equals the same row alone, in a 5-row slice and with the
+    columns cut in two, bit for bit (tiles, row blocks and threads never change the sums)."""
+    rng = np.random.default_rng(7)
+    for m, n, k in [(16, 1536, 576), (16, 3072, 576), (1100, 96, 576)]:
+        a = rng.standard_normal((m, k)).astype(np.float32)
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        b = w if trans_b else np.ascontiguousarray(w.T)
+        whole = _product(lib, a, b, trans_b)
+        for i in (0, 7, m - 1):
+            np.testing.assert_array_equal(_product(lib, a[i : i + 1], b, trans_b), whole[i : i + 1])
+        np.testing.assert_array_equal(_product(lib, a[3:8], b, trans_b), whole[3:8])
+        half = n // 2 + 3
+        left = _product(lib, a, b[:half] if trans_b else np.ascontiguousarray(b[:, :half]), trans_b)
+        np.testing.assert_array_equal(left, whole[:, :half])
+
+
+def test_mlx_products_in_this_process_take_the_library():
+    """Under `make test` MLX's products run on the library: a lone row's product equals its
+    row in a batch of 8 and of 200 (a prompt chunk's size), bit for bit. With BLIS alone a
+    1-row product sums in another order (ARCHITECTURE S10)."""
+    if not skinny.loaded():
+        pytest.skip("the skinny library is not preloaded (no compiler, or not Linux)")
+    import mlx.core as mx
+
+    rng = np.random.default_rng(3)
+    w = mx.array(rng.standard_normal((1536, 576)).astype(np.float32))
+    x = mx.array(rng.standard_normal((200, 576)).astype(np.float32))
+    alone = np.array(x[5:6] @ w.T)
+    np.testing.assert_array_equal(alone, np.array(x[:8] @ w.T)[5:6])
+    np.testing.assert_array_equal(alone, np.array(x @ w.T)[5:6])
+
+
+def test_no_compiler_leaves_the_blas_alone(tmp_path):
+    """A failed build (here: no compiler) preloads the BLAS alone and still serves products."""
+    from llm_server import blas
+
+    if blas.chosen_blas() is None:
+        pytest.skip("no BLIS or OpenBLAS installed")
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "BLIS_NUM_THREADS")}
+    env.update(CC="/nonexistent/cc", LLM_SERVER_CACHE=str(tmp_path))
+    code = (
+        "from llm_server import blas; from llm_server.native import skinny; "
+        "assert skinny.build() is None; env = blas.preload_env(); "
+        "assert 'libllm_skinny' not in env['LD_PRELOAD'], env['LD_PRELOAD']; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert not list(tmp_path.glob("native/*"))  # no partial file left behind
+
+
+def test_build_is_cached_per_source_and_machine(lib, tmp_path):
+    """The cached build is keyed by source, compiler and CPU: a second build is the same file,
+    another compiler setting another one."""
+    path = skinny.library_path()
+    assert path.exists() and ctypes.CDLL(str(path)).llm_skinny_threads() >= 1
+    env = {**os.environ, "LLM_SERVER_CACHE": str(tmp_path), "CC": "cc -DUNUSED_FLAG"}
+    code = "from llm_server.native import skinny; print(skinny.build())"
+    runs = [
+        subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        for _ in range(2)
+    ]
+    assert runs[0].stdout == runs[1].stdout and runs[0].stdout.strip().endswith(".so")
+    assert runs[0].stdout.strip() != str(path)
