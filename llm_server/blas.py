@@ -25,7 +25,7 @@ import os
 import sys
 from collections.abc import Iterator
 
-from llm_server.native import skinny
+from llm_server.native import jit, skinny
 
 CHOICE_ENV = "LLM_SERVER_BLAS"
 DISABLE_ENV = "LLM_SERVER_NO_BLAS_PRELOAD"
@@ -75,7 +75,7 @@ def chosen_blas(env: dict[str, str] | None = None) -> str | None:
 
 def preload_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """A copy of `env` (default: os.environ) with the chosen BLAS preloaded, when available."""
-    env = dict(os.environ if env is None else env)
+    env = jit.path_env(dict(os.environ if env is None else env))
     name = chosen_blas(env)
     if name is None:
         return env
@@ -95,6 +95,9 @@ def preload_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
 def ensure_fast_blas() -> None:
     """Re-exec this process once with the fast BLAS preloaded (Linux only; no-op when active)."""
+    path = jit.path_env(dict(os.environ)).get("PATH")
+    if path is not None:
+        os.environ["PATH"] = path  # MLX looks g++ up when it builds a kernel (native.jit)
     name = chosen_blas()
     if name is None or os.environ.get(_REEXEC_ENV):
         return

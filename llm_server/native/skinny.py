@@ -38,7 +38,7 @@ def enabled(env: dict[str, str] | None = None) -> bool:
     return sys.platform.startswith("linux") and env.get(DISABLE_ENV, "1") != "0"
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     root = os.environ.get("LLM_SERVER_CACHE")
     if root:
         return Path(root).expanduser() / "native"
@@ -63,7 +63,7 @@ def library_path() -> Path:
     cc = os.environ.get("CC", "cc")
     key = "\n".join([SOURCE.read_text(), cc, *FLAGS, platform.machine(), _cpu_flags()])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return _cache_dir() / f"libllm_skinny-{digest}.so"
+    return cache_dir() / f"libllm_skinny-{digest}.so"
 
 
 @functools.cache
