@@ -132,3 +132,21 @@ def test_build_is_cached_per_source_and_machine(lib, tmp_path):
     ]
     assert runs[0].stdout == runs[1].stdout and runs[0].stdout.strip().endswith(".so")
     assert runs[0].stdout.strip() != str(path)
+
+
+def test_a_forked_child_computes_without_the_parents_workers(lib):
+    """After fork the pool's workers are gone: the child's products run on its own thread
+    (they would wait for the absent workers otherwise)."""
+    rng = np.random.default_rng(9)
+    a = rng.standard_normal((4, 576)).astype(np.float32)
+    b = rng.standard_normal((1536, 576)).astype(np.float32)
+    want = _product(lib, a, b)  # the parent's pool is running now
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 when the product is right, killed by the alarm if stuck
+        import signal
+
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)  # ends the child even inside C code
+        signal.alarm(20)
+        os._exit(0 if np.array_equal(_product(lib, a, b), want) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

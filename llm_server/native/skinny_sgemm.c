@@ -217,7 +217,11 @@ static void *worker(void *arg) {
     return NULL;
 }
 
+/* a forked child has none of the workers: it computes every product on its own thread */
+static void forked_child(void) { pool_threads = 1; }
+
 static void start_pool(void) {
+    pthread_atfork(NULL, NULL, forked_child);
     const char *env = getenv("LLM_SERVER_SKINNY_THREADS");
     if (!env || !*env) env = getenv("BLIS_NUM_THREADS");
     long n = env && *env ? strtol(env, NULL, 10) : sysconf(_SC_NPROCESSORS_ONLN);
