@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 DISABLE_ENV = "LLM_SERVER_SKINNY"  # "0": do not preload the library
-THREADS_ENV = "LLM_SERVER_SKINNY_THREADS"  # its thread count (default: BLIS_NUM_THREADS, CPUs)
+# (its thread count: LLM_SERVER_SKINNY_THREADS, else BLIS_NUM_THREADS, else the CPU count)
 SOURCE = Path(__file__).with_name("skinny_sgemm.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-Wall", "-Wno-psabi")
 LIBS = ("-lpthread", "-lm", "-ldl")

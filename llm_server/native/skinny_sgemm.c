@@ -238,9 +238,8 @@ static void start_pool(void) {
 
 static void skinny(const product_t *p) {
     pthread_once(&pool_once, start_pool);
-    long work = (long)p->m * p->n * p->k;
-    int parts = (int)(work / MIN_WORK_PER_THREAD);
-    if (parts > pool_threads) parts = pool_threads;
+    long long parts_wanted = (long long)p->m * p->n * p->k / MIN_WORK_PER_THREAD;
+    int parts = parts_wanted > pool_threads ? pool_threads : (int)parts_wanted;
     if (parts > (p->n + 15) / 16) parts = (p->n + 15) / 16;
     if (parts <= 1 || pthread_mutex_trylock(&pool_busy) != 0) {
         columns(p, 0, p->n);
