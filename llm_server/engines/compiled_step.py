@@ -40,6 +40,9 @@ class StepShape:
     span: int  # positions attention reads per row (<= capacity)
     store_rows: int  # rows of the store
     all_rows: bool  # the step's rows are exactly range(store_rows): no gather
+    first_row: int  # the step's rows are range(first_row, first_row + batch): a slice, no
+    # gather (-1: scattered rows, gathered). With the scoring rows after the serving rows the
+    # store never holds the step's rows alone, and a gather copied every layer's K and V
     split: bool  # products split across two CPU streams
     streams: tuple[str, ...]  # the split streams (thread-local: a new thread retraces)
 
@@ -76,6 +79,7 @@ class CompiledSteps:
             span=decode_attention.span(max(starts) + 1, capacity),
             store_rows=store_rows,
             all_rows=rows == list(range(store_rows)),
+            first_row=rows[0] if rows == list(range(rows[0], rows[0] + len(rows))) else -1,
             split=split,
             streams=streams,
         )
@@ -202,11 +206,13 @@ def _body(decoder, rotation, ids, pos, mask, keys, values, write, read, split: b
 def _writer(shape: StepShape, pos: mx.array, row_ids: mx.array) -> Callable:
     """store [R, KV, cap, Dh], new [B, KV, 1, Dh] -> store with each row's new entry written."""
 
+    start = mx.stack([row_ids[0], pos[0]]) if shape.batch == 1 else None  # once, not per layer
+
     def write(store: mx.array, new: mx.array) -> mx.array:
-        if shape.batch > 1:  # one scatter for every row (in place, as the slice update)
+        if start is None:  # one scatter for every row (in place, as the slice update)
             store[row_ids, :, pos] = new[:, :, 0]
             return store
-        return mx.slice_update(store, new, mx.stack([row_ids[0], pos[0]]), axes=(0, 2))
+        return mx.slice_update(store, new, start, axes=(0, 2))
 
     return write
 
@@ -215,7 +221,12 @@ def _reader(shape: StepShape, row_ids: mx.array) -> Callable:
     """store [R, KV, cap, Dh] -> the step's rows [B, KV, span, Dh]."""
 
     def read(store: mx.array) -> mx.array:
-        rows = store if shape.all_rows else mx.take(store, row_ids, axis=0)
+        if shape.all_rows:
+            rows = store
+        elif shape.first_row >= 0:
+            rows = store[shape.first_row : shape.first_row + shape.batch]
+        else:
+            rows = mx.take(store, row_ids, axis=0)
         return rows if shape.span == shape.capacity else rows[:, :, : shape.span]
 
     return read
