@@ -39,7 +39,6 @@ class StepShape:
     capacity: int  # KV positions per store row (the store's current capacity)
     span: int  # positions attention reads per row (<= capacity)
     store_rows: int  # rows of the store
-    all_rows: bool  # the step's rows are exactly range(store_rows): no gather
     first_row: int  # the step's rows are range(first_row, first_row + batch): a slice, no
     # gather (-1: scattered rows, gathered). With the scoring rows after the serving rows the
     # store never holds the step's rows alone, and a gather copied every layer's K and V
@@ -78,7 +77,6 @@ class CompiledSteps:
             capacity=capacity,
             span=decode_attention.span(max(starts) + 1, capacity),
             store_rows=store_rows,
-            all_rows=rows == list(range(store_rows)),
             first_row=rows[0] if rows == list(range(rows[0], rows[0] + len(rows))) else -1,
             split=split,
             streams=streams,
@@ -221,7 +219,7 @@ def _reader(shape: StepShape, row_ids: mx.array) -> Callable:
     """store [R, KV, cap, Dh] -> the step's rows [B, KV, span, Dh]."""
 
     def read(store: mx.array) -> mx.array:
-        if shape.all_rows:
+        if shape.first_row == 0 and shape.batch == shape.store_rows:
             rows = store
         elif shape.first_row >= 0:
             rows = store[shape.first_row : shape.first_row + shape.batch]

@@ -20,7 +20,13 @@ import numpy as np
 
 from llm_server.engines.base import EmbeddingsUnsupported, Engine
 from llm_server.pooling import EmbeddingConfig, PoolAccumulator
-from llm_server.scheduler.score_session import TRACE_LIMIT, chunk_sizes, pad_rows, padded_rows
+from llm_server.scheduler.score_session import (
+    TRACE_LIMIT,
+    chunk_sizes,
+    end_session,
+    pad_rows,
+    padded_rows,
+)
 from llm_server.scheduler.scorer import MAX_SCORE_BATCH
 from llm_server.scheduler.shortest_first import PumpRequest, ShortestFirstQueue
 
@@ -151,10 +157,7 @@ class Embedder:
 
     def _close_batch(self, engine: Engine) -> None:
         self._batch = None
-        try:
-            engine.embed_end()
-        except Exception as exc:  # noqa: BLE001 - the session is dropped either way
-            log.warning("embed_end failed: %s", exc)
+        end_session(engine.embed_end)
 
     def _deliver(self, batch: _Batch) -> None:
         vectors = batch.pool.finish(self.config.normalize)  # [n, hidden]

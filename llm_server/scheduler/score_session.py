@@ -164,10 +164,7 @@ class SessionScoring:
 
     def _close(self, engine: Engine) -> None:
         self._batch = None
-        try:
-            engine.score_end()
-        except Exception as exc:  # noqa: BLE001 - the session is dropped either way
-            log.warning("score_end failed: %s", exc)
+        end_session(engine.score_end)
 
     def _deliver(self, batch: _Batch) -> None:
         """Each real row's results over the whole batch (padded rows are never read)."""
@@ -182,6 +179,15 @@ class SessionScoring:
                     greedy_ids=whole.greedy_ids[row : row + 1],
                 ),
             )
+
+
+def end_session(end: Callable[[], None]) -> None:
+    """Close an engine session (scoring or embedding): a failure is logged, since the session
+    is dropped either way."""
+    try:
+        end()
+    except Exception as exc:  # noqa: BLE001 - must not escape into the scheduler loop
+        log.warning("%s failed: %s", getattr(end, "__name__", "ending the session"), exc)
 
 
 def join_chunks(parts: list[ScoreChunkResult]) -> ScoreChunkResult:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import anthropic
 import httpx
+import openai
 import pytest
 
 from llm_server.testing.tiny import HERMES_TEMPLATE, THINKING_TEMPLATE, build_tiny_checkpoint
@@ -47,3 +49,13 @@ def think_server(tmp_path_factory):
     )
     with serving(path) as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def oai(hermes_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=hermes_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def ant(hermes_server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=hermes_server.url, api_key="unused", max_retries=0)

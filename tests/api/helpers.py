@@ -51,3 +51,17 @@ class ForcedPrefix(LogitsConstraint):
     def advance(self, token: int) -> bool:
         self.i += 1
         return self.grammar.advance(token)
+
+
+GREEDY = {"temperature": 0}  # the anthropic SDK has no temperature argument any more
+
+
+def chat_once(oai, text: str, max_tokens: int, system: str | None = None):
+    messages = [{"role": "system", "content": system}] if system else []
+    r = oai.chat.completions.create(
+        model="default",
+        messages=[*messages, {"role": "user", "content": text}],
+        max_tokens=max_tokens,
+        temperature=0,
+    )
+    return r.choices[0], r.usage

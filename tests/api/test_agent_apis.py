@@ -1,8 +1,9 @@
-"""/v1/responses (official openai SDK) and /v1/messages (official anthropic SDK) on a live server.
+"""/v1/responses (official openai SDK) on a live server, and all three APIs batched together.
 
 The tiny Hermes-template model never calls a tool by itself: forced tool choices run decoding
 under the call grammar, so every call here is valid by construction. Greedy answers are
 compared with /v1/chat/completions on the same conversation: the adapters share its path.
+(/v1/messages: test_messages_api.py.)
 """
 
 from __future__ import annotations
@@ -10,56 +11,24 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
-import anthropic
 import httpx
 import jsonschema
 import openai
 import pytest
 
 from llm_server.api.responses_store import ResponseStore
-from llm_server.testing.live import LiveServer
-from tests.api.helpers import WEATHER_SCHEMA
+from tests.api.helpers import GREEDY, WEATHER_SCHEMA, chat_once
 
 FN_TOOL = {"type": "function", "name": "get_weather", "parameters": WEATHER_SCHEMA, "strict": True}
 ANT_TOOL = {"name": "get_weather", "description": "Weather", "input_schema": WEATHER_SCHEMA}
 MAX = 80
-RAW_EVENTS = {
-    "message_start",
-    "content_block_start",
-    "content_block_delta",
-    "content_block_stop",
-    "message_delta",
-    "message_stop",
-}
-GREEDY = {"temperature": 0}  # the anthropic SDK has no temperature argument any more
-
-
-@pytest.fixture(scope="module")
-def oai(hermes_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=hermes_server.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def ant(hermes_server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=hermes_server.url, api_key="unused", max_retries=0)
-
-
-def _chat(oai, text: str, max_tokens: int, system: str | None = None):
-    messages = [{"role": "system", "content": system}] if system else []
-    r = oai.chat.completions.create(
-        model="default",
-        messages=[*messages, {"role": "user", "content": text}],
-        max_tokens=max_tokens,
-        temperature=0,
-    )
-    return r.choices[0], r.usage
 
 
 # -- Responses ------------------------------------------------------------------------------
 
 
 def test_responses_create_equals_chat(oai):
-    choice, usage = _chat(oai, "Name a city.", 10, system="Be brief.")
+    choice, usage = chat_once(oai, "Name a city.", 10, system="Be brief.")
     r = oai.responses.create(
         model="default",
         instructions="Be brief.",
@@ -200,124 +169,6 @@ def test_response_store_is_a_bounded_lru():
     assert store.get("e") is None
 
 
-# -- Messages -------------------------------------------------------------------------------
-
-
-def test_messages_create_equals_chat(ant, oai):
-    choice, usage = _chat(oai, "Name a city.", 10, system="Be brief.")
-    m = ant.messages.create(
-        model="default",
-        system=[{"type": "text", "text": "Be brief."}],
-        messages=[{"role": "user", "content": "Name a city."}],
-        max_tokens=10,
-        extra_body=GREEDY,
-    )
-    assert m.type == "message" and m.role == "assistant"
-    assert [b.type for b in m.content] == ["text"]
-    assert m.content[0].text == choice.message.content
-    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == usage.prompt_tokens
-    assert m.usage.output_tokens == usage.completion_tokens
-    expected = {"length": "max_tokens", "stop": "end_turn"}[choice.finish_reason]
-    assert m.stop_reason == expected and m.stop_sequence is None
-    counted = ant.messages.count_tokens(
-        model="default",
-        system="Be brief.",
-        messages=[{"role": "user", "content": "Name a city."}],
-    )
-    assert counted.input_tokens == usage.prompt_tokens
-
-
-def test_messages_stop_sequence(ant):
-    kw = dict(model="default", messages=[{"role": "user", "content": "Count."}], extra_body=GREEDY)
-    text = ant.messages.create(max_tokens=12, **kw).content[0].text
-    stop = text[4:6]
-    m = ant.messages.create(max_tokens=12, stop_sequences=[stop], **kw)
-    assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
-    assert m.content[0].text == text[: text.find(stop)]
-
-
-def test_messages_stream_accumulates(ant, hermes_server):
-    kw = dict(
-        model="default",
-        messages=[{"role": "user", "content": "Say hi."}],
-        max_tokens=12,
-        extra_body=GREEDY,
-    )
-    whole = ant.messages.create(**kw)
-    with ant.messages.stream(**kw) as stream:
-        events = [e.type for e in stream]
-        final = stream.get_final_message()
-    raw = [e for e in events if e in RAW_EVENTS]  # the SDK adds its own "text" events
-    assert raw[:2] == ["message_start", "content_block_start"]
-    assert raw[-3:] == ["content_block_stop", "message_delta", "message_stop"]
-    body = {**kw["extra_body"], **{k: v for k, v in kw.items() if k != "extra_body"}}
-    sse = httpx.post(hermes_server.url + "/v1/messages", json={**body, "stream": True}).text
-    names = [line[len("event: ") :] for line in sse.splitlines() if line.startswith("event: ")]
-    assert names[:3] == ["message_start", "ping", "content_block_start"]  # what the SDK skips
-    assert 1 < names.count("content_block_delta") <= whole.usage.output_tokens
-    assert final.content[0].text == whole.content[0].text
-    assert final.stop_reason == whole.stop_reason
-    assert final.usage.output_tokens == whole.usage.output_tokens
-
-
-def test_messages_tool_use_round_trip(ant):
-    ask = {"role": "user", "content": "Weather in Paris?"}
-    kw = dict(model="default", tools=[ANT_TOOL], max_tokens=MAX, extra_body=GREEDY)
-    choice = {"type": "tool", "name": "get_weather"}
-    first = ant.messages.create(messages=[ask], tool_choice=choice, **kw)
-    assert first.stop_reason == "tool_use"
-    (use,) = first.content
-    assert use.type == "tool_use" and use.name == "get_weather" and use.id.startswith("toolu_")
-    jsonschema.validate(use.input, WEATHER_SCHEMA)
-    with ant.messages.stream(messages=[ask], tool_choice=choice, **kw) as stream:
-        streamed = stream.get_final_message()
-    assert streamed.content[0].input == use.input and streamed.stop_reason == "tool_use"
-    follow = [
-        ask,
-        {"role": "assistant", "content": [use.model_dump()]},
-        {
-            "role": "user",
-            "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C"}],
-        },
-    ]
-    second = ant.messages.create(messages=follow, tool_choice={"type": "none"}, **kw)
-    assert second.stop_reason in ("end_turn", "max_tokens")
-    assert [b.type for b in second.content] == ["text"]
-    assert second.usage.input_tokens + second.usage.cache_read_input_tokens > (
-        first.usage.input_tokens + first.usage.cache_read_input_tokens
-    )
-
-
-def test_messages_errors_in_anthropic_format(ant, hermes_server):
-    ask = [{"role": "user", "content": "Hi"}]
-    with pytest.raises(anthropic.BadRequestError) as err:
-        ant.messages.create(model="default", messages=ask, max_tokens=4, thinking={
-            "type": "enabled", "budget_tokens": 2048})  # fmt: skip
-    assert err.value.body == {
-        "type": "error",
-        "error": {
-            "type": "invalid_request_error",
-            "message": "this model does not think (its chat template has no thinking section)",
-        },
-    }
-    with pytest.raises(anthropic.NotFoundError):
-        ant.messages.create(model="claude-x", messages=ask, max_tokens=4)
-    with LiveServer(hermes_server.service, api_key="sekrit") as keyed:
-        good = anthropic.Anthropic(base_url=keyed.url, api_key="sekrit", max_retries=0)
-        assert good.messages.create(model="default", messages=ask, max_tokens=2).content
-        bad = anthropic.Anthropic(base_url=keyed.url, api_key="wrong", max_retries=0)
-        with pytest.raises(anthropic.AuthenticationError) as err:
-            bad.messages.create(model="default", messages=ask, max_tokens=2)
-        assert err.value.body["error"]["type"] == "authentication_error"
-        bearer = httpx.post(
-            keyed.url + "/v1/messages",
-            json={"messages": ask, "max_tokens": 2},
-            headers={"Authorization": "Bearer sekrit", "anthropic-version": "2023-06-01"},
-            timeout=60,
-        )
-        assert bearer.status_code == 200
-
-
 @pytest.mark.parametrize(
     ("path", "field", "value", "param"),
     [
@@ -362,7 +213,7 @@ def test_accepted_no_op_field_values(hermes_server):
 
 def _three(oai, ant, i: int) -> tuple[str, str, str]:
     text = f"Tell me about {i}."
-    chat = _chat(oai, text, 8)[0].message.content
+    chat = chat_once(oai, text, 8)[0].message.content
     resp = oai.responses.create(model="default", input=text, max_output_tokens=8, temperature=0)
     msg = ant.messages.create(
         model="default",
@@ -378,7 +229,7 @@ def test_three_apis_batched_equal_alone(oai, ant):
     for chat, resp, msg in alone:
         assert chat == resp == msg
     with ThreadPoolExecutor(6) as pool:
-        jobs = [pool.submit(_chat, oai, f"Tell me about {i}.", 8) for i in range(2)]
+        jobs = [pool.submit(chat_once, oai, f"Tell me about {i}.", 8) for i in range(2)]
         jobs += [
             pool.submit(
                 oai.responses.create,
