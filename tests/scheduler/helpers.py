@@ -11,7 +11,7 @@ from llm_server.decoding import Decoder, FinishReason, SamplingParams
 from llm_server.engines.base import Engine, EngineError
 from llm_server.engines.mlx_engine import MLXEngine
 from llm_server.scheduler import BatchScheduler, FinishEvent, GenerationRequest, TokenEvent
-from llm_server.scheduler.batch import DEFAULT_STEP_TOKENS
+from llm_server.scheduler.batch import DEFAULT_SPECULATIVE, DEFAULT_STEP_TOKENS
 from llm_server.tokenizer import Tokenizer
 
 
@@ -58,6 +58,7 @@ def start_scheduler(
     engine_cls=MLXEngine,
     *,
     step_tokens: int = DEFAULT_STEP_TOKENS,
+    speculative: str = DEFAULT_SPECULATIVE,
     **kw,
 ):
     sched = BatchScheduler(
@@ -65,6 +66,7 @@ def start_scheduler(
         max_concurrent=concurrent,
         max_queued=max_queued,
         step_tokens=step_tokens,
+        speculative=speculative,
     ).start()
     sched.wait_ready(60)
     return sched

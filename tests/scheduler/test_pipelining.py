@@ -46,8 +46,12 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def _serve(model, tok, engine_cls, prompts, params, concurrent=4):
-    """Submit all requests at once (queued beyond `concurrent`); the outcomes and the scheduler."""
-    sched = start_scheduler(model, concurrent, engine_cls=engine_cls)
+    """Submit all requests at once (queued beyond `concurrent`); the outcomes and the scheduler.
+
+    Prompt-lookup drafting is off: its steps are not pipelined, and whether a step drafts
+    depends on the measured step times (spec_policy), which would make the counts of
+    pipelined steps depend on the machine's speed."""
+    sched = start_scheduler(model, concurrent, engine_cls=engine_cls, speculative="off")
     try:
         outs = []
         for prompt, (max_tokens, kw) in zip(prompts, params, strict=True):
