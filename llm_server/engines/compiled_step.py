@@ -42,20 +42,28 @@ class StepShape:
     first_row: int  # the step's rows are range(first_row, first_row + batch): a slice, no
     # gather (-1: scattered rows, gathered). With the scoring rows after the serving rows the
     # store never holds the step's rows alone, and a gather copied every layer's K and V
-    split: bool  # products split across two CPU streams
-    streams: tuple[str, ...]  # the split streams (thread-local: a new thread retraces)
+    split: bool  # products split across two CPU streams (this thread's: see CompiledSteps)
 
 
 class CompiledSteps:
     """Compiled decode steps of one `FusedForward`, keyed by `StepShape` (least recently used
-    dropped past MAX_GRAPHS)."""
+    dropped past MAX_GRAPHS), each thread its own.
+
+    A compiled function is called from one thread only. MLX caches a traced graph per thread,
+    keyed by the Python function's address, and a dropped compiled function erases its entry
+    from the cache of the thread that called it last only (mlx 0.32.4, ml-explore/mlx#3940).
+    A graph called from two threads (a step on the constructing thread, then the scheduler's)
+    would leave an entry behind when its engine is dropped: a later function at the same
+    address with the same input shapes replays the dead graph and its weights, a wrong answer.
+    The split streams are per thread too, so a new driving thread retraces either way.
+    """
 
     def __init__(self, decoder) -> None:
         self.decoder = decoder
         self.rotation = _Rotation.of(decoder.table, decoder.layers[0].head_dim)
-        self._graphs: OrderedDict[StepShape, Callable] = OrderedDict()
+        self._local = threading.local()  # .graphs: OrderedDict[StepShape, Callable]
         self._lock = threading.Lock()
-        self.traces = 0  # graphs built (tests and benchmarks read it)
+        self.traces = 0  # graphs built, all threads (tests and benchmarks read it)
 
     def run(
         self,
@@ -71,7 +79,6 @@ class CompiledSteps:
         `keys`/`values`: the store's arrays per layer, [store_rows, KV, capacity, Dh].
         """
         store_rows, _, capacity, _ = keys[0].shape
-        streams = tuple(repr(s) for s in cpu_kernels.split_streams()) if split else ()
         shape = StepShape(
             batch=len(rows),
             capacity=capacity,
@@ -79,7 +86,6 @@ class CompiledSteps:
             store_rows=store_rows,
             first_row=rows[0] if rows == list(range(rows[0], rows[0] + len(rows))) else -1,
             split=split,
-            streams=streams,
         )
         fn = self._graph(shape)
         pos = mx.array(starts, dtype=mx.int32)
@@ -89,17 +95,19 @@ class CompiledSteps:
         return out[0], list(out[1 : 1 + n]), list(out[1 + n :])
 
     def _graph(self, shape: StepShape) -> Callable:
-        with self._lock:
-            fn = self._graphs.get(shape)
-            if fn is not None:
-                self._graphs.move_to_end(shape)
-                return fn
-            fn = mx.compile(self._step_fn(shape))
-            self._graphs[shape] = fn
-            self.traces += 1
-            while len(self._graphs) > MAX_GRAPHS:
-                self._graphs.popitem(last=False)
+        graphs = getattr(self._local, "graphs", None)
+        if graphs is None:
+            graphs = self._local.graphs = OrderedDict()
+        fn = graphs.get(shape)
+        if fn is not None:
+            graphs.move_to_end(shape)
             return fn
+        fn = graphs[shape] = mx.compile(self._step_fn(shape))
+        with self._lock:
+            self.traces += 1
+        while len(graphs) > MAX_GRAPHS:
+            graphs.popitem(last=False)
+        return fn
 
     def _step_fn(self, shape: StepShape) -> Callable:
         decoder, rotation = self.decoder, self.rotation

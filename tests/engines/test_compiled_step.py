@@ -109,6 +109,42 @@ def test_a_step_on_another_thread_equals_the_first_threads(tiny_llama_path):
     np.testing.assert_array_equal(results["a"], eager.decode([0], [9]))
 
 
+def test_a_dropped_engine_driven_from_two_threads_leaves_no_graph_behind(tmp_path):
+    """MLX keys a compiled graph by its Python function's address, in a per-thread cache, and
+    a dropped compiled function erases its entry only from the last calling thread's cache
+    (mlx 0.32.4; ml-explore/mlx#3940). A step graph called from two threads and dropped left
+    an entry behind, and a later graph at the reused address with the same input shapes got
+    the dropped engine's tape: its weights. Each thread now has its own graphs.
+
+    Engines of two checkpoints with the same shapes and other weights, the first driven from
+    the main thread and a second thread, then dropped: the second's greedy tokens are its own.
+    """
+    import gc
+
+    from llm_server.testing.families import build_family_checkpoint
+
+    own, other = (build_family_checkpoint(tmp_path / f"s{s}", "llama", seed=s) for s in (0, 1))
+    prompt = list(range(5, 25))
+
+    def greedy(engine, n=4):
+        logits, out = engine.prefill(0, prompt), []
+        for _ in range(n):
+            out.append(int(np.argmax(logits)))
+            logits = engine.decode([0], [out[-1]])[0]
+        return out
+
+    expected = greedy(MLXEngine(own, rows=1))
+    for _ in range(6):  # the address is reused nearly every time; six rounds make it certain
+        dropped = MLXEngine(other, rows=1)
+        assert greedy(dropped) != expected  # the checkpoints answer differently
+        thread = threading.Thread(target=lambda e=dropped: (greedy(e), e.thread_exit()))
+        thread.start()
+        thread.join()
+        del dropped, thread
+        gc.collect()
+        assert greedy(MLXEngine(own, rows=1)) == expected
+
+
 @pytest.mark.slow
 def test_smollm2_compiled_greedy_equals_eager(default_model_path):
     """SmolLM2: 40 steps on 3 rows at different cursors, across span boundaries and the store's
