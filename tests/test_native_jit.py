@@ -1,6 +1,6 @@
 """MLX's run-time CPU kernels built for this CPU (llm_server/native/jit.py): the same values.
 
-The `g++` wrapper adds `-march=native -ffp-contract=off`. Vector instructions must not change
+The `g++` wrapper adds jit.FLAGS (-march=native ...). Vector instructions must not change
 a fused kernel's values, and contraction into FMAs would (MLX's own ops are built without
 it): compiled graphs equal the same ops run eagerly, and equal kernels built without the
 wrapper, bit for bit.
@@ -25,6 +25,11 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Li
 _PROBE = """
 import json, sys, numpy as np, mlx.core as mx
 x = mx.random.normal((8, 3072), key=mx.random.key(1)) * 3
+# the kernels' special cases: exp's clamps at +-88, NaN, infinities, signed zeros, tiny values
+edge = [0.0, -0.0, 100.0, -100.0, 88.5, -88.5, 87.9, -87.9, 1e-30, -1e-30, 0.5, -0.5]
+edge += [float("nan"), float("inf"), float("-inf")]
+x = mx.concatenate([mx.array([edge * 16], dtype=mx.float32), x[1:, : 16 * len(edge)]])
+x = mx.concatenate([x, mx.random.normal((8, 3072 - x.shape[1]), key=mx.random.key(4))], 1)
 y = mx.random.normal((8, 3072), key=mx.random.key(2))
 w = mx.random.normal((3072,), key=mx.random.key(3))
 fns = {
@@ -37,7 +42,8 @@ fns = {
 out = {}
 for name, f in fns.items():
     eager, compiled = np.array(f(x, y)), np.array(mx.compile(f)(x, y))
-    out[name] = [bool(np.array_equal(eager, compiled)), compiled.tobytes().hex()]
+    same = np.array_equal(eager, compiled, equal_nan=True)
+    out[name] = [bool(same), compiled.tobytes().hex()]
 json.dump(out, sys.stdout)
 """
 
@@ -80,3 +86,23 @@ def test_the_wrapper_is_first_in_path_under_the_entry_points():
         "PATH": "/usr/bin",
         jit.DISABLE_ENV: "0",
     }
+
+
+def test_kernels_built_with_other_flags_are_rebuilt(tmp_path):
+    """MLX names a cached kernel by its computation alone: kernels built before with other
+    flags are removed once (a stamp records the flags), kernels built with these are kept."""
+    env = {"TMPDIR": str(tmp_path), "PATH": os.environ["PATH"]}
+    folder = jit.kernel_dir(env)
+    folder.mkdir(parents=True)
+    old = folder / "libold_kernel.so"
+    old.write_bytes(b"built without the flags")
+    jit.drop_stale_kernels(env)
+    assert not old.exists()
+    assert (folder / ".llm-server-flags").read_text() == jit.FLAGS
+    new = folder / "libnew_kernel.so"
+    new.write_bytes(b"built with the flags")
+    jit.drop_stale_kernels(env)
+    assert new.exists()
+    (folder / ".llm-server-flags").write_text("-march=native")
+    jit.drop_stale_kernels(env)
+    assert not new.exists()

@@ -154,11 +154,6 @@ def _rotate(x: mx.array, swapped: mx.array, cos2: mx.array, sin2: mx.array) -> m
     return x * cos2 + swapped * sin2
 
 
-@mx.compile
-def _silu_mul(gate: mx.array, up: mx.array) -> mx.array:
-    return gate * mx.sigmoid(gate) * up
-
-
 def _attention(layer, queries, keys, values, mask) -> mx.array:
     """queries [B, H, Dh] over keys/values [B, KV, span, Dh] -> [B, H, Dh]: on the CPU the
     arithmetic every decode position shares (decode_attention.attend); on Metal MLX's fused
@@ -204,7 +199,7 @@ def _body(decoder, rotation, ids, pos, mask, keys, values, write, read, split: b
         out = _attention(layer, qk[:, :nh], read(new_keys[i]), read(new_values[i]), mask)
         x = x + layer.o(out.reshape(b, nh * hd), split)
         gate, up = layer.gate_up.pair(layer.norm_post(x), split)
-        x = x + layer.down(_silu_mul(gate, up), split)
+        x = x + layer.down(cpu_kernels.silu_mul(gate, up), split)
     logits = decoder.lm_head(inner.norm(x), split).astype(mx.float32)
     return logits, new_keys, new_values
 

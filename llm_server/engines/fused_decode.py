@@ -20,7 +20,6 @@ weights, sliding windows, unknown attention extras); the engine then keeps the m
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -34,9 +33,7 @@ _KNOWN_ATTN = {"q_proj", "k_proj", "v_proj", "o_proj", "rope", "q_norm", "k_norm
 _KNOWN_MLP = {"gate_proj", "up_proj", "down_proj"}
 
 
-@partial(mx.compile, shapeless=True)
-def _silu_mul(gate: mx.array, up: mx.array) -> mx.array:
-    return gate * mx.sigmoid(gate) * up
+_silu_mul = cpu_kernels.silu_mul
 
 
 def _rotate_eager(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
@@ -327,9 +324,9 @@ class FusedForward:
     @staticmethod
     def _group_silu(sizes: list[int], exact: list[bool]):
         """silu(gate) * up over packed groups: MLX's kernel for the decode positions (`exact`
-        groups, which come first in a step), numpy's sigmoid (cpu_kernels.swiglu) for the
-        prompt chunks after them."""
-        if sum(sizes) == 1 or not cpu_kernels.on_cpu():
+        groups, which come first in a step), and for the prompt chunks after them numpy's
+        sigmoid (cpu_kernels.swiglu) where MLX's kernels are not built for this CPU."""
+        if sum(sizes) == 1 or not cpu_kernels.numpy_silu():
             return _silu_mul
         lead = 0  # packed positions of the leading exact groups
         for size, is_exact in zip(sizes, exact, strict=True):
