@@ -60,7 +60,7 @@ class CompiledSteps:
 
     def __init__(self, decoder) -> None:
         self.decoder = decoder
-        self.rotation = _Rotation.of(decoder.table, decoder.layers[0].head_dim)
+        self.rotation = _Rotation.of(decoder.table)
         self._local = threading.local()  # .graphs: OrderedDict[StepShape, Callable]
         self._lock = threading.Lock()
         self.traces = 0  # graphs built, all threads (tests and benchmarks read it)
@@ -128,25 +128,28 @@ class CompiledSteps:
 
 @dataclass(frozen=True)
 class _Rotation:
-    """Rotary embedding as x * cos2 + (x @ swap) * sin2: one product and one fused kernel per
-    layer for queries and keys together (the half-split form takes two slices, two kernels
-    and a concatenation for each)."""
+    """Rotary embedding as x * cos2 + roll(x) * sin2: one roll (a split and a concatenation)
+    and one fused kernel per layer for queries and keys together (the half-split form takes
+    two slices, two kernels and a concatenation for each). roll(x) = [x2 | x1] copies values,
+    so this is the half-split form's arithmetic: x1 * cos + x2 * -sin, x2 * cos + x1 * sin."""
 
     cos2: mx.array  # [positions, Dh] = [cos | cos]
     sin2: mx.array  # [positions, Dh] = [-sin | sin]
-    swap: mx.array  # [Dh, Dh] permutation: x @ swap = [x2 | x1]
 
     @classmethod
-    def of(cls, table: mx.array | None, head_dim: int) -> _Rotation | None:
+    def of(cls, table: mx.array | None) -> _Rotation | None:
         if table is None:
             return None
-        half = head_dim // 2
+        half = table.shape[-1] // 2
         cos, sin = table[:, :half], table[:, half:]
-        idx = mx.arange(head_dim)
-        swap = (idx[:, None] == ((idx[None, :] + half) % head_dim)).astype(table.dtype)
-        out = cls(mx.concatenate([cos, cos], -1), mx.concatenate([-sin, sin], -1), swap)
-        mx.eval(out.cos2, out.sin2, out.swap)
+        out = cls(mx.concatenate([cos, cos], -1), mx.concatenate([-sin, sin], -1))
+        mx.eval(out.cos2, out.sin2)
         return out
+
+    @staticmethod
+    def swap(x: mx.array) -> mx.array:
+        """x [..., Dh] -> [x2 | x1], its halves exchanged."""
+        return mx.roll(x, x.shape[-1] // 2, axis=-1)
 
 
 @mx.compile
@@ -155,16 +158,18 @@ def _rotate(x: mx.array, swapped: mx.array, cos2: mx.array, sin2: mx.array) -> m
 
 
 def _attention(layer, queries, keys, values, mask) -> mx.array:
-    """queries [B, H, Dh] over keys/values [B, KV, span, Dh] -> [B, H, Dh]: on the CPU the
-    arithmetic every decode position shares (decode_attention.attend); on Metal MLX's fused
-    attention kernel."""
+    """queries [B, H, 1, Dh] over keys/values [B, KV, span, Dh] -> [B, H * Dh]: on the CPU the
+    arithmetic every decode position shares (decode_attention), on Metal MLX's fused kernel."""
+    b, nh, _, hd = queries.shape
     if cpu_kernels.on_cpu():
-        out = decode_attention.attend(queries[:, :, None], keys, values, mask, layer.scale)
+        nkv = keys.shape[1]
+        grouped = queries.reshape(b, nkv, nh // nkv, hd)
+        out = decode_attention.attend_grouped(grouped, keys, values, mask, layer.scale)
     else:
         out = mx.fast.scaled_dot_product_attention(
-            queries[:, :, None], keys, values, scale=layer.scale, mask=mask
+            queries, keys, values, scale=layer.scale, mask=mask
         )
-    return out[:, :, 0]
+    return out.reshape(b, nh * hd)
 
 
 def _body(decoder, rotation, ids, pos, mask, keys, values, write, read, split: bool):
@@ -173,33 +178,35 @@ def _body(decoder, rotation, ids, pos, mask, keys, values, write, read, split: b
     returns the step's rows of it [B, KV, span, Dh]. Returns (logits [B, vocab] float32, the
     updated keys and values per layer).
 
-    Activations stay 2-D, [B, features] (one position per row): a product is then one plain
-    matmul, without the broadcast/flatten views a [B, 1, features] input adds.
+    The hidden state stays 2-D, [B, features] (one position per row): a product is then one
+    plain matmul, without the broadcast/flatten views a [B, 1, features] input adds; heads are
+    [B, heads, 1, Dh], the store's layout, so no op only adds an axis. Every op of the graph
+    costs a dispatch (~1.5-3 us on the CPU) whatever its size, so views are taken once: one
+    slice per store read, the residual added by the product itself (`_Linear.add_to`).
     """
     inner = decoder.model.model
     b = ids.shape[0]
     x = inner.embed_tokens(ids.reshape(b))  # [B, dim]
-    if rotation is not None:
-        cos2, sin2 = rotation.cos2[pos][:, None], rotation.sin2[pos][:, None]  # [B, 1, Dh]
+    if rotation is not None:  # [B, 1, 1, Dh]
+        cos2, sin2 = rotation.cos2[pos][:, None, None], rotation.sin2[pos][:, None, None]
     new_keys, new_values = [], []
     for i, layer in enumerate(decoder.layers):
         hd, nh, nkv = layer.head_dim, layer.heads, layer.kv_heads
         qkv = layer.qkv(layer.norm_in(x), split)  # [B, (H + 2 KV) * Dh]
-        qk = qkv[:, : (nh + nkv) * hd].reshape(b, nh + nkv, hd)
+        qk = qkv[:, : (nh + nkv) * hd].reshape(b, nh + nkv, 1, hd)
         v = qkv[:, (nh + nkv) * hd :].reshape(b, nkv, 1, hd)
         if layer.q_norm is not None:
             qk = mx.concatenate([layer.q_norm(qk[:, :nh]), layer.k_norm(qk[:, nh:])], axis=1)
         if rotation is None:
-            qk = layer.rope(qk[:, :, None], offset=pos)[:, :, 0]
+            qk = layer.rope(qk, offset=pos)
         else:
-            swapped = (qk.reshape(b * (nh + nkv), hd) @ rotation.swap).reshape(qk.shape)
-            qk = _rotate(qk, swapped, cos2, sin2)
-        new_keys.append(write(keys[i], qk[:, nh:, None]))
+            qk = _rotate(qk, rotation.swap(qk), cos2, sin2)
+        new_keys.append(write(keys[i], qk[:, nh:]))
         new_values.append(write(values[i], v))
         out = _attention(layer, qk[:, :nh], read(new_keys[i]), read(new_values[i]), mask)
-        x = x + layer.o(out.reshape(b, nh * hd), split)
+        x = layer.o.add_to(x, out, split)
         gate, up = layer.gate_up.pair(layer.norm_post(x), split)
-        x = x + layer.down(cpu_kernels.silu_mul(gate, up), split)
+        x = layer.down.add_to(x, cpu_kernels.silu_mul(gate, up), split)
     logits = decoder.lm_head(inner.norm(x), split).astype(mx.float32)
     return logits, new_keys, new_values
 
@@ -221,13 +228,14 @@ def _writer(shape: StepShape, pos: mx.array, row_ids: mx.array) -> Callable:
 def _reader(shape: StepShape, row_ids: mx.array) -> Callable:
     """store [R, KV, cap, Dh] -> the step's rows [B, KV, span, Dh]."""
 
+    whole = shape.first_row == 0 and shape.batch == shape.store_rows
+
     def read(store: mx.array) -> mx.array:
-        if shape.first_row == 0 and shape.batch == shape.store_rows:
-            rows = store
-        elif shape.first_row >= 0:
-            rows = store[shape.first_row : shape.first_row + shape.batch]
-        else:
-            rows = mx.take(store, row_ids, axis=0)
+        if whole and shape.span == shape.capacity:
+            return store
+        if shape.first_row >= 0:  # one slice of rows and span together (one op, not two)
+            return store[shape.first_row : shape.first_row + shape.batch, :, : shape.span]
+        rows = mx.take(store, row_ids, axis=0)
         return rows if shape.span == shape.capacity else rows[:, :, : shape.span]
 
     return read

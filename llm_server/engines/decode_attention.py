@@ -74,25 +74,34 @@ def attend(
 ) -> mx.array:
     """queries [B, H, q, Dh] over keys/values [B, KV, span, Dh] with mask [B, 1, q, span] bool
     -> [B, H, q, Dh]. The query heads of a KV head (and the q positions) are the rows of one
-    product per (row, KV head). A span of part of a block (the store's capacity at a context
-    length that is not whole blocks) is padded with masked zeros to whole blocks."""
+    product per (row, KV head); see `attend_grouped`."""
     b, nh, q, hd = queries.shape
     nkv = keys.shape[1]
-    rep = nh // nkv
+    out = attend_grouped(queries.reshape(b, nkv, nh // nkv * q, hd), keys, values, mask, scale)
+    return out.reshape(b, nh, q, hd)
+
+
+def attend_grouped(
+    grouped: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: float
+) -> mx.array:
+    """`attend` on queries already grouped by KV head: grouped [B, KV, rep * q, Dh] (the rep
+    query heads of a KV head, each with its q positions) -> [B, KV, rep * q, Dh]. A span of
+    part of a block (the store's capacity at a context length that is not whole blocks) is
+    padded with masked zeros to whole blocks."""
+    b, nkv, rows, hd = grouped.shape
+    q = mask.shape[2]
     extra = -keys.shape[2] % SPAN
     if extra:  # a store capped at a context length of part of a block: pad to whole blocks
         keys, values = (mx.pad(t, [(0, 0), (0, 0), (0, extra), (0, 0)]) for t in (keys, values))
         mask = mx.pad(mask, [(0, 0), (0, 0), (0, 0), (0, extra)], constant_values=False)
-    grouped = queries.reshape(b, nkv, rep * q, hd)
-    lone = rep * q == 1
+    lone = rows == 1
     if lone:  # a 1-row product takes BLIS's matrix-vector kernel: another summation order
         grouped = mx.concatenate([grouped, grouped], axis=2)
     scores = grouped @ keys.swapaxes(-1, -2)  # [B, KV, rep * q, span]
     width = scores.shape[-1]
-    scores = scores.reshape(b, nkv, -1, q, width)
-    scores = mx.where(mask[:, :, None], scores * scale, mx.array(-float("inf"), scores.dtype))
-    probs = _softmax(scores).reshape(b, nkv, -1, width)
+    if q > 1:  # each query head's q positions take their own mask rows
+        scores, mask = scores.reshape(b, nkv, -1, q, width), mask[:, :, None]
+    scores = mx.where(mask, scores * scale, mx.array(-float("inf"), scores.dtype))
+    probs = _softmax(scores).reshape(b, nkv, -1, width)  # (a view: no op when q = 1)
     out = probs @ values  # [B, KV, rep * q, Dh]
-    if lone:
-        out = out[:, :, :1]
-    return out.reshape(b, nh, q, hd)
+    return out[:, :, :1] if lone else out

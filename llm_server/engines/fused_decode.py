@@ -65,6 +65,13 @@ class _Linear:
         out = cpu_kernels.split_matmul_halves(x, self.halves) if split else x @ self.wt
         return out if self.bias is None else out + self.bias
 
+    def add_to(self, x: mx.array, a: mx.array, split: bool) -> mx.array:
+        """x + self(a). On the CPU one addmm: the product writes onto a copy of x, each output
+        s + x as in the separate add (alpha = beta = 1, so the same rounding), one op fewer."""
+        if split or self.bias is not None or not cpu_kernels.on_cpu():
+            return x + self(a, split)
+        return mx.addmm(x, a, self.wt)
+
     def pair(self, x: mx.array, split: bool) -> tuple[mx.array, mx.array]:
         """The two halves of the output (gate and up of a stacked gate/up), each computed on
         its own stream when `split`: no concatenation and no slicing of a joint output."""
