@@ -19,8 +19,8 @@
  * bit-identical alone, batched, or beside a prompt chunk (ARCHITECTURE S10).
  *
  * Threads: a pool of LLM_SERVER_SKINNY_THREADS (default: BLIS_NUM_THREADS, else the CPU count)
- * splits N. Workers spin briefly between products, then sleep. A second caller while the pool
- * is busy computes on its own thread.
+ * and the caller claim N's chunks of 64 columns one at a time. Workers spin briefly between
+ * products, then sleep. A second caller while the pool is busy computes on its own thread.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -181,21 +181,37 @@ static void columns(const product_t *p, int n0, int n1) {
 }
 
 /* ---- the pool ---- */
+/* A product's columns are cut into chunks of CHUNK_COLS that the caller and the workers claim
+ * one at a time, so a thread the OS holds back (on 2 cores the Python thread and MLX's stream
+ * thread share them with the pool) leaves its share to the others instead of making the
+ * caller wait at a barrier. Which thread computes a column changes nothing in its values. */
+#define CHUNK_COLS 64 /* a multiple of 16: whole tiles */
 static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
 static pthread_mutex_t pool_busy = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t wake_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake_cv = PTHREAD_COND_INITIALIZER;
 static int pool_threads = 1;
 static product_t job;
-static int job_parts;
+static int job_parts, job_chunks;
 static atomic_uint generation;
-static atomic_int finished;
+/* (generation << 32) | the next unclaimed chunk: a claim is valid for its generation only, so a
+ * worker late for a product never takes a chunk of the next one with the old one's sizes */
+static _Atomic unsigned long long claim;
+static atomic_int chunks_done;
 
-static void part(int t, int parts) {
-    int tiles = (job.n + 15) / 16; /* whole 16-column blocks: a tile never straddles threads */
-    int n0 = tiles * t / parts * 16, n1 = tiles * (t + 1) / parts * 16;
-    if (n1 > job.n) n1 = job.n;
-    if (n0 < n1) columns(&job, n0, n1);
+static void run_chunks(unsigned gen) {
+    for (;;) {
+        unsigned long long v = atomic_load_explicit(&claim, memory_order_acquire);
+        if ((unsigned)(v >> 32) != gen || (int)(v & 0xffffffffu) >= job_chunks) return;
+        if (!atomic_compare_exchange_weak_explicit(&claim, &v, v + 1, memory_order_acq_rel,
+                                                   memory_order_acquire))
+            continue;
+        /* claimed: the caller waits for this chunk, so `job` stays this generation's */
+        int n0 = (int)(v & 0xffffffffu) * CHUNK_COLS;
+        int n1 = n0 + CHUNK_COLS < job.n ? n0 + CHUNK_COLS : job.n;
+        columns(&job, n0, n1);
+        atomic_fetch_add_explicit(&chunks_done, 1, memory_order_acq_rel);
+    }
 }
 
 static void *worker(void *arg) {
@@ -214,8 +230,7 @@ static void *worker(void *arg) {
             pthread_mutex_unlock(&wake_mu);
         }
         seen = atomic_load_explicit(&generation, memory_order_acquire);
-        if (t < job_parts) part(t, job_parts);
-        atomic_fetch_add_explicit(&finished, 1, memory_order_acq_rel);
+        if (t < job_parts) run_chunks(seen);
     }
     return NULL;
 }
@@ -242,21 +257,26 @@ static void start_pool(void) {
 static void skinny(const product_t *p) {
     pthread_once(&pool_once, start_pool);
     long long parts_wanted = (long long)p->m * p->n * p->k / MIN_WORK_PER_THREAD;
+    int chunks = (p->n + CHUNK_COLS - 1) / CHUNK_COLS;
     int parts = parts_wanted > pool_threads ? pool_threads : (int)parts_wanted;
-    if (parts > (p->n + 15) / 16) parts = (p->n + 15) / 16;
+    if (parts > chunks) parts = chunks;
     if (parts <= 1 || pthread_mutex_trylock(&pool_busy) != 0) {
         columns(p, 0, p->n);
         return;
     }
     job = *p;
     job_parts = parts;
-    atomic_store_explicit(&finished, 0, memory_order_relaxed);
+    job_chunks = chunks;
+    atomic_store_explicit(&chunks_done, 0, memory_order_relaxed);
+    unsigned gen = atomic_load_explicit(&generation, memory_order_relaxed) + 1;
+    atomic_store_explicit(&claim, (unsigned long long)gen << 32, memory_order_release);
     pthread_mutex_lock(&wake_mu);
-    atomic_fetch_add_explicit(&generation, 1, memory_order_acq_rel);
+    atomic_store_explicit(&generation, gen, memory_order_release);
     pthread_cond_broadcast(&wake_cv);
     pthread_mutex_unlock(&wake_mu);
-    part(0, parts);
-    while (atomic_load_explicit(&finished, memory_order_acquire) < pool_threads - 1) CPU_RELAX();
+    run_chunks(gen);
+    /* every chunk is claimed: wait for those still computing on a worker */
+    while (atomic_load_explicit(&chunks_done, memory_order_acquire) < chunks) CPU_RELAX();
     pthread_mutex_unlock(&pool_busy);
 }
 
