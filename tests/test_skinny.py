@@ -85,6 +85,36 @@ def test_a_rows_products_do_not_depend_on_the_rows_beside_it(lib, trans_b):
         np.testing.assert_array_equal(left, whole[:, :half])
 
 
+def test_products_from_many_threads_at_once_are_each_exact(lib):
+    """Six threads call products of different shapes back to back (ctypes lets go of the GIL):
+    one holds the pool, the others compute on their own threads, and a worker late for one
+    product must never take a chunk of the next. Every result equals its product computed
+    alone, bit for bit."""
+    import threading
+
+    rng = np.random.default_rng(11)
+    cases = []
+    for m, n, k in [(1, 1536, 576), (2, 576, 1536), (1, 4000, 64), (8, 960, 576), (3, 130, 576)]:
+        a = rng.standard_normal((m, k)).astype(np.float32)
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        cases.append((a, w, _product(lib, a, w)))
+    failures: list[str] = []
+
+    def hammer(seed: int) -> None:
+        order = np.random.default_rng(seed).integers(0, len(cases), 60)
+        for i in order:
+            a, w, want = cases[i]
+            if not np.array_equal(_product(lib, a, w), want):
+                failures.append(f"thread {seed}: case {i} differs")
+
+    threads = [threading.Thread(target=hammer, args=(s,)) for s in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+
+
 def test_mlx_products_in_this_process_take_the_library():
     """Under `make test` MLX's products run on the library: a lone row's product equals its
     row in a batch of 8 and of 200 (a prompt chunk's size), bit for bit. With BLIS alone a
