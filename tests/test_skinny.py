@@ -21,7 +21,15 @@ from llm_server.native import skinny
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux CPU only")
 
 # (M, N, K): decode-sized and prompt-sized rows, tails in N (% 8, % 16) and K (% 16), tiny K
-SHAPES = [(1, 1536, 576), (3, 960, 576), (8, 576, 1536), (13, 37, 100), (40, 9, 3), (150, 64, 7)]
+SHAPES = [
+    (1, 1536, 576),
+    (2, 37, 100),
+    (3, 960, 576),
+    (8, 576, 1536),
+    (13, 37, 100),
+    (40, 9, 3),
+    (150, 64, 7),
+]
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +77,9 @@ def test_products_are_right(lib, shape, trans_b):
 
 @pytest.mark.parametrize("trans_b", [True, False])
 def test_a_rows_products_do_not_depend_on_the_rows_beside_it(lib, trans_b):
-    """Row i of a 16-row product equals the same row alone, in a 5-row slice and with the
-    columns cut in two, bit for bit (tiles, row blocks and threads never change the sums)."""
+    """Row i of a 16-row product equals the same row alone, in a 2-row and a 5-row slice and
+    with the columns cut in two, bit for bit (1-2 rows read the weights row by row, more rows
+    in tiles: neither, nor row blocks or threads, change the sums)."""
     rng = np.random.default_rng(7)
     for m, n, k in [(16, 1536, 576), (16, 3072, 576), (1100, 96, 576)]:
         a = rng.standard_normal((m, k)).astype(np.float32)
@@ -79,6 +88,7 @@ def test_a_rows_products_do_not_depend_on_the_rows_beside_it(lib, trans_b):
         whole = _product(lib, a, b, trans_b)
         for i in (0, 7, m - 1):
             np.testing.assert_array_equal(_product(lib, a[i : i + 1], b, trans_b), whole[i : i + 1])
+        np.testing.assert_array_equal(_product(lib, a[3:5], b, trans_b), whole[3:5])
         np.testing.assert_array_equal(_product(lib, a[3:8], b, trans_b), whole[3:8])
         half = n // 2 + 3
         left = _product(lib, a, b[:half] if trans_b else np.ascontiguousarray(b[:, :half]), trans_b)
