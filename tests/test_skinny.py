@@ -12,6 +12,7 @@ import ctypes
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -100,8 +101,6 @@ def test_products_from_many_threads_at_once_are_each_exact(lib):
     one holds the pool, the others compute on their own threads, and a worker late for one
     product must never take a chunk of the next. Every result equals its product computed
     alone, bit for bit."""
-    import threading
-
     rng = np.random.default_rng(11)
     cases = []
     for m, n, k in [(1, 1536, 576), (2, 576, 1536), (1, 4000, 64), (8, 960, 576), (3, 130, 576)]:

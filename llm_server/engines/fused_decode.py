@@ -33,9 +33,6 @@ _KNOWN_ATTN = {"q_proj", "k_proj", "v_proj", "o_proj", "rope", "q_norm", "k_norm
 _KNOWN_MLP = {"gate_proj", "up_proj", "down_proj"}
 
 
-_silu_mul = cpu_kernels.silu_mul
-
-
 def _rotate_eager(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     """Half-split rotary embedding: x [..., D], cos/sin [..., D/2] broadcastable."""
     half = x.shape[-1] // 2
@@ -265,7 +262,7 @@ class FusedForward:
             at = self.table[pos][:, None]  # [B, 1, q, Dh]
             cos_sin = (at[..., : self.half], at[..., self.half :])
         # prompts on the CPU: numpy's SIMD sigmoid for large inputs (cpu_kernels.swiglu)
-        silu_mul = cpu_kernels.swiglu if q > 1 and cpu_kernels.on_cpu() else _silu_mul
+        silu_mul = cpu_kernels.swiglu if q > 1 and cpu_kernels.on_cpu() else cpu_kernels.silu_mul
         exact = q == 1  # a decode step: the arithmetic every decode position shares
         for layer, cache in zip(self.layers, caches, strict=True):
             h = layer.norm_in(x)  # [B, q, dim]
@@ -334,19 +331,20 @@ class FusedForward:
         groups, which come first in a step), and for the prompt chunks after them numpy's
         sigmoid (cpu_kernels.swiglu) where MLX's kernels are not built for this CPU."""
         if sum(sizes) == 1 or not cpu_kernels.numpy_silu():
-            return _silu_mul
+            return cpu_kernels.silu_mul
         lead = 0  # packed positions of the leading exact groups
         for size, is_exact in zip(sizes, exact, strict=True):
             if not is_exact:
                 break
             lead += size
+        # all decode positions, or some after a chunk: MLX's for all
         if lead == sum(sizes) or lead < sum(n for n, e in zip(sizes, exact, strict=True) if e):
-            return _silu_mul  # all decode positions, or some after a chunk: MLX's for all
+            return cpu_kernels.silu_mul
         if lead == 0:
             return cpu_kernels.swiglu
 
         def split_silu(gate: mx.array, up: mx.array) -> mx.array:
-            head = _silu_mul(gate[:, :lead], up[:, :lead])
+            head = cpu_kernels.silu_mul(gate[:, :lead], up[:, :lead])
             return mx.concatenate([head, cpu_kernels.swiglu(gate[:, lead:], up[:, lead:])], 1)
 
         return split_silu

@@ -36,13 +36,17 @@ DISABLE_ENV = "LLM_SERVER_NATIVE_JIT"
 FLAGS = "-march=native -ffp-contract=off -fno-trapping-math -finline-limit=2000"
 
 
+def _folder() -> Path:
+    return skinny.cache_dir() / "jit-bin"
+
+
 def wrapper_dir(env: dict[str, str] | None = None) -> Path | None:
     """The folder with the `g++` wrapper (written when missing), or None where it does not
     apply: not Linux, disabled, or no g++ on PATH."""
     env = os.environ if env is None else env
     if not sys.platform.startswith("linux") or env.get(DISABLE_ENV, "1") == "0":
         return None
-    folder = skinny.cache_dir() / "jit-bin"
+    folder = _folder()
     search = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p != str(folder))
     real = shutil.which("g++", path=search)
     if real is None:
@@ -65,10 +69,9 @@ def wrapper_dir(env: dict[str, str] | None = None) -> Path | None:
 def active() -> bool:
     """Whether MLX builds its kernels in this process with the wrapper (its `g++` is the first
     on PATH): fused exp and sigmoid then run in vectors and beat a round trip through numpy."""
-    folder = skinny.cache_dir() / "jit-bin"
     found = shutil.which("g++")
     try:
-        return found == str(folder / "g++") and FLAGS in Path(found).read_text()
+        return found == str(_folder() / "g++") and FLAGS in Path(found).read_text()
     except OSError:
         return False
 

@@ -171,9 +171,6 @@ static void columns(const product_t *p, int n0, int n1) {
         columns_kn(p, n0, n1);
         return;
     }
-    /* blocks of A's rows small enough to stay in L2 while every weight tile passes them */
-    int block = (int)(X_BLOCK_BYTES / ((size_t)p->k * sizeof(float))) / MT * MT;
-    if (block < MT) block = MT;
     if (p->m <= STREAM_ROWS) {
         /* a decode step of 1-2 rows: the weight rows one after another, a single stream the
          * hardware prefetcher follows (NB rows side by side, each its own stream, read 20-35%
@@ -182,6 +179,9 @@ static void columns(const product_t *p, int n0, int n1) {
             for (int m = 0; m < p->m; m++) tile(p, m, n, 1, 1, 0);
         return;
     }
+    /* blocks of A's rows small enough to stay in L2 while every weight tile passes them */
+    int block = (int)(X_BLOCK_BYTES / ((size_t)p->k * sizeof(float))) / MT * MT;
+    if (block < MT) block = MT;
     for (int m0 = 0; m0 < p->m; m0 += block) {
         int m1 = m0 + block < p->m ? m0 + block : p->m;
         int n = n0;
@@ -208,7 +208,8 @@ static pthread_mutex_t wake_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake_cv = PTHREAD_COND_INITIALIZER;
 static int pool_threads = 1;
 static product_t job;
-static int job_parts, job_chunks;
+static int job_parts;
+static atomic_int job_chunks; /* read by a late worker while the next product is posted */
 static atomic_uint generation;
 /* (generation << 32) | the next unclaimed chunk: a claim is valid for its generation only, so a
  * worker late for a product never takes a chunk of the next one with the old one's sizes */
@@ -218,7 +219,9 @@ static atomic_int chunks_done;
 static void run_chunks(unsigned gen) {
     for (;;) {
         unsigned long long v = atomic_load_explicit(&claim, memory_order_acquire);
-        if ((unsigned)(v >> 32) != gen || (int)(v & 0xffffffffu) >= job_chunks) return;
+        if ((unsigned)(v >> 32) != gen ||
+            (int)(v & 0xffffffffu) >= atomic_load_explicit(&job_chunks, memory_order_relaxed))
+            return;
         if (!atomic_compare_exchange_weak_explicit(&claim, &v, v + 1, memory_order_acq_rel,
                                                    memory_order_acquire))
             continue;
@@ -282,7 +285,7 @@ static void skinny(const product_t *p) {
     }
     job = *p;
     job_parts = parts;
-    job_chunks = chunks;
+    atomic_store_explicit(&job_chunks, chunks, memory_order_relaxed);
     atomic_store_explicit(&chunks_done, 0, memory_order_relaxed);
     unsigned gen = atomic_load_explicit(&generation, memory_order_relaxed) + 1;
     atomic_store_explicit(&claim, (unsigned long long)gen << 32, memory_order_release);
