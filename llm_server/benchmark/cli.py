@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-cmd", metavar="CMD",
                    help="the peer's command; {port} (required), {concurrency} and {host} are filled in, e.g. "
                    "'llama-server -m smollm2-f32.gguf -t 2 --host {host} --port {port} -np {concurrency} -c 8192'")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every server this many times at each concurrency, the servers' order "
+                   "alternating round by round; the report keeps each server's median run and lists "
+                   "every round's tokens/s and ratios (default 1; 3 or more on a shared machine)")  # fmt: skip
     p.add_argument("--prefix-cache", action="store_true",
                    help="also measure TTFT on a multi-turn workload with the prefix cache on and off")  # fmt: skip
     p.add_argument("--constrained", action="store_true",
@@ -88,6 +92,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         raise SystemExit(
             "llm-benchmark: --requests and --max-tokens must be 1 or more, --scoring-prompts 0 or more"
         )
+    if args.rounds < 1:
+        raise SystemExit("llm-benchmark: --rounds must be 1 or more")
     if (args.peer is None) != (args.peer_cmd is None):
         raise SystemExit("llm-benchmark: --peer and --peer-cmd go together")
     if args.peer_cmd is not None:
@@ -109,6 +115,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         prefix_cache=args.prefix_cache, step_tokens=args.step_tokens,
         workload=args.workload, speculative=args.speculative,
         peer=None if args.peer is None else PEERS[args.peer], peer_cmd=args.peer_cmd,
+        rounds=args.rounds,
     )  # fmt: skip
 
 

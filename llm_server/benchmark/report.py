@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from llm_server.benchmark.summary import round_ratios, throughput_ratio
+
 MB = 1e6
 SERVERS = ("ours", "mlx_lm")
 MET = {True: "met", False: "**not met**", None: "n/a"}
@@ -29,9 +31,51 @@ def _pair(
 
 
 def _ratio(ours: dict | None, theirs: dict | None, key: str) -> str:
+    if key == "tokens_per_s":  # the median round-by-round ratio when there were rounds
+        r = throughput_ratio(ours, theirs)
+        return "–" if r is None else f"{r:.2f}x"
     if not ours or not theirs or not theirs.get(key) or ours.get(key) is None:
         return "–"
     return f"{ours[key] / theirs[key]:.2f}x"
+
+
+def _rounds_note(meta: dict) -> str:
+    n = meta.get("rounds") or 1
+    return "" if n < 2 else f", {n} rounds with the servers' order alternating"
+
+
+def rounds_table(report: dict, other: str) -> list[str]:
+    """Every round's tokens/s of ours and `other` and their ratio, when there were rounds."""
+    if (report["meta"].get("rounds") or 1) < 2:
+        return []
+    lines = [
+        "Round by round (servers alternating; the tables show each server's median run, the "
+        "ratio is the median of the rounds' ratios):",
+        "",
+        f"| concurrency | tok/s ours by round | tok/s {other} by round | ours/{other} by round | median ratio |",
+        "|---:|---|---|---|---:|",
+    ]
+    for c, o, t in _rows(report, other):
+        ratios = round_ratios(o, t) if o and t else None
+
+        def each(run: dict | None) -> str:
+            values = (run or {}).get("rounds_tokens_per_s") or []
+            return ", ".join(f"{v:.1f}" for v in values) or "–"
+
+        lines.append(
+            f"| {c} | {each(o)} | {each(t)} "
+            f"| {', '.join(f'{r:.2f}' for r in ratios) if ratios else '–'} "
+            f"| {_ratio(o, t, 'tokens_per_s')} |"
+        )
+    changed = [
+        f"{name} at concurrency {c}"
+        for name in ("ours", other)
+        for c, run in sorted(report["servers"].get(name, {}).items(), key=lambda kv: int(kv[0]))
+        if run.get("same_outputs_every_round") is False
+    ]
+    if changed:
+        lines += ["", f"Greedy outputs changed between rounds: {', '.join(changed)}."]
+    return lines + [""]
 
 
 def _rows(report: dict, other: str = "mlx_lm") -> list[tuple[int, dict | None, dict | None]]:
@@ -107,6 +151,7 @@ def _peer_lines(report: dict) -> list[str]:
         "",
         *throughput_table(report, kind),
         "",
+        *rounds_table(report, kind),
         f"Memory (cells: ours / {label}):",
         "",
         *memory_table(report, kind),
@@ -203,7 +248,11 @@ def markdown(report: dict) -> str:
     meta = report["meta"]
     ours = report["servers"].get("ours", {})
     c1, c4 = ours.get("1"), ours.get("4")
-    scaling = _ratio(c4, c1, "tokens_per_s") if c1 and c4 else "–"
+    scaling = (
+        _num(c4["tokens_per_s"] / c1["tokens_per_s"]) + "x"
+        if c1 and c4 and c1["tokens_per_s"]
+        else "–"
+    )
     lines = [
         f"# llm-benchmark: {meta['model_name']}",
         "",
@@ -213,13 +262,14 @@ def markdown(report: dict) -> str:
         "",
         f"Load per concurrency: {meta['requests']} streaming chat requests from {meta['prompt_count']} "
         f"fixed prompts, max_tokens {meta['max_tokens']}, temperature 0; each server started fresh "
-        f"per concurrency and warmed up with that many requests. {meta['mlx_lm_note']}",
+        f"per concurrency and warmed up with that many requests{_rounds_note(meta)}. {meta['mlx_lm_note']}",
         f"Completion tokens: {meta['token_counting']}",
         "",
         "## Throughput and latency (cells: ours / mlx_lm.server)",
         "",
         *throughput_table(report),
         "",
+        *rounds_table(report, "mlx_lm"),
         f"Our concurrency-4 / concurrency-1 throughput: {scaling}",
         "",
         "## Steps: inter-token gaps and the engine-only rate (ours)",

@@ -113,6 +113,7 @@ def _meta(s: Settings, prompts: list[load.Prompt]) -> dict:
         "model_name": s.model.name,
         "quick": s.quick,
         "concurrencies": s.concurrencies,
+        "rounds": s.rounds,
         "requests": s.requests,
         "max_tokens": s.max_tokens,
         "step_tokens": s.step_tokens,
@@ -204,8 +205,9 @@ class _Progress:
 
 
 def _one_server(
-    s: Settings, kind: str, c: int, count, prompts, progress: _Progress, state: dict
+    s: Settings, kind: str, c: int, count, prompts, progress: _Progress, state: dict, rnd: int = 0
 ) -> None:
+    """One run of `kind` at concurrency `c` (round `rnd`), appended to state["rounds"]."""
     extra: tuple[str, ...] = ()
     if kind == "ours" and s.step_tokens is not None:
         extra += ("--step-tokens", str(s.step_tokens))
@@ -214,21 +216,24 @@ def _one_server(
     spec = servers.ServerSpec(
         kind, s.model, c, max_queued=max(s.requests, c), extra_args=extra, peer_cmd=s.peer_cmd
     )
-    progress.phase(f"{kind} c={c}: starting")
-    with servers.running(spec, s.out / "logs" / f"{kind}-c{c}.log") as srv:
-        state["meta"]["commands"][f"{kind}-c{c}"] = {"argv": list(srv.command), "pid": srv.pid}
-        progress.phase(f"{kind} c={c}: warm-up")
+    name = f"{kind}-c{c}" + (f"-r{rnd + 1}" if s.rounds > 1 else "")
+    label = f"{kind} c={c}" + (f" round {rnd + 1}/{s.rounds}" if s.rounds > 1 else "")
+    progress.phase(f"{label}: starting")
+    with servers.running(spec, s.out / "logs" / f"{name}.log") as srv:
+        state["meta"]["commands"][name] = {"argv": list(srv.command), "pid": srv.pid}
+        progress.phase(f"{label}: warm-up")
         load.warm_up(srv.url, c, s.max_tokens, count)
         warm = memory.sample(srv.pid)
-        progress.phase(f"{kind} c={c}: load")
+        progress.phase(f"{label}: load")
         result = load.run_load(srv.url, prompts, c, s.requests, s.max_tokens, count, progress.step)
         time.sleep(SETTLE_S)
         after = memory.sample(srv.pid)
         run = summary.summarize_load(result, warm, after)
-        state["servers"].setdefault(kind, {})[str(c)] = run
-        state["outputs"].setdefault(kind, {})[c] = summary.outputs_of(result)
-        if kind == "ours" and s.scoring and c == max(s.concurrencies):
-            progress.phase(f"{kind} c={c}: scoring")
+        state["rounds"].setdefault(kind, {}).setdefault(c, []).append(
+            (run, summary.outputs_of(result))
+        )
+        if kind == "ours" and s.scoring and c == max(s.concurrencies) and rnd == 0:
+            progress.phase(f"{label}: scoring")
             state["scoring"] = _scoring(s, srv.url, state["encode"], prompts, c)
     if kind == "ours":  # the engine alone, with the server stopped (same env, fresh process)
         progress.phase(f"engine c={c}: {c}-row decode steps")
@@ -269,19 +274,31 @@ def run_benchmark(s: Settings) -> OutputPaths:
     if s.peer is not None:
         kinds.append(s.peer)
     state: dict = {"meta": _meta(s, prompts), "servers": {}, "outputs": {}, "scoring": None,
-                   "failures": [], "encode": encode}  # fmt: skip
+                   "failures": [], "encode": encode, "rounds": {}}  # fmt: skip
     print("llm-benchmark: measuring read bandwidth", file=sys.stderr)
     bw_size, bw_repeats = (GIB // 4, 3) if s.quick else (GIB, 5)
     bw = roofline.measure_bandwidth(bw_size, bw_repeats)
-    progress = _Progress(len(kinds) * len(s.concurrencies) * s.requests)
+    progress = _Progress(len(kinds) * len(s.concurrencies) * s.rounds * s.requests)
     try:
         for c in s.concurrencies:
-            for kind in kinds:  # interleaved, so a drift in machine load hits both servers alike
-                try:
-                    _one_server(s, kind, c, count, prompts, progress, state)
-                except (servers.ServerStartError, RuntimeError, OSError) as exc:
-                    state["failures"].append({"server": kind, "concurrency": c, "error": str(exc)})
-                    progress.bar.write(f"llm-benchmark: {kind} at concurrency {c} failed: {exc}")
+            for rnd in range(s.rounds):
+                # interleaved, so a drift in machine load hits every server alike; the order
+                # turns round each round, so no server always runs first on a cooling machine
+                for kind in kinds if rnd % 2 == 0 else kinds[::-1]:
+                    try:
+                        _one_server(s, kind, c, count, prompts, progress, state, rnd)
+                    except (servers.ServerStartError, RuntimeError, OSError) as exc:
+                        state["failures"].append(
+                            {"server": kind, "concurrency": c, "round": rnd + 1, "error": str(exc)}
+                        )
+                        progress.bar.write(
+                            f"llm-benchmark: {kind} at concurrency {c} failed: {exc}"
+                        )
+            for kind, by_c in state["rounds"].items():
+                if c in by_c:
+                    run, outputs = summary.median_run(by_c[c])
+                    state["servers"].setdefault(kind, {})[str(c)] = run
+                    state["outputs"].setdefault(kind, {})[c] = outputs
     finally:
         progress.close()
     # Measured again at the end and the better kept: a busy machine only ever lowers it.

@@ -26,6 +26,7 @@ class Settings:
     speculative: str | None = None  # our server's --speculative (None: its default)
     peer: str | None = None  # report kind of a peer server (cli.PEERS), started from peer_cmd
     peer_cmd: str | None = None
+    rounds: int = 1  # runs of each server at each concurrency, servers alternating (median kept)
 
 
 def probe_parser(probe: str, doc: str | None) -> argparse.ArgumentParser:

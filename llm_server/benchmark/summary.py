@@ -120,3 +120,37 @@ def cross_match(ours: dict[int, list[dict]], theirs: dict[int, list[dict]]) -> d
         )
         for c in sorted(set(ours) & set(theirs))
     }
+
+
+def median_run(rounds: list[tuple[dict, list[dict]]]) -> tuple[dict, list[dict]]:
+    """The run with the median tokens/s (the lower of the two middle ones for an even count)
+    of one server's rounds at one concurrency, and its outputs. The run records every round's
+    tokens/s, which round it was, and whether every round gave the same greedy texts."""
+    order = sorted(range(len(rounds)), key=lambda i: rounds[i][0]["tokens_per_s"])
+    pick = order[(len(order) - 1) // 2]
+    run, outputs = rounds[pick]
+    texts = [[(o["text"], o["completion_tokens"]) for o in outs] for _, outs in rounds]
+    run["round"] = pick + 1
+    run["rounds_tokens_per_s"] = [r["tokens_per_s"] for r, _ in rounds]
+    run["same_outputs_every_round"] = all(t == texts[0] for t in texts)
+    return run, outputs
+
+
+def round_ratios(ours: dict, theirs: dict) -> list[float] | None:
+    """ours/theirs tokens/s round by round (the rounds ran side by side, so each ratio saw one
+    state of the machine); None unless both ran the same rounds."""
+    a, b = ours.get("rounds_tokens_per_s"), theirs.get("rounds_tokens_per_s")
+    if not a or not b or len(a) != len(b) or not all(b):
+        return None
+    return [x / y for x, y in zip(a, b, strict=True)]
+
+
+def throughput_ratio(ours: dict | None, theirs: dict | None) -> float | None:
+    """ours/theirs tokens/s: the median of the round-by-round ratios when there were several
+    rounds (paired, so a machine's drift between rounds cancels), else the one run's ratio."""
+    if not ours or not theirs or not theirs.get("tokens_per_s") or ours.get("tokens_per_s") is None:
+        return None
+    ratios = round_ratios(ours, theirs)
+    if ratios and len(ratios) > 1:
+        return float(np.median(ratios))
+    return ours["tokens_per_s"] / theirs["tokens_per_s"]

@@ -57,7 +57,8 @@ def test_a_peer_runs_the_same_load_and_is_reported(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-c", "from llm_server.benchmark.cli import main; main()",
            "--quick", "--model", str(model), "--out", str(out), "--no-mlx-lm", "--concurrency", "1",
-           "--scoring-prompts", "0", "--peer", "llama-server", "--peer-cmd", peer]  # fmt: skip
+           "--scoring-prompts", "0", "--peer", "llama-server", "--peer-cmd", peer,
+           "--rounds", "2"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "benchmark.json").read_text())
@@ -67,10 +68,19 @@ def test_a_peer_runs_the_same_load_and_is_reported(tmp_path):
         "label": "llama-server",
         "command": peer,
     }
-    argv = report["meta"]["commands"]["llama_server-c1"]["argv"]
+    # two rounds, each server started fresh in each
+    assert sorted(report["meta"]["commands"]) == [
+        "llama_server-c1-r1", "llama_server-c1-r2", "ours-c1-r1", "ours-c1-r2"
+    ]  # fmt: skip
+    argv = report["meta"]["commands"]["llama_server-c1-r2"]["argv"]
     assert argv[argv.index("--concurrent-requests") + 1] == "1" and "{port}" not in argv
     run = report["servers"]["llama_server"]["1"]
     assert run["requests"] == run["ok_requests"] == 4
+    for name in ("ours", "llama_server"):
+        kept = report["servers"][name]["1"]
+        assert len(kept["rounds_tokens_per_s"]) == 2 and kept["round"] in (1, 2)
+        assert kept["tokens_per_s"] == min(kept["rounds_tokens_per_s"])  # the lower middle of 2
+        assert kept["same_outputs_every_round"] is True
     # the same greedy text from the same model, whichever server ran it
     ours = [o["text"] for o in report["outputs"]["ours"]["1"]]
     assert [o["text"] for o in report["outputs"]["llama_server"]["1"]] == ours
@@ -85,3 +95,4 @@ def test_a_peer_runs_the_same_load_and_is_reported(tmp_path):
     md = (out / "benchmark.md").read_text()
     assert "## Throughput and latency against llama-server (cells: ours / llama-server)" in md
     assert "| concurrency | tok/s ours | tok/s llama_server | ours/llama_server |" in md
+    assert "| concurrency | tok/s ours by round | tok/s llama_server by round |" in md
