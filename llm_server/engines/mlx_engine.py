@@ -197,7 +197,7 @@ class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
         # scoring rows need logits at every position and no state carried between prompts
         self.score_rows = self._score_rows if all_positions else 0
         total = self.rows + self.score_rows  # store rows: the serving rows, then scoring rows
-        self._store = RowStore(self.num_layers, total, self.context_length)
+        self._store = RowStore(self.num_layers, total, self.context_length, first_rows=self.rows)
         states = [(i, c.size) for i, c in enumerate(self._layout.leaves) if c.kind != KV]
         self._states = StateStore([i for i, _ in states], total, [n for _, n in states])
         self._serial_cache: list | None = None  # mlx-lm's caches of the one row (serial mode)
@@ -375,6 +375,7 @@ class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
 
     def _forward_plan(self, rows: list[int], starts: list[int], q: int) -> ForwardPlan:
         kv_len = max(starts) + q
+        self._store.ensure_rows(max(rows) + 1)  # a scoring row allocates the scoring rows
         self._store.ensure(kv_len)
         return ForwardPlan(
             rows=rows,

@@ -210,6 +210,8 @@ class StepRunner:
         positions = sum(len(rows) * len(toks[0]) for rows, _, toks in groups)
         split = self._split(positions)
         with blas.threads(1) if split else nullcontext():
+            # the store grows before any group's views are made: every view reads the same arrays
+            self._store.ensure_rows(max(max(r) for r, _, _ in groups) + 1)
             self._store.ensure(max(max(s) + len(t[0]) for _, s, t in groups))
             if self._fused is not None:
                 parts = []

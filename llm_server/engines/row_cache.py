@@ -18,11 +18,20 @@ GROW = 256  # positions added to every row's capacity at a time
 
 
 class RowStore:
-    """Keys/values of all rows for all layers; rows are independent, each with its own cursor."""
+    """Keys/values of all rows for all layers; rows are independent, each with its own cursor.
 
-    def __init__(self, num_layers: int, rows: int, max_positions: int) -> None:
+    Rows past `first_rows` (the engine's scoring rows) are allocated only when a forward first
+    reaches one (`ensure_rows`), and dropped again with everything else when the store is
+    cleared: a server that never scores does not hold their KV (8 scoring rows of SmolLM2 are
+    94 MB at 256 positions, more than the one serving row's 12)."""
+
+    def __init__(
+        self, num_layers: int, rows: int, max_positions: int, first_rows: int | None = None
+    ) -> None:
         self.num_layers = num_layers
-        self.rows = rows
+        self.total_rows = rows
+        self.first_rows = rows if first_rows is None else min(first_rows, rows)
+        self.rows = self.first_rows  # rows allocated now: first_rows, or all of them
         self.max_positions = max_positions
         self.keys: list[mx.array | None] = [None] * num_layers
         self.values: list[mx.array | None] = [None] * num_layers
@@ -42,6 +51,19 @@ class RowStore:
             self.values[i] = mx.pad(v, pad)
         self.capacity = new_cap
 
+    def ensure_rows(self, rows: int) -> None:
+        """Make rows 0..rows-1 addressable: past `first_rows`, every row is allocated at once."""
+        if rows <= self.rows:
+            return
+        if rows > self.total_rows:
+            raise ValueError(f"row {rows - 1} out of range 0..{self.total_rows - 1}")
+        pad = [(0, self.total_rows - self.rows), (0, 0), (0, 0), (0, 0)]
+        for i in range(self.num_layers):
+            if self.keys[i] is not None:
+                self.keys[i] = mx.pad(self.keys[i], pad)
+                self.values[i] = mx.pad(self.values[i], pad)
+        self.rows = self.total_rows
+
     def arrays(self) -> list[mx.array]:
         """Every allocated key/value array (layers without KV, e.g. recurrent ones, have none)."""
         return [a for a in self.keys + self.values if a is not None]
@@ -54,9 +76,11 @@ class RowStore:
         self.keys = [None] * self.num_layers
         self.values = [None] * self.num_layers
         self.capacity = 0
+        self.rows = self.first_rows
 
     def write_prefix(self, row: int, keys: list[mx.array], values: list[mx.array], n: int) -> None:
         """Copy `n` cached positions ([heads, n, dim] per layer) into the start of `row`."""
+        self.ensure_rows(row + 1)
         self.ensure(n)
         for i in range(self.num_layers):
             k, v = keys[i][:, :n], values[i][:, :n]

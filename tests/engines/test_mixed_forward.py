@@ -142,6 +142,29 @@ def _score_alone(engine: MLXEngine, prompt: list[int], k: int):
         engine.score_end()
 
 
+def test_the_scoring_rows_hold_memory_only_once_scoring_runs(tiny_model_path):
+    """A server that never scores holds the KV of its serving rows alone: the scoring rows
+    are allocated when a scoring chunk first runs, and given back with the rest when idle."""
+    engine = MLXEngine(tiny_model_path, rows=2, prefix_cache_bytes=0)
+    assert engine.score_rows == 8
+    prompt = _prompts(1, seed=8)[0]
+    engine.prefill(0, prompt)
+    logits = engine.decode([0], [5])
+    rows_held = {k.shape[0] for k in engine._store.keys if k is not None}
+    assert rows_held == {2}  # the serving rows only
+    per_row = engine._store.nbytes() // 2
+    scored = engine.run(StepPlan(decode=(DecodeRow(0, int(logits.argmax())),),
+                                 score=(ScoreChunk(1, 2, prompt, 0, len(prompt), 0),)))  # fmt: skip
+    assert {k.shape[0] for k in engine._store.keys if k is not None} == {10}
+    assert engine._store.nbytes() == 10 * per_row
+    assert scored.scores[2].token_logprobs.shape == (1, len(prompt))
+    engine.release(2)
+    engine.release(0)  # idle: the store is dropped, scoring rows and all
+    assert engine._store.nbytes() == 0
+    engine.prefill(1, prompt)
+    assert {k.shape[0] for k in engine._store.keys if k is not None} == {2}
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_scoring_chunks_ride_in_the_decode_forward_and_equal_alone(tiny_model_path, fused):
     """Two scoring prompts on the store's scoring rows advance in chunks inside the forwards
