@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from llm_server.benchmark.summary import round_ratios, throughput_ratio
+from llm_server.benchmark.summary import ratio, round_ratios
 
 MB = 1e6
 SERVERS = ("ours", "mlx_lm")
@@ -31,12 +31,8 @@ def _pair(
 
 
 def _ratio(ours: dict | None, theirs: dict | None, key: str) -> str:
-    if key == "tokens_per_s":  # the median round-by-round ratio when there were rounds
-        r = throughput_ratio(ours, theirs)
-        return "–" if r is None else f"{r:.2f}x"
-    if not ours or not theirs or not theirs.get(key) or ours.get(key) is None:
-        return "–"
-    return f"{ours[key] / theirs[key]:.2f}x"
+    r = ratio(ours, theirs, key)
+    return "–" if r is None else f"{r:.2f}x"
 
 
 def _rounds_note(meta: dict) -> str:
@@ -44,9 +40,14 @@ def _rounds_note(meta: dict) -> str:
     return "" if n < 2 else f", {n} rounds with the servers' order alternating"
 
 
+def _each_round(run: dict | None) -> str:
+    values = (run or {}).get("rounds_tokens_per_s") or []
+    return ", ".join(f"{v:.1f}" for v in values) or "–"
+
+
 def rounds_table(report: dict, other: str) -> list[str]:
     """Every round's tokens/s of ours and `other` and their ratio, when there were rounds."""
-    if (report["meta"].get("rounds") or 1) < 2:
+    if not _rounds_note(report["meta"]):
         return []
     lines = [
         "Round by round (servers alternating; the tables show each server's median run, the "
@@ -57,13 +58,8 @@ def rounds_table(report: dict, other: str) -> list[str]:
     ]
     for c, o, t in _rows(report, other):
         ratios = round_ratios(o, t) if o and t else None
-
-        def each(run: dict | None) -> str:
-            values = (run or {}).get("rounds_tokens_per_s") or []
-            return ", ".join(f"{v:.1f}" for v in values) or "–"
-
         lines.append(
-            f"| {c} | {each(o)} | {each(t)} "
+            f"| {c} | {_each_round(o)} | {_each_round(t)} "
             f"| {', '.join(f'{r:.2f}' for r in ratios) if ratios else '–'} "
             f"| {_ratio(o, t, 'tokens_per_s')} |"
         )

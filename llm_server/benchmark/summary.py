@@ -145,12 +145,13 @@ def round_ratios(ours: dict, theirs: dict) -> list[float] | None:
     return [x / y for x, y in zip(a, b, strict=True)]
 
 
-def throughput_ratio(ours: dict | None, theirs: dict | None) -> float | None:
-    """ours/theirs tokens/s: the median of the round-by-round ratios when there were several
-    rounds (paired, so a machine's drift between rounds cancels), else the one run's ratio."""
-    if not ours or not theirs or not theirs.get("tokens_per_s") or ours.get("tokens_per_s") is None:
+def ratio(ours: dict | None, theirs: dict | None, key: str) -> float | None:
+    """ours[key] / theirs[key], None where either is missing. For tokens/s after several
+    rounds: the median of the round-by-round ratios (paired, so a machine's drift between
+    rounds cancels)."""
+    if not ours or not theirs or not theirs.get(key) or ours.get(key) is None:
         return None
-    ratios = round_ratios(ours, theirs)
-    if ratios and len(ratios) > 1:
-        return float(np.median(ratios))
-    return ours["tokens_per_s"] / theirs["tokens_per_s"]
+    paired = round_ratios(ours, theirs) if key == "tokens_per_s" else None
+    if paired and len(paired) > 1:
+        return float(np.median(paired))
+    return ours[key] / theirs[key]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from llm_server.benchmark.summary import throughput_ratio
+from llm_server.benchmark.summary import ratio
 
 THROUGHPUT_FLOOR = {1: 1.0, 4: 1.25, 8: 1.25}  # ours/mlx_lm tokens/s, by concurrency
 PEER_FLOOR = {
@@ -45,11 +45,7 @@ def _all(flags: list[bool | None]) -> bool | None:
 def _ratio(report: dict, c: int, key: str, other: str = "mlx_lm") -> float | None:
     ours = report["servers"].get("ours", {}).get(str(c))
     theirs = report["servers"].get(other, {}).get(str(c))
-    if key == "tokens_per_s":  # the median round-by-round ratio when there were rounds
-        return throughput_ratio(ours, theirs)
-    if not ours or not theirs or not theirs.get(key) or ours.get(key) is None:
-        return None
-    return ours[key] / theirs[key]
+    return ratio(ours, theirs, key)
 
 
 def _throughput(report: dict) -> list[Target]:

@@ -42,13 +42,7 @@ class RowStore:
         if positions <= self.capacity:
             return
         new_cap = min(self.max_positions, -(-positions // GROW) * GROW)
-        for i in range(self.num_layers):
-            k, v = self.keys[i], self.values[i]
-            if k is None:
-                continue  # shapes are learnt at the first write
-            pad = [(0, 0), (0, 0), (0, new_cap - self.capacity), (0, 0)]
-            self.keys[i] = mx.pad(k, pad)
-            self.values[i] = mx.pad(v, pad)
+        self._pad([(0, 0), (0, 0), (0, new_cap - self.capacity), (0, 0)])
         self.capacity = new_cap
 
     def ensure_rows(self, rows: int) -> None:
@@ -57,12 +51,15 @@ class RowStore:
             return
         if rows > self.total_rows:
             raise ValueError(f"row {rows - 1} out of range 0..{self.total_rows - 1}")
-        pad = [(0, self.total_rows - self.rows), (0, 0), (0, 0), (0, 0)]
+        self._pad([(0, self.total_rows - self.rows), (0, 0), (0, 0), (0, 0)])
+        self.rows = self.total_rows
+
+    def _pad(self, pad: list[tuple[int, int]]) -> None:
+        """Grow every allocated layer's keys and values by `pad` (zeros)."""
         for i in range(self.num_layers):
-            if self.keys[i] is not None:
+            if self.keys[i] is not None:  # shapes are learnt at the first write
                 self.keys[i] = mx.pad(self.keys[i], pad)
                 self.values[i] = mx.pad(self.values[i], pad)
-        self.rows = self.total_rows
 
     def arrays(self) -> list[mx.array]:
         """Every allocated key/value array (layers without KV, e.g. recurrent ones, have none)."""

@@ -10,6 +10,8 @@ import pytest
 from llm_server.benchmark import report, summary, targets
 from llm_server.benchmark.cli import build_parser, settings_from
 
+TPS = "tokens_per_s"
+
 
 def _run(tps: float) -> dict:
     return {"tokens_per_s": tps}
@@ -45,15 +47,16 @@ def test_the_ratio_is_the_median_of_the_paired_rounds_not_of_the_medians():
     ours = {"tokens_per_s": 33.0, "rounds_tokens_per_s": [33.0, 22.0, 24.0]}
     theirs = {"tokens_per_s": 30.0, "rounds_tokens_per_s": [30.0, 20.0, 30.0]}
     assert summary.round_ratios(ours, theirs) == pytest.approx([1.1, 1.1, 0.8])
-    assert summary.throughput_ratio(ours, theirs) == pytest.approx(1.1)
+    assert summary.ratio(ours, theirs, TPS) == pytest.approx(1.1)
     # one round, or rounds that do not pair up: the plain ratio of the runs
-    assert summary.throughput_ratio(
-        {"tokens_per_s": 33.0}, {"tokens_per_s": 30.0}
-    ) == pytest.approx(1.1)
+    assert summary.ratio({"tokens_per_s": 33.0}, {"tokens_per_s": 30.0}, TPS) == pytest.approx(1.1)
     uneven = {"tokens_per_s": 30.0, "rounds_tokens_per_s": [30.0, 20.0]}
     assert summary.round_ratios(ours, uneven) is None
-    assert summary.throughput_ratio(ours, uneven) == pytest.approx(1.1)
-    assert summary.throughput_ratio(ours, {"tokens_per_s": 0.0}) is None
+    assert summary.ratio(ours, uneven, TPS) == pytest.approx(1.1)
+    assert summary.ratio(ours, {"tokens_per_s": 0.0}, TPS) is None
+    # other keys are the kept runs' ratio, rounds or not
+    slow = {**ours, "latency_p99_s": 3.0}
+    assert summary.ratio(slow, {**theirs, "latency_p99_s": 2.0}, "latency_p99_s") == 1.5
 
 
 def _report(rounds: int, ours: dict, peer: dict) -> dict:
