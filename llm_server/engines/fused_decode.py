@@ -25,9 +25,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from llm_server.engines import cpu_kernels, decode_attention
-from llm_server.engines.compiled_step import CompiledSteps
+from llm_server.engines.compiled_step import CompiledSteps, Rotation
 from llm_server.engines.layout import PLAIN_HEAD_MODULES, model_family, output_head
 from llm_server.engines.row_cache import RowView
+from llm_server.native import decode_ops
 
 _KNOWN_ATTN = {"q_proj", "k_proj", "v_proj", "o_proj", "rope", "q_norm", "k_norm"}
 _KNOWN_MLP = {"gate_proj", "up_proj", "down_proj"}
@@ -169,11 +170,28 @@ class FusedForward:
         self.model = model
         self.layers = layers
         self.lm_head = lm_head
-        self.table = table  # [positions, Dh] cos | sin, shared by every layer
         self.half = layers[0].head_dim // 2
+        self.use_table(table)
         # compiled decode steps; None until `enable_compiled` (the engine's default on the
         # CPU, `MLXEngine(compiled_decode=...)`): every step builds its graph eagerly
         self.compiled: CompiledSteps | None = None
+
+    def use_table(self, table: mx.array | None, ops: bool = True) -> None:
+        """Rotate by `table` ([positions, Dh] cos | sin, shared by every layer; None: the
+        layers' rope modules), and run every decode position's attention as the decode ops
+        (llm_server.native.decode_ops) where they apply and `ops`: on the CPU, float32 layers
+        rotated by a table, without q/k norms. Call before `enable_compiled`."""
+        self.table = table
+        self.rotation = Rotation.of(table)
+        self.ops = None
+        if (
+            ops
+            and table is not None
+            and table.dtype == mx.float32
+            and all(layer.q_norm is None and layer.k_norm is None for layer in self.layers)
+            and all(layer.qkv.weight.dtype == mx.float32 for layer in self.layers)
+        ):
+            self.ops = decode_ops.module()
 
     def enable_compiled(self) -> None:
         """Run decode steps (q = 1) as compiled graphs from now on (see compiled_step)."""
@@ -366,6 +384,25 @@ class FusedForward:
         hd, nh, nkv = layer.head_dim, layer.heads, layer.kv_heads
         b, q, _ = h.shape
         qkv = layer.qkv(h, split)  # [B, q, (H + 2 KV) * Dh]
+        if (
+            exact
+            and self.ops is not None
+            and isinstance(cache, RowView)
+            and cache.store.keys[cache.layer] is not None
+        ):  # the decode ops, as in a compiled step
+            store, i, plan = cache.store, cache.layer, cache.plan
+            out, store.keys[i], store.values[i] = decode_attention.attend_ops(
+                self.ops,
+                layer,
+                qkv.reshape(b * q, -1),
+                store.keys[i],
+                store.values[i],
+                mx.array(plan.rows, dtype=mx.int32),
+                mx.array(starts, dtype=mx.int32),
+                self.rotation,
+                q,
+            )
+            return layer.o(out.reshape(b, q, nh * hd), split)
         queries = qkv[..., : nh * hd].reshape(b, q, nh, hd)
         keys = qkv[..., nh * hd : (nh + nkv) * hd].reshape(b, q, nkv, hd)
         values = qkv[..., (nh + nkv) * hd :].reshape(b, q, nkv, hd)

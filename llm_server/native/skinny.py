@@ -46,7 +46,7 @@ def cache_dir() -> Path:
     return Path(xdg) / "llm-server" / "native"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     """The CPU's feature flags: `-march=native` builds for them, so they are part of the key."""
     try:
         with open("/proc/cpuinfo") as info:
@@ -61,9 +61,33 @@ def _cpu_flags() -> str:
 def library_path() -> Path:
     """Where this source, compiler and CPU's build lives (it may not exist yet)."""
     cc = os.environ.get("CC", "cc")
-    key = "\n".join([SOURCE.read_text(), cc, *FLAGS, platform.machine(), _cpu_flags()])
+    key = "\n".join([SOURCE.read_text(), cc, *FLAGS, platform.machine(), cpu_flags()])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_dir() / f"libllm_skinny-{digest}.so"
+
+
+def compile_to(path: Path, command, what: str, timeout_s: float) -> bool:
+    """Run `command(out)` (a compiler call writing `out`) into a temporary file beside `path`,
+    then move it to `path` (atomic: concurrent builders each leave a whole file). False, with
+    the compiler's complaint logged, when it fails."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so.part", dir=path.parent)
+        os.close(fd)
+        cmd = command(Path(tmp))
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode != 0:
+            log.warning("%s not built (%s): %s", what, " ".join(cmd), done.stderr[-2000:])
+            return False
+        os.replace(tmp, path)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("%s not built: %s", what, exc)
+        return False
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+    return True
 
 
 @functools.cache
@@ -75,26 +99,16 @@ def build() -> Path | None:
     if path.exists():
         return path
     cc = shlex.split(os.environ.get("CC", "cc"))
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so.part", dir=path.parent)
-        os.close(fd)
-        cmd = [*cc, *FLAGS, "-o", tmp, str(SOURCE), *LIBS]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if done.returncode != 0:
-            log.warning("skinny products not built (%s): %s", " ".join(cmd), done.stderr[-2000:])
-            return None
-        os.replace(tmp, path)  # atomic: concurrent builders each leave a whole file
-        for old in path.parent.glob("libllm_skinny-*.so"):
-            if old != path:  # an earlier source's build (a process mapping it keeps its copy)
-                old.unlink(missing_ok=True)
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("skinny products not built: %s", exc)
+    if not compile_to(
+        path,
+        lambda out: [*cc, *FLAGS, "-o", str(out), str(SOURCE), *LIBS],
+        "skinny products",
+        BUILD_TIMEOUT_S,
+    ):
         return None
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
+    for old in path.parent.glob("libllm_skinny-*.so"):
+        if old != path:  # an earlier source's build (a process mapping it keeps its copy)
+            old.unlink(missing_ok=True)
     return path
 
 

@@ -229,7 +229,8 @@ def test_steps_without_a_rope_table_equal_eager(tiny_model_path):
     from llm_server.engines.compiled_step import CompiledSteps
 
     compiled, eager = _pair(tiny_model_path, rows=2)
-    compiled._fused.table = eager._fused.table = None
+    compiled._fused.use_table(None)
+    eager._fused.use_table(None)
     compiled._fused.compiled = CompiledSteps(compiled._fused)
     assert compiled._fused.compiled.rotation is None
     rng = np.random.default_rng(6)

@@ -1,0 +1,423 @@
+// Decode attention as two MLX primitives for the CPU (built at run time: decode_ops.py).
+//
+// A decode step on the CPU pays per graph op (~3-7 us each, whatever its size), and the
+// attention of one layer took ~22 of them: slices and reshapes of the stacked q/k/v product, the
+// rotation (a roll and a fused kernel), two slice updates into the KV store, two reads of a span
+// of it, the grouped products, the mask, the softmax's four kernels. Here a layer's attention is
+// three ops:
+//
+//   keys'   = write_kv(keys,   qkv, rows, pos, cos2, sin2, rotate=true)   rotated keys written
+//   values' = write_kv(values, qkv, rows, pos, ...,         rotate=false)
+//   out     = attend(qkv, keys', values', rows, pos, cos2, sin2)          [N, H * Dh]
+//
+// qkv is the stacked product [N, (H + 2 KV) * Dh], N = B * q (row b's q new positions at
+// pos[b] .. pos[b] + q - 1, written to store row rows[b]); stores are [R, KV, capacity, Dh].
+// A store is written in place when MLX may donate it (nothing else holds it), else copied.
+//
+// One arithmetic per output, whatever the batch (ARCHITECTURE S10): query position p of row b
+// attends to its row's positions 0..p in order; a score is a dot product over Dh with 8 lanes
+// (lane l sums d = l, l + 8, ..., then a fixed tree, then the Dh % 8 tail in order), times the
+// scale; softmax subtracts the max, takes this file's exp, sums in position order and divides;
+// the output sums probability * value in position order. Nothing depends on B, on the other
+// rows, on the store's capacity or on how work is split across threads, so a row's logits are
+// the same alone, batched, in a mixed step or while a draft is verified. The rotation is
+// x * cos2 + swap(x) * sin2 with separate roundings, as MLX computes it (-ffp-contract=off).
+#include <nanobind/nanobind.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+
+namespace {
+
+typedef float v8 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
+
+// exp(x) for x <= 0 (softmax after the max is subtracted): Cody-Waite reduction and Cephes'
+// polynomial, every step rounded on its own, so a vectorized loop and a scalar one agree.
+inline float exp_nonpositive(float x) {
+  const float xc = x < -87.0f ? -87.0f : x;
+  const float k = __builtin_floorf(xc * 1.44269504088896341f + 0.5f);
+  float r = xc - k * 0.693359375f;
+  r = r - k * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r);
+  y = y + r;
+  y = y + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.0f ? 0.0f : y * scale;
+}
+
+inline float dot(const float* a, const float* b, int n) {
+  const int n8 = n & ~7;
+  v8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int d = 0; d < n8; d += 8) {
+    v8 prod = load8(a + d) * load8(b + d);
+    acc = acc + prod;
+  }
+  float s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+  for (int d = n8; d < n; d++) {
+    float prod = a[d] * b[d];
+    s = s + prod;
+  }
+  return s;
+}
+
+// a small pool: `run(n, fn)` calls fn(i) for i in [0, n) on the caller and the workers
+class Pool {
+ public:
+  static Pool& get() {
+    static Pool* pool = new Pool(); // never destroyed: workers may outlive static teardown
+    return *pool;
+  }
+
+  int threads() const { return static_cast<int>(workers_) + 1; }
+
+  void run(int n, const std::function<void(int)>& fn) {
+    if (workers_ == 0 || n < 2) {
+      for (int i = 0; i < n; i++) fn(i);
+      return;
+    }
+    std::unique_lock<std::mutex> caller(run_mutex_, std::try_to_lock);
+    if (!caller.owns_lock()) { // another stream's attention holds the pool: compute here
+      for (int i = 0; i < n; i++) fn(i);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      job_ = &fn;
+      total_ = n;
+      next_.store(0);
+      pending_ = workers_;
+      generation_++;
+    }
+    wake_.notify_all();
+    work();
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [this] { return pending_ == 0; });
+    job_ = nullptr;
+  }
+
+ private:
+  Pool() {
+    int n = 0;
+    if (const char* env = std::getenv("LLM_SERVER_ATTENTION_THREADS")) n = std::atoi(env);
+    if (n <= 0) n = static_cast<int>(std::thread::hardware_concurrency());
+    workers_ = static_cast<unsigned>(std::max(1, std::min(n, 64)) - 1);
+    for (unsigned i = 0; i < workers_; i++) std::thread([this] { loop(); }).detach();
+  }
+
+  void work() {
+    for (int i = next_.fetch_add(1); i < total_; i = next_.fetch_add(1)) (*job_)(i);
+  }
+
+  void loop() {
+    unsigned long seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+      }
+      work();
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+
+  unsigned workers_ = 0;
+  std::mutex run_mutex_, mutex_;
+  std::condition_variable wake_, done_;
+  const std::function<void(int)>* job_ = nullptr;
+  int total_ = 0;
+  std::atomic<int> next_{0};
+  unsigned pending_ = 0;
+  unsigned long generation_ = 0;
+};
+
+struct Geometry {
+  int heads, kv_heads, head_dim, q;
+  bool operator==(const Geometry&) const = default;
+};
+
+// a 2-D float32 array's element (n, f) by strides (qkv and the rotation tables)
+struct Matrix {
+  const float* data;
+  int64_t s0, s1;
+  explicit Matrix(const mx::array& a)
+      : data(a.data<float>()), s0(a.strides()[0]), s1(a.strides()[1]) {}
+  const float* row(int64_t n) const { return data + n * s0; }
+  float at(int64_t n, int64_t f) const { return data[n * s0 + f * s1]; }
+};
+
+struct Ints {
+  const int32_t* data;
+  int64_t s0;
+  explicit Ints(const mx::array& a) : data(a.data<int32_t>()), s0(a.strides()[0]) {}
+  int operator[](int64_t i) const { return data[i * s0]; }
+};
+
+// head `head` of position n of qkv, rotated at position p when `rotate` (into `out`, Dh floats)
+inline void head_at(const Matrix& qkv, int64_t n, int64_t first, int dh, bool rotate,
+                    const Matrix& cos2, const Matrix& sin2, int p, float* out) {
+  const int half = dh / 2;
+  for (int d = 0; d < dh; d++) {
+    const float x = qkv.at(n, first + d);
+    if (!rotate) {
+      out[d] = x;
+      continue;
+    }
+    const float swapped = qkv.at(n, first + (d < half ? d + half : d - half));
+    const float a = x * cos2.at(p, d);
+    const float b = swapped * sin2.at(p, d);
+    out[d] = a + b;
+  }
+}
+
+// a contiguous copy of a 4-D array (a store MLX cannot donate, or a strided one)
+void copy_4d(const mx::array& in, float* dst) {
+  const float* src = in.data<float>();
+  const auto& sh = in.shape();
+  const auto& st = in.strides();
+  if (in.flags().row_contiguous) {
+    std::memcpy(dst, src, in.nbytes());
+    return;
+  }
+  for (int64_t a = 0; a < sh[0]; a++)
+    for (int64_t b = 0; b < sh[1]; b++)
+      for (int64_t c = 0; c < sh[2]; c++) {
+        const float* s = src + a * st[0] + b * st[1] + c * st[2];
+        for (int64_t d = 0; d < sh[3]; d++) *dst++ = s[d * st[3]];
+      }
+}
+
+class WriteKV : public mx::UnaryPrimitive {
+ public:
+  WriteKV(mx::Stream s, Geometry g, bool rotate) : mx::UnaryPrimitive(s), g_(g), rotate_(rotate) {}
+
+  // inputs: store [R, KV, C, Dh], qkv [N, F], rows [B], pos [B], cos2 [P, Dh], sin2 [P, Dh]
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    const mx::array& store = in[0];
+    const bool donate = store.is_donatable() && store.flags().row_contiguous;
+    if (donate)
+      out.copy_shared_buffer(store);
+    else
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    // by value: the primitive may be gone by the time the stream runs the task
+    enc.dispatch([donate, g = g_, rotate = rotate_, store = store, qkv = in[1], rows = in[2],
+                  pos = in[3], cos2 = in[4], sin2 = in[5], dst = out.data<float>()]() {
+      if (!donate) copy_4d(store, dst);
+      const int kv = g.kv_heads, dh = g.head_dim, q = g.q;
+      const int64_t cap = store.shape(2), nrows = store.shape(0);
+      const int64_t first = static_cast<int64_t>(rotate ? g.heads : g.heads + kv) * dh;
+      const Matrix x(qkv), c(cos2), s(sin2);
+      const Ints r(rows), at(pos);
+      for (int64_t b = 0; b < static_cast<int64_t>(rows.size()); b++) {
+        const int64_t row = r[b];
+        for (int i = 0; i < q; i++) {
+          const int64_t p = static_cast<int64_t>(at[b]) + i;
+          if (row < 0 || row >= nrows || p < 0 || p >= cap) continue; // checked by the caller
+          for (int h = 0; h < kv; h++)
+            head_at(x, b * q + i, first + static_cast<int64_t>(h) * dh, dh, rotate, c, s,
+                    static_cast<int>(p), dst + ((row * kv + h) * cap + p) * dh);
+        }
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("llm_server decode_ops: CPU only");
+  }
+  const char* name() const override { return "LlmWriteKV"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const WriteKV&>(other);
+    return g_ == o.g_ && rotate_ == o.rotate_;
+  }
+
+ private:
+  Geometry g_;
+  bool rotate_;
+};
+
+class Attend : public mx::UnaryPrimitive {
+ public:
+  Attend(mx::Stream s, Geometry g, float scale) : mx::UnaryPrimitive(s), g_(g), scale_(scale) {}
+
+  // inputs: qkv [N, F], keys [R, KV, C, Dh], values [R, KV, C, Dh], rows [B], pos [B],
+  // cos2 [P, Dh], sin2 [P, Dh]; output [N, H * Dh]
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    // by value: the primitive may be gone by the time the stream runs the task
+    enc.dispatch([g = g_, scale = scale_, qkv = in[0], keys = in[1], values = in[2],
+                  rows = in[3], pos = in[4], cos2 = in[5], sin2 = in[6],
+                  dst = out.data<float>()]() {
+      const int heads = g.heads, kv = g.kv_heads, dh = g.head_dim, q = g.q;
+      const int rep = heads / kv;
+      const int64_t batch = rows.size();
+      const Matrix x(qkv), c(cos2), s(sin2);
+      const Ints r(rows), at(pos);
+      const float* kd = keys.data<float>();
+      const float* vd = values.data<float>();
+      const auto& ks = keys.strides();
+      const auto& vs = values.strides();
+      const int64_t cap = keys.shape(2), nrows = keys.shape(0);
+      int64_t work = 0; // multiply-adds, to decide whether threads pay
+      for (int64_t b = 0; b < batch; b++) work += (static_cast<int64_t>(at[b]) + q) * q;
+      work *= static_cast<int64_t>(heads) * dh * 2;
+      auto item = [&](int index) {
+        const int64_t b = index / heads;
+        const int h = index % heads, g = h / rep;
+        const int64_t row = r[b];
+        std::vector<float> qrot(dh), scores, acc(dh);
+        for (int i = 0; i < q; i++) {
+          const int64_t n = b * q + i;
+          const int64_t p = static_cast<int64_t>(at[b]) + i;
+          float* o = dst + n * heads * dh + static_cast<int64_t>(h) * dh;
+          if (row < 0 || row >= nrows || p < 0 || p >= cap) { // checked by the caller
+            std::fill(o, o + dh, 0.0f);
+            continue;
+          }
+          head_at(x, n, static_cast<int64_t>(h) * dh, dh, true, c, s, static_cast<int>(p),
+                  qrot.data());
+          const float* kb = kd + row * ks[0] + g * ks[1];
+          const float* vb = vd + row * vs[0] + g * vs[1];
+          scores.resize(p + 1);
+          float top = -INFINITY;
+          for (int64_t j = 0; j <= p; j++) {
+            const float raw = dot(qrot.data(), kb + j * ks[2], dh);
+            scores[j] = raw * scale;
+            top = scores[j] > top ? scores[j] : top;
+          }
+          float sum = 0.0f;
+          for (int64_t j = 0; j <= p; j++) scores[j] = exp_nonpositive(scores[j] - top);
+          for (int64_t j = 0; j <= p; j++) sum = sum + scores[j];
+          for (int64_t j = 0; j <= p; j++) scores[j] = scores[j] / sum;
+          std::fill(acc.begin(), acc.end(), 0.0f);
+          for (int64_t j = 0; j <= p; j++) {
+            const float* v = vb + j * vs[2];
+            const float w = scores[j];
+            for (int d = 0; d < dh; d++) {
+              const float t = w * v[d];
+              acc[d] = acc[d] + t;
+            }
+          }
+          std::memcpy(o, acc.data(), dh * sizeof(float));
+        }
+      };
+      const int items = static_cast<int>(batch * heads);
+      if (work < kThreadedWork) {
+        for (int i = 0; i < items; i++) item(i);
+      } else {
+        Pool::get().run(items, item);
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("llm_server decode_ops: CPU only");
+  }
+  const char* name() const override { return "LlmAttend"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const Attend&>(other);
+    return g_ == o.g_ && scale_ == o.scale_;
+  }
+
+ private:
+  static constexpr int64_t kThreadedWork = 1 << 19; // below this one thread is faster
+  Geometry g_;
+  float scale_;
+};
+
+mx::Stream cpu_stream() {
+  mx::Stream s = mx::default_stream(mx::default_device());
+  if (s.device != mx::Device::cpu) throw std::invalid_argument("decode_ops run on the CPU only");
+  return s;
+}
+
+void check(const mx::array& qkv, const mx::array& store, const mx::array& rows,
+           const mx::array& pos, const mx::array& cos2, const mx::array& sin2, Geometry g) {
+  if (g.heads <= 0 || g.kv_heads <= 0 || g.heads % g.kv_heads != 0 || g.head_dim <= 0 ||
+      g.head_dim % 2 != 0 || g.q <= 0)
+    throw std::invalid_argument("decode_ops: bad head geometry");
+  for (const mx::array* a : {&qkv, &store, &cos2, &sin2})
+    if (a->dtype() != mx::float32) throw std::invalid_argument("decode_ops: float32 only");
+  if (rows.dtype() != mx::int32 || pos.dtype() != mx::int32 || rows.ndim() != 1 ||
+      pos.ndim() != 1 || rows.size() != pos.size())
+    throw std::invalid_argument("decode_ops: rows and pos must be int32 [B]");
+  const int64_t width = static_cast<int64_t>(g.heads + 2 * g.kv_heads) * g.head_dim;
+  if (qkv.ndim() != 2 || qkv.shape(1) != width ||
+      qkv.shape(0) != static_cast<int64_t>(rows.size()) * g.q)
+    throw std::invalid_argument("decode_ops: qkv must be [B * q, (H + 2 KV) * Dh]");
+  if (store.ndim() != 4 || store.shape(1) != g.kv_heads || store.shape(3) != g.head_dim)
+    throw std::invalid_argument("decode_ops: a store must be [rows, KV, capacity, Dh]");
+  if (cos2.ndim() != 2 || cos2.shape(1) != g.head_dim || sin2.shape() != cos2.shape())
+    throw std::invalid_argument("decode_ops: cos2/sin2 must be [positions, Dh]");
+}
+
+mx::array write_kv(const mx::array& store, const mx::array& qkv, const mx::array& rows,
+                   const mx::array& pos, const mx::array& cos2, const mx::array& sin2,
+                   int heads, int kv_heads, int head_dim, int q, bool rotate) {
+  const Geometry g{heads, kv_heads, head_dim, q};
+  check(qkv, store, rows, pos, cos2, sin2, g);
+  return mx::array(store.shape(), mx::float32,
+                   std::make_shared<WriteKV>(cpu_stream(), g, rotate),
+                   {store, qkv, rows, pos, cos2, sin2});
+}
+
+mx::array attend(const mx::array& qkv, const mx::array& keys, const mx::array& values,
+                 const mx::array& rows, const mx::array& pos, const mx::array& cos2,
+                 const mx::array& sin2, int heads, int kv_heads, int head_dim, int q,
+                 float scale) {
+  const Geometry g{heads, kv_heads, head_dim, q};
+  check(qkv, keys, rows, pos, cos2, sin2, g);
+  if (values.shape() != keys.shape() || values.dtype() != mx::float32)
+    throw std::invalid_argument("decode_ops: values must be shaped as keys");
+  return mx::array({qkv.shape(0), static_cast<int>(heads) * head_dim}, mx::float32,
+                   std::make_shared<Attend>(cpu_stream(), g, scale),
+                   {qkv, keys, values, rows, pos, cos2, sin2});
+}
+
+} // namespace
+
+NB_MODULE(_llm_decode_ops, m) {
+  m.doc() = "Decode attention primitives for MLX on the CPU (llm_server.native.decode_ops)";
+  m.def("write_kv", &write_kv, nb::arg("store"), nb::arg("qkv"), nb::arg("rows"),
+        nb::arg("pos"), nb::arg("cos2"), nb::arg("sin2"), nb::arg("heads"),
+        nb::arg("kv_heads"), nb::arg("head_dim"), nb::arg("q"), nb::arg("rotate"));
+  m.def("attend", &attend, nb::arg("qkv"), nb::arg("keys"), nb::arg("values"), nb::arg("rows"),
+        nb::arg("pos"), nb::arg("cos2"), nb::arg("sin2"), nb::arg("heads"), nb::arg("kv_heads"),
+        nb::arg("head_dim"), nb::arg("q"), nb::arg("scale"));
+  m.def("threads", [] { return Pool::get().threads(); });
+}

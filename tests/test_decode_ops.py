@@ -1,0 +1,181 @@
+"""The decode ops (llm_server.native.decode_ops): MLX primitives for a layer's decode attention.
+
+Checked against the plain formula in numpy; the rotation and the written keys bit for bit
+against MLX's own rotation; one arithmetic per output whatever the batch, the rows' order or
+the thread split; the store written in place when MLX can donate it and copied when not; bad
+shapes refused with an error instead of a crash.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from llm_server.engines.compiled_step import Rotation, _rotate
+from llm_server.native import decode_ops
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="the decode ops are built on Linux only"
+)
+
+H, KV, DH = 6, 2, 16
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = decode_ops.module()
+    # CI installs nanobind and a compiler: the ops must be in use there, not silently skipped
+    assert module is not None, "the decode ops extension did not build or load"
+    return module
+
+
+def _rotation(positions: int) -> Rotation:
+    angles = np.random.default_rng(5).random((positions, DH // 2)).astype(np.float32) * 3
+    return Rotation.of(mx.array(np.concatenate([np.cos(angles), np.sin(angles)], axis=1)))
+
+
+def _reference(qkv, keys, values, rows, pos, rot: Rotation, q, scale):
+    """The plain formula: rotate, write, softmax(q . k * scale) @ v over positions 0..p."""
+    cos2, sin2 = np.array(rot.cos2), np.array(rot.sin2)
+    keys, values = keys.copy(), values.copy()
+
+    def rotate(x, p):
+        return x * cos2[p] + np.concatenate([x[DH // 2 :], x[: DH // 2]]) * sin2[p]
+
+    for b, (r, p0) in enumerate(zip(rows, pos, strict=True)):
+        for i in range(q):
+            for g in range(KV):
+                keys[r, g, p0 + i] = rotate(qkv[b * q + i, (H + g) * DH : (H + g + 1) * DH], p0 + i)
+                values[r, g, p0 + i] = qkv[b * q + i, (H + KV + g) * DH : (H + KV + g + 1) * DH]
+    out = np.zeros((len(rows) * q, H * DH), np.float32)
+    for b, (r, p0) in enumerate(zip(rows, pos, strict=True)):
+        for i in range(q):
+            p = p0 + i
+            for h in range(H):
+                g = h // (H // KV)
+                s = keys[r, g, : p + 1] @ rotate(qkv[b * q + i, h * DH : (h + 1) * DH], p) * scale
+                e = np.exp(s - s.max())
+                out[b * q + i, h * DH : (h + 1) * DH] = (e / e.sum()) @ values[r, g, : p + 1]
+    return out, keys, values
+
+
+def _run(ops, qkv, keys, values, rows, pos, rot, q, scale=0.25):
+    rows_a, pos_a = mx.array(rows, dtype=mx.int32), mx.array(pos, dtype=mx.int32)
+    geometry = (rows_a, pos_a, rot.cos2, rot.sin2, H, KV, DH, q)
+    k = ops.write_kv(mx.array(keys), mx.array(qkv), *geometry, True)
+    v = ops.write_kv(mx.array(values), mx.array(qkv), *geometry, False)
+    out = ops.attend(mx.array(qkv), k, v, *geometry, scale)
+    mx.eval(out, k, v)
+    return np.array(out), np.array(k), np.array(v)
+
+
+def _inputs(rng, store_rows, capacity, n):
+    keys = rng.standard_normal((store_rows, KV, capacity, DH)).astype(np.float32)
+    values = rng.standard_normal((store_rows, KV, capacity, DH)).astype(np.float32)
+    qkv = rng.standard_normal((n, (H + 2 * KV) * DH)).astype(np.float32)
+    return qkv, keys, values
+
+
+@pytest.mark.parametrize(
+    "q, rows, pos",
+    [(1, [2, 0], [5, 30]), (3, [1], [10]), (1, [0, 1, 2], [0, 7, 36]), (2, [2, 1], [0, 4])],
+)
+def test_attention_and_writes_match_the_formula(ops, q, rows, pos):
+    """Scattered store rows at their own positions, one or several new positions per row (a
+    draft being verified sees its own earlier positions): the attention within float32
+    rounding, and the written keys and values exactly, MLX's rotation included."""
+    rng = np.random.default_rng(q + len(rows))
+    rot = _rotation(48)
+    qkv, keys, values = _inputs(rng, 3, 40, len(rows) * q)
+    out, k, v = _run(ops, qkv, keys, values, rows, pos, rot, q)
+    want, want_k, want_v = _reference(qkv, keys, values, rows, pos, rot, q, 0.25)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=2e-6)
+    np.testing.assert_array_equal(v, want_v)
+    np.testing.assert_array_equal(k, want_k)
+    # the keys as MLX's own rotation (the compiled step's graph path) computes them
+    x = mx.array(qkv[:q, H * DH : (H + 1) * DH].reshape(1, 1, q, DH))
+    p = mx.array([pos[0] + i for i in range(q)])
+    cos2, sin2 = rot.cos2[p][None, None], rot.sin2[p][None, None]
+    mlx_keys = np.array(_rotate(x, Rotation.swap(x), cos2, sin2))[0, 0]
+    np.testing.assert_array_equal(k[rows[0], 0, pos[0] : pos[0] + q], mlx_keys)
+
+
+def test_a_rows_result_does_not_depend_on_the_batch_or_the_threads(ops):
+    """Row 4's output alone (one thread: little work) and beside 23 long rows (enough work for
+    the thread pool), in another order: bit for bit the same; the other rows alike."""
+    rng = np.random.default_rng(3)
+    rot = _rotation(400)
+    qkv, keys, values = _inputs(rng, 24, 400, 24)
+    pos = rng.integers(250, 390, 24).tolist()
+    rows = list(range(24))
+    order = rng.permutation(24).tolist()
+    batched, _, _ = _run(ops, qkv, keys, values, rows, pos, rot, 1)
+    shuffled, _, _ = _run(ops, qkv[order], keys, values, order, [pos[r] for r in order], rot, 1)
+    np.testing.assert_array_equal(shuffled, batched[order])
+    for r in (4, 17):
+        alone, _, _ = _run(ops, qkv[r : r + 1], keys, values, [r], [pos[r]], rot, 1)
+        np.testing.assert_array_equal(alone[0], batched[r])
+
+
+def test_the_store_is_written_in_place_only_when_nothing_else_holds_it(ops):
+    """A store only the graph holds is updated in its own buffer (no copy per layer and step);
+    a store the caller still holds keeps its contents."""
+    rng = np.random.default_rng(8)
+    rot = _rotation(16)
+    qkv, keys, _ = _inputs(rng, 2, 16, 1)
+    rows, pos = mx.array([1], dtype=mx.int32), mx.array([3], dtype=mx.int32)
+    geometry = (rows, pos, rot.cos2, rot.sin2, H, KV, DH, 1)
+
+    def address(a):
+        return np.asarray(a).__array_interface__["data"][0]
+
+    held = mx.array(keys)
+    out = ops.write_kv(held, mx.array(qkv), *geometry, True)
+    mx.eval(out)
+    assert address(out) != address(held)
+    np.testing.assert_array_equal(np.array(held), keys)  # untouched
+    before = address(out)
+    again = ops.write_kv(out, mx.array(qkv), *geometry, True)
+    del out  # only the graph holds it now
+    mx.eval(again)
+    assert address(again) == before
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"qkv": mx.zeros((1, 7))}, "qkv must be"),
+        ({"keys": mx.zeros((2, KV + 1, 16, DH))}, "a store must be"),
+        ({"rows": mx.array([0, 1], dtype=mx.int32)}, "rows and pos"),
+        (
+            {"rows": mx.array([0, 1], dtype=mx.int32), "pos": mx.array([1, 2], dtype=mx.int32)},
+            "qkv must be",
+        ),
+        ({"pos": mx.array([0.0])}, "rows and pos"),
+        ({"keys": mx.zeros((2, KV, 16, DH), dtype=mx.float16)}, "float32 only"),
+    ],
+)
+def test_bad_shapes_are_refused(ops, change, message):
+    rot = _rotation(16)
+    args = {
+        "qkv": mx.zeros((1, (H + 2 * KV) * DH)),
+        "keys": mx.zeros((2, KV, 16, DH)),
+        "rows": mx.array([0], dtype=mx.int32),
+        "pos": mx.array([1], dtype=mx.int32),
+    } | change
+    with pytest.raises(ValueError, match=message):
+        ops.write_kv(
+            args["keys"], args["qkv"], args["rows"], args["pos"], rot.cos2, rot.sin2,
+            H, KV, DH, 1, True,
+        )  # fmt: skip
+
+
+def test_the_engine_uses_them_where_they_apply(tiny_llama_path, tiny_model_path):
+    """A llama layout decodes with the ops; a layout with q/k norms (qwen3) keeps MLX's ops."""
+    from llm_server.engines.mlx_engine import MLXEngine
+
+    assert MLXEngine(tiny_llama_path, rows=1)._fused.ops is not None
+    assert MLXEngine(tiny_model_path, rows=1)._fused.ops is None
