@@ -7,7 +7,8 @@ and alternated with the whole step so a shared machine's load hits them alike:
 - products: every layer's q/k/v, o, gate/up and down products and the output head, split
   across the two CPU streams as the step splits them, each waiting for the one before (as in
   the step; a slice and a product per layer join them);
-- attention: every layer's `decode_attention.attend` over the span;
+- attention: every layer's `decode_attention.attend` over the span (with the decode ops,
+  llm_server.native.decode_ops, their `attend` over each row's history);
 - norms: every RMSNorm of the step (two per layer and the final one);
 - whole step: `MLXEngine.decode`, graph replay and evaluation included.
 What the parts do not cover (rotation, SiLU, residual adds, KV writes, dispatching the graph's
@@ -69,6 +70,20 @@ def measure(model: str, rows: int, prompt_len: int, reps: int) -> dict[str, list
 
     def attention():
         return [decode_attention.attend(queries, keys, keys, mask, layer.scale) for layer in layers]
+
+    if fused.ops is not None:  # the step attends with the decode ops: time their `attend`
+        width = (first.heads + 2 * first.kv_heads) * first.head_dim
+        qkv = mx.random.normal((rows, width), key=mx.random.key(3))
+        row_ids = mx.array(ids, dtype=mx.int32)
+        pos = mx.array([engine.cursor(r) for r in ids], dtype=mx.int32)
+        store, rot = engine._store, fused.rotation
+        geometry = (row_ids, pos, rot.cos2, rot.sin2, first.heads, first.kv_heads)
+
+        def attention():
+            return [
+                fused.ops.attend(qkv, k, v, *geometry, first.head_dim, 1, first.scale)
+                for k, v in zip(store.keys, store.values, strict=True)
+            ]
 
     def norms():
         out = [fused.model.model.norm(x)]

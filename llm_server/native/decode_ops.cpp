@@ -56,41 +56,101 @@ inline v8 load8(const float* p) {
 
 inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
 
-// exp(x) for x <= 0 (softmax after the max is subtracted): Cody-Waite reduction and Cephes'
-// polynomial, every step rounded on its own, so a vectorized loop and a scalar one agree.
-inline float exp_nonpositive(float x) {
-  const float xc = x < -87.0f ? -87.0f : x;
-  const float k = __builtin_floorf(xc * 1.44269504088896341f + 0.5f);
-  float r = xc - k * 0.693359375f;
-  r = r - k * -2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * (r * r);
-  y = y + r;
-  y = y + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < -87.0f ? 0.0f : y * scale;
+typedef float v4 __attribute__((vector_size(16)));
+typedef float v2 __attribute__((vector_size(8)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
+
+// the lanes' sum as a fixed tree: ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
+inline float hsum(v8 a) {
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const v2 c = __builtin_shufflevector(b, b, 0, 1) + __builtin_shufflevector(b, b, 2, 3);
+  return c[0] + c[1];
 }
 
-inline float dot(const float* a, const float* b, int n) {
-  const int n8 = n & ~7;
-  v8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int d = 0; d < n8; d += 8) {
-    v8 prod = load8(a + d) * load8(b + d);
-    acc = acc + prod;
+inline v8 vmax(v8 a, v8 b) { return a > b ? a : b; }
+
+// exp(x) for x <= 0 (a softmax after its max is subtracted; -inf gives 0): Cody-Waite reduction
+// and Cephes' polynomial, every step rounded on its own (-ffp-contract=off)
+inline v8 exp8(v8 x) {
+  const v8 lo = splat(-87.0f);
+  const v8 xc = x < lo ? lo : x;
+  const v8 t = xc * splat(1.44269504088896341f) + splat(0.5f);
+  const v8 f = __builtin_convertvector(__builtin_convertvector(t, v8i), v8); // toward zero
+  const v8 k = f > t ? f - splat(1.0f) : f;                                   // floor(t)
+  v8 r = xc - k * splat(0.693359375f);
+  r = r - k * splat(-2.12194440e-4f);
+  v8 y = splat(1.9875691500e-4f);
+  y = y * r + splat(1.3981999507e-3f);
+  y = y * r + splat(8.3334519073e-3f);
+  y = y * r + splat(4.1665795894e-2f);
+  y = y * r + splat(1.6666665459e-1f);
+  y = y * r + splat(5.0000001201e-1f);
+  y = y * (r * r);
+  y = y + r;
+  y = y + splat(1.0f);
+  const v8i bits = (__builtin_convertvector(k, v8i) + 127) << 23;
+  v8 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < lo ? splat(0.0f) : y * scale;
+}
+
+// Attention of the `rep` query heads of one KV head at one position over its row's first
+// `positions` keys/values (head_dim = 8 * nv):
+// - score j of head h: lane l of an 8-float accumulator sums q[d] * k_j[d] for d = l, l + 8, ...
+//   in order, the lanes are added as `hsum` does, times `scale`;
+// - the max over j (exact in any order); e_j = exp8(score_j - max); their sum: lane l sums
+//   j = l, l + 8, ... in order, then `hsum`; p_j = e_j / sum;
+// - out[d] sums p_j * v_j[d] for j = 0, 1, ... in order.
+// `scores` holds rep * round_up(positions, 8) floats.
+template <int NV>
+inline void attend_group(const float* q, int rep, int nv_runtime, const float* kb,
+                         int64_t kstride, const float* vb, int64_t vstride, int64_t positions,
+                         float scale, float* scores, float* const* outs) {
+  const int nv = NV ? NV : nv_runtime;
+  const int dh = 8 * nv;
+  const int64_t padded = (positions + 7) & ~int64_t{7};
+  for (int64_t j = 0; j < positions; j++) {
+    const float* k = kb + j * kstride;
+    for (int h = 0; h < rep; h++) {
+      const float* qh = q + h * dh;
+      v8 acc = splat(0.0f);
+      for (int i = 0; i < nv; i++) {
+        const v8 prod = load8(qh + 8 * i) * load8(k + 8 * i);
+        acc = acc + prod;
+      }
+      scores[h * padded + j] = hsum(acc) * scale;
+    }
   }
-  float s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
-  for (int d = n8; d < n; d++) {
-    float prod = a[d] * b[d];
-    s = s + prod;
+  for (int h = 0; h < rep; h++) {
+    float* sc = scores + h * padded;
+    for (int64_t j = positions; j < padded; j++) sc[j] = -INFINITY;
+    v8 top8 = load8(sc);
+    for (int64_t j = 8; j < padded; j += 8) top8 = vmax(top8, load8(sc + j));
+    float top = top8[0];
+    for (int l = 1; l < 8; l++) top = top8[l] > top ? top8[l] : top;
+    const v8 topv = splat(top);
+    v8 sum8 = splat(0.0f);
+    for (int64_t j = 0; j < padded; j += 8) {
+      const v8 e = exp8(load8(sc + j) - topv);
+      store8(sc + j, e);
+      sum8 = sum8 + e;
+    }
+    const v8 total = splat(hsum(sum8));
+    for (int64_t j = 0; j < padded; j += 8) store8(sc + j, load8(sc + j) / total);
+    v8 acc[NV ? NV : 32];
+    for (int i = 0; i < nv; i++) acc[i] = splat(0.0f);
+    for (int64_t j = 0; j < positions; j++) {
+      const v8 w = splat(sc[j]);
+      const float* v = vb + j * vstride;
+      for (int i = 0; i < nv; i++) {
+        const v8 t = w * load8(v + 8 * i);
+        acc[i] = acc[i] + t;
+      }
+    }
+    for (int i = 0; i < nv; i++) store8(outs[h] + 8 * i, acc[i]);
   }
-  return s;
 }
 
 // a small pool: `run(n, fn)` calls fn(i) for i in [0, n) on the caller and the workers
@@ -296,47 +356,43 @@ class Attend : public mx::UnaryPrimitive {
       int64_t work = 0; // multiply-adds, to decide whether threads pay
       for (int64_t b = 0; b < batch; b++) work += (static_cast<int64_t>(at[b]) + q) * q;
       work *= static_cast<int64_t>(heads) * dh * 2;
-      auto item = [&](int index) {
-        const int64_t b = index / heads;
-        const int h = index % heads, g = h / rep;
+      auto item = [&](int index) { // one row's rep query heads of one KV head
+        const int64_t b = index / kv;
+        const int g = index % kv;
         const int64_t row = r[b];
-        std::vector<float> qrot(dh), scores, acc(dh);
+        thread_local std::vector<float> qrot, scores;
+        qrot.resize(static_cast<size_t>(rep) * dh);
+        float* outs[kMaxRep];
         for (int i = 0; i < q; i++) {
           const int64_t n = b * q + i;
           const int64_t p = static_cast<int64_t>(at[b]) + i;
-          float* o = dst + n * heads * dh + static_cast<int64_t>(h) * dh;
+          for (int h = 0; h < rep; h++)
+            outs[h] = dst + (n * heads + static_cast<int64_t>(g) * rep + h) * dh;
           if (row < 0 || row >= nrows || p < 0 || p >= cap) { // checked by the caller
-            std::fill(o, o + dh, 0.0f);
+            for (int h = 0; h < rep; h++) std::fill(outs[h], outs[h] + dh, 0.0f);
             continue;
           }
-          head_at(x, n, static_cast<int64_t>(h) * dh, dh, true, c, s, static_cast<int>(p),
-                  qrot.data());
+          for (int h = 0; h < rep; h++)
+            head_at(x, n, (static_cast<int64_t>(g) * rep + h) * dh, dh, true, c, s,
+                    static_cast<int>(p), qrot.data() + h * dh);
           const float* kb = kd + row * ks[0] + g * ks[1];
           const float* vb = vd + row * vs[0] + g * vs[1];
-          scores.resize(p + 1);
-          float top = -INFINITY;
-          for (int64_t j = 0; j <= p; j++) {
-            const float raw = dot(qrot.data(), kb + j * ks[2], dh);
-            scores[j] = raw * scale;
-            top = scores[j] > top ? scores[j] : top;
-          }
-          float sum = 0.0f;
-          for (int64_t j = 0; j <= p; j++) scores[j] = exp_nonpositive(scores[j] - top);
-          for (int64_t j = 0; j <= p; j++) sum = sum + scores[j];
-          for (int64_t j = 0; j <= p; j++) scores[j] = scores[j] / sum;
-          std::fill(acc.begin(), acc.end(), 0.0f);
-          for (int64_t j = 0; j <= p; j++) {
-            const float* v = vb + j * vs[2];
-            const float w = scores[j];
-            for (int d = 0; d < dh; d++) {
-              const float t = w * v[d];
-              acc[d] = acc[d] + t;
-            }
-          }
-          std::memcpy(o, acc.data(), dh * sizeof(float));
+          scores.resize(static_cast<size_t>(rep) * ((p + 8) & ~int64_t{7}));
+          const int nv = dh / 8;
+          auto run = [&](auto kernel) {
+            kernel(qrot.data(), rep, nv, kb, ks[2], vb, vs[2], p + 1, scale, scores.data(), outs);
+          };
+          if (nv == 8)
+            run(attend_group<8>);
+          else if (nv == 16)
+            run(attend_group<16>);
+          else if (nv == 4)
+            run(attend_group<4>);
+          else
+            run(attend_group<0>);
         }
       };
-      const int items = static_cast<int>(batch * heads);
+      const int items = static_cast<int>(batch * kv);
       if (work < kThreadedWork) {
         for (int i = 0; i < items; i++) item(i);
       } else {
@@ -356,6 +412,7 @@ class Attend : public mx::UnaryPrimitive {
 
  private:
   static constexpr int64_t kThreadedWork = 1 << 19; // below this one thread is faster
+  static constexpr int kMaxRep = 64;
   Geometry g_;
   float scale_;
 };
@@ -369,8 +426,10 @@ mx::Stream cpu_stream() {
 void check(const mx::array& qkv, const mx::array& store, const mx::array& rows,
            const mx::array& pos, const mx::array& cos2, const mx::array& sin2, Geometry g) {
   if (g.heads <= 0 || g.kv_heads <= 0 || g.heads % g.kv_heads != 0 || g.head_dim <= 0 ||
-      g.head_dim % 2 != 0 || g.q <= 0)
-    throw std::invalid_argument("decode_ops: bad head geometry");
+      g.head_dim % 8 != 0 || g.head_dim > 256 || g.heads / g.kv_heads > 64 || g.q <= 0)
+    throw std::invalid_argument(
+        "decode_ops: bad head geometry (head_dim a multiple of 8 up to 256, at most 64 query "
+        "heads per KV head)");
   for (const mx::array* a : {&qkv, &store, &cos2, &sin2})
     if (a->dtype() != mx::float32) throw std::invalid_argument("decode_ops: float32 only");
   if (rows.dtype() != mx::int32 || pos.dtype() != mx::int32 || rows.ndim() != 1 ||

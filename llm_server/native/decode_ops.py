@@ -124,19 +124,20 @@ def _check(ops) -> None:
     import mlx.core as mx
     import numpy as np
 
-    heads, kv, dh = 2, 1, 4
-    qkv = mx.arange(16, dtype=mx.float32).reshape(1, 16) / 16
+    heads, kv, dh = 2, 1, 8
+    width = (heads + 2 * kv) * dh
+    qkv = mx.arange(width, dtype=mx.float32).reshape(1, width) / width
     store = mx.zeros((1, kv, 2, dh))
     rows, pos = mx.array([0], dtype=mx.int32), mx.array([1], dtype=mx.int32)
     ones, zeros = mx.ones((2, dh)), mx.zeros((2, dh))  # no rotation
     keys = ops.write_kv(store, qkv, rows, pos, ones, zeros, heads, kv, dh, 1, True)
     values = ops.write_kv(store, qkv, rows, pos, ones, zeros, heads, kv, dh, 1, False)
     out = ops.attend(qkv, keys, values, rows, pos, ones, zeros, heads, kv, dh, 1, 0.5)
-    x = np.arange(16, dtype=np.float32) / 16
-    k0, v1 = np.zeros(dh, np.float32), x[12:16]
+    x = np.arange(width, dtype=np.float32) / width
+    k1, v1 = x[heads * dh : (heads + 1) * dh], x[(heads + 1) * dh :]
     want = []
     for h in range(heads):
-        s = np.array([x[h * dh : h * dh + dh] @ k0, x[h * dh : h * dh + dh] @ x[8:12]]) * 0.5
+        s = np.array([0.0, x[h * dh : h * dh + dh] @ k1]) * 0.5  # position 0: the zero key
         p = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
         want.append(p[1] * v1)  # position 0's value is the zero row
     if not np.allclose(np.array(out), np.concatenate(want)[None], atol=1e-6):
