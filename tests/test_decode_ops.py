@@ -173,6 +173,32 @@ def test_bad_shapes_are_refused(ops, change, message):
         )  # fmt: skip
 
 
+@pytest.mark.parametrize("rows, dim", [(1, 576), (7, 64), (33, 960)])
+@pytest.mark.parametrize("eps", [1e-5, 1e-6])
+def test_rms_norm_equals_mlx_bit_for_bit(ops, rows, dim, eps):
+    """The compiled step norms with the op where the eager forward runs mx.fast.rms_norm."""
+    rng = np.random.default_rng(rows * dim)
+    x = rng.standard_normal((rows, dim)) * np.exp(rng.uniform(-8, 8, (rows, 1)))
+    x, w = mx.array(x.astype(np.float32)), mx.array(rng.standard_normal(dim).astype(np.float32))
+    assert np.array_equal(np.array(ops.rms_norm(x, w, eps)), mx.fast.rms_norm(x, w, eps))
+    # a strided view (every other column of a wider array) reads the same values
+    wide = mx.repeat(x, 2, axis=1)[:, ::2]
+    assert np.array_equal(np.array(ops.rms_norm(wide, w, eps)), mx.fast.rms_norm(x, w, eps))
+
+
+@pytest.mark.parametrize(
+    "x, w",
+    [
+        (mx.zeros((2, 8)), mx.zeros((7,))),
+        (mx.zeros((2, 3, 8)), mx.zeros((8,))),
+        (mx.zeros((2, 8), dtype=mx.float16), mx.zeros((8,), dtype=mx.float16)),
+    ],
+)
+def test_rms_norm_refuses_bad_shapes(ops, x, w):
+    with pytest.raises(ValueError, match="rms_norm takes float32"):
+        ops.rms_norm(x, w, 1e-5)
+
+
 def test_the_engine_uses_them_where_they_apply(tiny_llama_path, tiny_model_path):
     """A llama layout decodes with the ops; a layout with q/k norms (qwen3) keeps MLX's ops."""
     from llm_server.engines.mlx_engine import MLXEngine

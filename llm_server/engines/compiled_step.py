@@ -228,16 +228,25 @@ def _body(decoder, attention, ids, keys, values, split: bool):
     inner = decoder.model.model
     b = ids.shape[0]
     x = inner.embed_tokens(ids.reshape(b))  # [B, dim]
+    if decoder.ops is not None:  # one op, MLX's values bit for bit (decode_ops checks)
+
+        def norm(module, x):
+            return decoder.ops.rms_norm(x, module.weight, module.eps)
+    else:
+
+        def norm(module, x):
+            return module(x)
+
     new_keys, new_values = [], []
     for i, layer in enumerate(decoder.layers):
-        qkv = layer.qkv(layer.norm_in(x), split)  # [B, (H + 2 KV) * Dh]
+        qkv = layer.qkv(norm(layer.norm_in, x), split)  # [B, (H + 2 KV) * Dh]
         out, k, v = attention(layer, qkv, keys[i], values[i])
         new_keys.append(k)
         new_values.append(v)
         x = layer.o.add_to(x, out, split)
-        gate, up = layer.gate_up.pair(layer.norm_post(x), split)
+        gate, up = layer.gate_up.pair(norm(layer.norm_post, x), split)
         x = layer.down.add_to(x, cpu_kernels.silu_mul(gate, up), split)
-    logits = decoder.lm_head(inner.norm(x), split).astype(mx.float32)
+    logits = decoder.lm_head(norm(inner.norm, x), split).astype(mx.float32)
     return logits, new_keys, new_values
 
 

@@ -1,13 +1,15 @@
-"""Decode attention as MLX primitives on the CPU: their build and the loaded module.
+"""Decode attention and RMSNorm as MLX primitives on the CPU: their build and the loaded module.
 
-`decode_ops.cpp` adds two ops to MLX (a C++ extension against the installed MLX, bound with
+`decode_ops.cpp` adds three ops to MLX (a C++ extension against the installed MLX, bound with
 nanobind in MLX's own nanobind domain so that `mx.array`s pass straight through):
 
 - `write_kv(store, qkv, rows, pos, cos2, sin2, heads, kv_heads, head_dim, q, rotate)`: the
   store [R, KV, capacity, Dh] with each row's new keys (rotated) or values written, in place
   when MLX can donate the store;
 - `attend(qkv, keys, values, rows, pos, cos2, sin2, heads, kv_heads, head_dim, q, scale)`:
-  each new position's rotated query heads over its row's positions 0..p -> [B * q, H * Dh].
+  each new position's rotated query heads over its row's positions 0..p -> [B * q, H * Dh];
+- `rms_norm(x, weight, eps)`: `mx.fast.rms_norm`'s values bit for bit (checked at load) as one
+  op, where MLX's CPU runs it as a graph of ~4.
 
 They replace the ~22 graph ops of a layer's decode attention (slices, the rotation, the store
 writes and reads, the grouped products, the mask and the softmax) with three, each computing one
@@ -142,6 +144,14 @@ def _check(ops) -> None:
         want.append(p[1] * v1)  # position 0's value is the zero row
     if not np.allclose(np.array(out), np.concatenate(want)[None], atol=1e-6):
         raise RuntimeError("decode ops computed a wrong attention")
+    # rms_norm must equal MLX's own bit for bit (the compiled step uses it where the eager
+    # forward runs mx.fast.rms_norm): rows of very different scales
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 576)) * np.exp(rng.uniform(-6, 6, (32, 1)))
+    x, w = mx.array(x.astype(np.float32)), mx.array(rng.standard_normal(576).astype(np.float32))
+    for eps in (1e-5, 1e-6):
+        if not np.array_equal(np.array(ops.rms_norm(x, w, eps)), mx.fast.rms_norm(x, w, eps)):
+            raise RuntimeError("decode ops' rms_norm differs from mx.fast.rms_norm")
 
 
 @functools.cache
