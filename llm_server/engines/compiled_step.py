@@ -223,19 +223,15 @@ def _body(decoder, attention, ids, keys, values, split: bool):
     plain matmul, without the broadcast/flatten views a [B, 1, features] input adds; heads are
     [B, heads, 1, Dh], the store's layout, so no op only adds an axis. Every op of the graph
     costs a dispatch (~1.5-3 us on the CPU) whatever its size, so views are taken once: one
-    slice per store read, the residual added by the product itself (`_Linear.add_to`).
+    slice per store read, the residual added by the product itself (`fused_layers.Linear.add_to`).
     """
     inner = decoder.model.model
     b = ids.shape[0]
     x = inner.embed_tokens(ids.reshape(b))  # [B, dim]
-    if decoder.ops is not None:  # one op, MLX's values bit for bit (decode_ops checks)
 
-        def norm(module, x):
-            return decoder.ops.rms_norm(x, module.weight, module.eps)
-    else:
-
-        def norm(module, x):
-            return module(x)
+    def norm(module, x):  # with the decode ops one op, MLX's values bit for bit (checked)
+        ops = decoder.ops
+        return module(x) if ops is None else ops.rms_norm(x, module.weight, module.eps)
 
     new_keys, new_values = [], []
     for i, layer in enumerate(decoder.layers):

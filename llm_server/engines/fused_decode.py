@@ -6,8 +6,8 @@ into one weight, gate/up into another), SiLU·up is one compiled kernel, and rot
 come from a cos/sin table built once (MLX's CPU rope recomputes them with scalar transcendentals
 for every call). The model's own q/k/v and gate/up weights are rebound as row slices (views) of
 the stacked ones, so the weights are held once and prefill/scoring keep running the mlx-lm
-modules unchanged. Every output is the same dot product as in the separate products, and the
-table holds exactly the values the rope module computes.
+modules unchanged (`fused_layers`). Every output is the same dot product as in the separate
+products, and the table holds exactly the values the rope module computes.
 
 On the CPU `split=True` puts each product's output halves on two streams: with BLIS held to
 one thread per stream (see `blas.threads`) that is faster than BLIS's own threading for the
@@ -19,154 +19,32 @@ weights, sliding windows, unknown attention extras); the engine then keeps the m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import mlx.core as mx
 import mlx.nn as nn
 
 from llm_server.engines import cpu_kernels, decode_attention
 from llm_server.engines.compiled_step import CompiledSteps, Rotation
+from llm_server.engines.fused_layers import (
+    Layer,
+    Linear,
+    bias_of,
+    fusable,
+    rope_table,
+    rotate,
+    rotate_eager,
+    stack,
+    table_matches,
+)
 from llm_server.engines.layout import PLAIN_HEAD_MODULES, model_family, output_head
 from llm_server.engines.row_cache import RowView
 from llm_server.native import decode_ops
-
-_KNOWN_ATTN = {"q_proj", "k_proj", "v_proj", "o_proj", "rope", "q_norm", "k_norm"}
-_KNOWN_MLP = {"gate_proj", "up_proj", "down_proj"}
-
-
-def _rotate_eager(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """Half-split rotary embedding: x [..., D], cos/sin [..., D/2] broadcastable."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
-
-
-_rotate = mx.compile(_rotate_eager)  # decode shapes are few (one per row count)
-
-
-@dataclass
-class _Linear:
-    weight: mx.array  # [out, in]
-    bias: mx.array | None
-    # weight.T and its two column halves, as views made once: a step then adds no slice or
-    # transpose ops of its own (a few hundred fewer graph ops per step)
-    wt: mx.array = field(init=False)
-    halves: tuple[mx.array, mx.array] = field(init=False)
-
-    def __post_init__(self) -> None:
-        half = self.weight.shape[0] // 2
-        self.wt = self.weight.T
-        self.halves = (self.weight[:half].T, self.weight[half:].T)
-        mx.eval(self.wt, *self.halves)  # strided views of the same buffer, no copies
-
-    def __call__(self, x: mx.array, split: bool) -> mx.array:
-        out = cpu_kernels.split_matmul_halves(x, self.halves) if split else x @ self.wt
-        return out if self.bias is None else out + self.bias
-
-    def add_to(self, x: mx.array, a: mx.array, split: bool) -> mx.array:
-        """x + self(a). On the CPU one addmm: the product writes onto a copy of x, each output
-        s + x as in the separate add (alpha = beta = 1, so the same rounding), one op fewer."""
-        if split or self.bias is not None or not cpu_kernels.on_cpu():
-            return x + self(a, split)
-        return mx.addmm(x, a, self.wt)
-
-    def pair(self, x: mx.array, split: bool) -> tuple[mx.array, mx.array]:
-        """The two halves of the output (gate and up of a stacked gate/up), each computed on
-        its own stream when `split`: no concatenation and no slicing of a joint output."""
-        if self.bias is not None or not split:
-            out = self(x, split)
-            half = out.shape[-1] // 2
-            return out[..., :half], out[..., half:]
-        return cpu_kernels.split_matmuls(x, self.halves)
-
-
-@dataclass
-class _Layer:
-    qkv: _Linear  # [(H + 2 KV) * Dh, dim]
-    o: _Linear
-    gate_up: _Linear  # [2 * inter, dim]
-    down: _Linear
-    norm_in: nn.RMSNorm
-    norm_post: nn.RMSNorm
-    rope: nn.Module  # used where there is no cos/sin table
-    q_norm: nn.Module | None
-    k_norm: nn.Module | None
-    heads: int
-    kv_heads: int
-    head_dim: int
-    scale: float
-    inter: int
-
-
-def _bias(m: nn.Linear) -> mx.array | None:
-    return m.bias if "bias" in m else None
-
-
-def _stack(modules: list[nn.Linear]) -> _Linear:
-    """One weight (and bias) for `modules`; each module's weight becomes a view of it."""
-    biases = [_bias(m) for m in modules]
-    if any(b is None for b in biases) and not all(b is None for b in biases):
-        raise ValueError("some of the stacked projections have a bias and some do not")
-    weight = mx.concatenate([m.weight for m in modules])
-    bias = None if biases[0] is None else mx.concatenate(biases)
-    mx.eval(weight, *([] if bias is None else [bias]))
-    start = 0
-    for m in modules:
-        n = m.weight.shape[0]
-        m.weight = weight[start : start + n]
-        if bias is not None:
-            m.bias = bias[start : start + n]
-        mx.eval(m.parameters())  # views: the separate weights are freed here
-        start += n
-    return _Linear(weight, bias)
-
-
-def _fusable(layer) -> bool:
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if attn is None or mlp is None or getattr(layer, "use_sliding", False):
-        return False
-    if set(attn.children()) - _KNOWN_ATTN or set(mlp.children()) - _KNOWN_MLP:
-        return False
-    linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-    norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
-    return all(isinstance(m, nn.Linear) for m in linears) and all(
-        isinstance(n, nn.RMSNorm) for n in norms
-    )
-
-
-def _rope_table(rope: nn.Module, head_dim: int, positions: int, dtype) -> mx.array | None:
-    """[positions, head_dim] = [cos | sin] as `rope` computes them, or None if it is not a
-    plain half-split rotation of all head_dim features.
-
-    RoPE is linear in x: with x = [1...1, 0...0] it returns [cos | sin] at each position.
-    """
-    if getattr(rope, "traditional", True) or getattr(rope, "dims", None) != head_dim:
-        return None
-    half = head_dim // 2
-    probe = mx.concatenate([mx.ones((positions, half)), mx.zeros((positions, half))], axis=-1)
-    table = rope(probe.reshape(1, 1, positions, head_dim).astype(dtype))[0, 0]
-    mx.eval(table)
-    return table if _table_matches(table, rope) else None
-
-
-def _table_matches(table: mx.array, rope: nn.Module) -> bool:
-    """Whether rotating by `table` reproduces `rope` (random inputs, a few positions)."""
-    positions, head_dim = table.shape
-    half = head_dim // 2
-    x = mx.random.normal((1, 1, 1, head_dim), key=mx.random.key(0)).astype(table.dtype)
-    for pos in sorted({0, 1, positions // 2, positions - 1}):
-        c, s = table[pos, :half], table[pos, half:]
-        if not mx.allclose(_rotate(x, c, s), rope(x, offset=pos), rtol=1e-5, atol=1e-6).item():
-            return False
-    return True
 
 
 class FusedForward:
     """Runs the model over the engine's row views with stacked products: decode steps
     (compiled when `enable_compiled` was called), mixed steps (`forward_groups`) and scoring."""
 
-    def __init__(self, model, layers: list[_Layer], lm_head: _Linear, table: mx.array | None):
+    def __init__(self, model, layers: list[Layer], lm_head: Linear, table: mx.array | None):
         self.model = model
         self.layers = layers
         self.lm_head = lm_head
@@ -203,32 +81,32 @@ class FusedForward:
             return None  # e.g. granite: llama's layer names, but multipliers this does not apply
         inner = getattr(model, "model", None)
         blocks = getattr(inner, "layers", None)
-        if not blocks or not all(_fusable(b) for b in blocks):
+        if not blocks or not all(fusable(b) for b in blocks):
             return None
         if not isinstance(getattr(inner, "norm", None), nn.RMSNorm):
             return None
         head, tied = output_head(model)
         if type(head) not in (nn.Embedding, nn.Linear):
             return None  # a quantized head
-        lm_head = _Linear(head.weight, None if tied else _bias(head))
+        lm_head = Linear(head.weight, None if tied else bias_of(head))
         attn0 = blocks[0].self_attn
         head_dim = attn0.q_proj.weight.shape[0] // attn0.n_heads
         table = None
         if cpu_kernels.on_cpu():  # Metal's rope kernel is fast; the CPU's recomputes cos/sin
-            table = _rope_table(attn0.rope, head_dim, positions, attn0.q_proj.weight.dtype)
+            table = rope_table(attn0.rope, head_dim, positions, attn0.q_proj.weight.dtype)
             if table is not None and not all(
-                _table_matches(table, b.self_attn.rope) for b in blocks
+                table_matches(table, b.self_attn.rope) for b in blocks
             ):
                 table = None  # layers with different rotary settings
         layers = []
         for block in blocks:
             attn, mlp = block.self_attn, block.mlp
             layers.append(
-                _Layer(
-                    qkv=_stack([attn.q_proj, attn.k_proj, attn.v_proj]),
-                    o=_Linear(attn.o_proj.weight, _bias(attn.o_proj)),
-                    gate_up=_stack([mlp.gate_proj, mlp.up_proj]),
-                    down=_Linear(mlp.down_proj.weight, _bias(mlp.down_proj)),
+                Layer(
+                    qkv=stack([attn.q_proj, attn.k_proj, attn.v_proj]),
+                    o=Linear(attn.o_proj.weight, bias_of(attn.o_proj)),
+                    gate_up=stack([mlp.gate_proj, mlp.up_proj]),
+                    down=Linear(mlp.down_proj.weight, bias_of(mlp.down_proj)),
                     norm_in=block.input_layernorm,
                     norm_post=block.post_attention_layernorm,
                     rope=attn.rope,
@@ -377,7 +255,7 @@ class FusedForward:
         return at[..., : self.half], at[..., self.half :]
 
     def _attention(
-        self, layer: _Layer, h, cache, mask, cos_sin, split: bool, exact: bool, starts: list[int]
+        self, layer: Layer, h, cache, mask, cos_sin, split: bool, exact: bool, starts: list[int]
     ):
         """`exact`: decode positions, which on the CPU attend as a compiled decode step does
         (decode_attention) when the cache is the engine's row store."""
@@ -413,9 +291,9 @@ class FusedForward:
             queries = layer.rope(queries, offset=cache.offset)
             keys = layer.rope(keys, offset=cache.offset)
         elif q == 1:
-            queries, keys = _rotate(queries, *cos_sin), _rotate(keys, *cos_sin)
+            queries, keys = rotate(queries, *cos_sin), rotate(keys, *cos_sin)
         else:  # not compiled: one compile per prompt length would pile up
-            queries, keys = _rotate_eager(queries, *cos_sin), _rotate_eager(keys, *cos_sin)
+            queries, keys = rotate_eager(queries, *cos_sin), rotate_eager(keys, *cos_sin)
         keys, values = cache.update_and_fetch(keys, values)
         if exact and isinstance(cache, RowView) and cpu_kernels.on_cpu():
             width = decode_attention.span(cache.plan.kv_len, cache.store.capacity)

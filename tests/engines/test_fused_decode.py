@@ -11,7 +11,8 @@ import pytest
 from mlx_lm.models.rope_utils import initialize_rope
 
 from llm_server import blas
-from llm_server.engines.fused_decode import FusedForward, _rope_table, _table_matches
+from llm_server.engines.fused_decode import FusedForward
+from llm_server.engines.fused_layers import rope_table, table_matches
 from llm_server.engines.mlx_engine import MLXEngine
 from llm_server.testing.tiny import TinySpec, build_tiny_checkpoint
 
@@ -87,11 +88,11 @@ def test_rope_table_reproduces_scaled_rope_and_refuses_others():
         "original_max_position_embeddings": 256,
     }
     rope = initialize_rope(64, 500000.0, False, scaling, 4096)
-    table = _rope_table(rope, 64, 1024, mx.float32)
+    table = rope_table(rope, 64, 1024, mx.float32)
     assert table is not None and table.shape == (1024, 64)
-    assert not _table_matches(table, nn.RoPE(64, base=500000.0))  # no scaling: other angles
-    assert _rope_table(nn.RoPE(64, traditional=True), 64, 16, mx.float32) is None
-    assert _rope_table(nn.RoPE(32), 64, 16, mx.float32) is None  # partial rotary
+    assert not table_matches(table, nn.RoPE(64, base=500000.0))  # no scaling: other angles
+    assert rope_table(nn.RoPE(64, traditional=True), 64, 16, mx.float32) is None
+    assert rope_table(nn.RoPE(32), 64, 16, mx.float32) is None  # partial rotary
 
 
 def test_blis_thread_setter_applies_and_restores():

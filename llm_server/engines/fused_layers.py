@@ -1,0 +1,147 @@
+"""The fused forward's layers: stacked projections (q/k/v into one weight, gate/up into
+another, each module's own weight rebound as a view of the stack), the per-layer record, which
+mlx-lm layers can be fused, and the rotary cos/sin table with the rotation that uses it.
+
+Every output of a stacked product is the same dot product as in the separate products, and
+the table holds exactly the values the layers' rope module computes (`rope_table` checks it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from llm_server.engines import cpu_kernels
+
+_KNOWN_ATTN = {"q_proj", "k_proj", "v_proj", "o_proj", "rope", "q_norm", "k_norm"}
+_KNOWN_MLP = {"gate_proj", "up_proj", "down_proj"}
+
+
+def rotate_eager(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """Half-split rotary embedding: x [..., D], cos/sin [..., D/2] broadcastable."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+rotate = mx.compile(rotate_eager)  # decode shapes are few (one per row count)
+
+
+@dataclass
+class Linear:
+    weight: mx.array  # [out, in]
+    bias: mx.array | None
+    # weight.T and its two column halves, as views made once: a step then adds no slice or
+    # transpose ops of its own (a few hundred fewer graph ops per step)
+    wt: mx.array = field(init=False)
+    halves: tuple[mx.array, mx.array] = field(init=False)
+
+    def __post_init__(self) -> None:
+        half = self.weight.shape[0] // 2
+        self.wt = self.weight.T
+        self.halves = (self.weight[:half].T, self.weight[half:].T)
+        mx.eval(self.wt, *self.halves)  # strided views of the same buffer, no copies
+
+    def __call__(self, x: mx.array, split: bool) -> mx.array:
+        out = cpu_kernels.split_matmul_halves(x, self.halves) if split else x @ self.wt
+        return out if self.bias is None else out + self.bias
+
+    def add_to(self, x: mx.array, a: mx.array, split: bool) -> mx.array:
+        """x + self(a). On the CPU one addmm: the product writes onto a copy of x, each output
+        s + x as in the separate add (alpha = beta = 1, so the same rounding), one op fewer."""
+        if split or self.bias is not None or not cpu_kernels.on_cpu():
+            return x + self(a, split)
+        return mx.addmm(x, a, self.wt)
+
+    def pair(self, x: mx.array, split: bool) -> tuple[mx.array, mx.array]:
+        """The two halves of the output (gate and up of a stacked gate/up), each computed on
+        its own stream when `split`: no concatenation and no slicing of a joint output."""
+        if self.bias is not None or not split:
+            out = self(x, split)
+            half = out.shape[-1] // 2
+            return out[..., :half], out[..., half:]
+        return cpu_kernels.split_matmuls(x, self.halves)
+
+
+@dataclass
+class Layer:
+    qkv: Linear  # [(H + 2 KV) * Dh, dim]
+    o: Linear
+    gate_up: Linear  # [2 * inter, dim]
+    down: Linear
+    norm_in: nn.RMSNorm
+    norm_post: nn.RMSNorm
+    rope: nn.Module  # used where there is no cos/sin table
+    q_norm: nn.Module | None
+    k_norm: nn.Module | None
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    inter: int
+
+
+def bias_of(m: nn.Linear) -> mx.array | None:
+    return m.bias if "bias" in m else None
+
+
+def stack(modules: list[nn.Linear]) -> Linear:
+    """One weight (and bias) for `modules`; each module's weight becomes a view of it."""
+    biases = [bias_of(m) for m in modules]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        raise ValueError("some of the stacked projections have a bias and some do not")
+    weight = mx.concatenate([m.weight for m in modules])
+    bias = None if biases[0] is None else mx.concatenate(biases)
+    mx.eval(weight, *([] if bias is None else [bias]))
+    start = 0
+    for m in modules:
+        n = m.weight.shape[0]
+        m.weight = weight[start : start + n]
+        if bias is not None:
+            m.bias = bias[start : start + n]
+        mx.eval(m.parameters())  # views: the separate weights are freed here
+        start += n
+    return Linear(weight, bias)
+
+
+def fusable(layer) -> bool:
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None or getattr(layer, "use_sliding", False):
+        return False
+    if set(attn.children()) - _KNOWN_ATTN or set(mlp.children()) - _KNOWN_MLP:
+        return False
+    linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
+    return all(isinstance(m, nn.Linear) for m in linears) and all(
+        isinstance(n, nn.RMSNorm) for n in norms
+    )
+
+
+def rope_table(rope: nn.Module, head_dim: int, positions: int, dtype) -> mx.array | None:
+    """[positions, head_dim] = [cos | sin] as `rope` computes them, or None if it is not a
+    plain half-split rotation of all head_dim features.
+
+    RoPE is linear in x: with x = [1...1, 0...0] it returns [cos | sin] at each position.
+    """
+    if getattr(rope, "traditional", True) or getattr(rope, "dims", None) != head_dim:
+        return None
+    half = head_dim // 2
+    probe = mx.concatenate([mx.ones((positions, half)), mx.zeros((positions, half))], axis=-1)
+    table = rope(probe.reshape(1, 1, positions, head_dim).astype(dtype))[0, 0]
+    mx.eval(table)
+    return table if table_matches(table, rope) else None
+
+
+def table_matches(table: mx.array, rope: nn.Module) -> bool:
+    """Whether rotating by `table` reproduces `rope` (random inputs, a few positions)."""
+    positions, head_dim = table.shape
+    half = head_dim // 2
+    x = mx.random.normal((1, 1, 1, head_dim), key=mx.random.key(0)).astype(table.dtype)
+    for pos in sorted({0, 1, positions // 2, positions - 1}):
+        c, s = table[pos, :half], table[pos, half:]
+        if not mx.allclose(rotate(x, c, s), rope(x, offset=pos), rtol=1e-5, atol=1e-6).item():
+            return False
+    return True
