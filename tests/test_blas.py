@@ -51,7 +51,48 @@ def test_each_library_computes_correct_products(name):
         assert out.stdout.strip().endswith("+ skinny products") == in_front, out.stdout
 
 
+def test_malloc_tunables_are_added_and_the_callers_win():
+    if blas.chosen_blas({}) is None:
+        pytest.skip("no BLIS or OpenBLAS installed: nothing is preloaded")
+    wanted = ":".join(blas.HUGEPAGE_TUNABLES)
+    assert blas.preload_env({})["GLIBC_TUNABLES"] == wanted
+    assert blas.preload_env({"GLIBC_TUNABLES": wanted})["GLIBC_TUNABLES"] == wanted  # idempotent
+    mine = "glibc.malloc.mmap_threshold=65536:glibc.cpu.x86_rep_movsb_threshold=4096"
+    assert blas.preload_env({"GLIBC_TUNABLES": mine})["GLIBC_TUNABLES"] == (
+        mine + ":glibc.malloc.hugetlb=1"
+    )
+    assert "GLIBC_TUNABLES" not in blas.preload_env({"LLM_SERVER_HUGEPAGES": "0"})
+
+
+def test_weight_sized_allocations_sit_in_huge_pages():
+    """Under the preload's tunables, 40 matrices of 3.4 MB (SmolLM2's down projection; each
+    below the mmap threshold, so from malloc's heap) are backed by 2 MiB pages; without them,
+    by none."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = f.read()
+    except OSError:
+        pytest.skip("no transparent huge pages on this kernel")
+    if "[never]" in thp or blas.chosen_blas({}) is None:
+        pytest.skip(f"transparent huge pages off ({thp.strip()}) or nothing preloaded")
+    code = (
+        "import numpy as np\n"
+        "ws = [np.ones((576, 1536), np.float32) for _ in range(40)]\n"
+        "info = open('/proc/self/smaps_rollup').read().split('AnonHugePages:')[1]\n"
+        "print(int(info.split()[0]) // 1024)\n"
+    )
+    huge_mb = {}
+    for on in ("1", "0"):
+        env = blas.preload_env({**_base_env(), "LLM_SERVER_HUGEPAGES": on})
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        huge_mb[on] = int(out.stdout)
+    if "[always]" not in thp:  # madvise: only what malloc advised
+        assert huge_mb["0"] < 16, huge_mb
+    assert huge_mb["1"] >= 100, huge_mb  # of 135 MB
+
+
 def _base_env() -> dict[str, str]:
     import os
 
-    return {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "BLIS_NUM_THREADS")}
+    return {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "BLIS_NUM_THREADS", "GLIBC_TUNABLES")}

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Li
 # (M, N, K): decode-sized and prompt-sized rows, tails in N (% 8, % 16) and K (% 16), tiny K
 SHAPES = [
     (1, 1536, 576),
+    (1, 37, 100),
     (2, 37, 100),
     (3, 960, 576),
     (8, 576, 1536),
@@ -79,8 +80,8 @@ def test_products_are_right(lib, shape, trans_b):
 @pytest.mark.parametrize("trans_b", [True, False])
 def test_a_rows_products_do_not_depend_on_the_rows_beside_it(lib, trans_b):
     """Row i of a 16-row product equals the same row alone, in a 2-row and a 5-row slice and
-    with the columns cut in two, bit for bit (1-2 rows read the weights row by row, more rows
-    in tiles: neither, nor row blocks or threads, change the sums)."""
+    with the columns cut in two, bit for bit (one row runs in tiles of NB1 weight rows, more rows
+    in tiles of MT x NB: neither, nor row blocks or threads, change the sums)."""
     rng = np.random.default_rng(7)
     for m, n, k in [(16, 1536, 576), (16, 3072, 576), (1100, 96, 576)]:
         a = rng.standard_normal((m, k)).astype(np.float32)

@@ -8,17 +8,20 @@
  *   K; a tile of MT rows of A times NB rows of B keeps its MT * NB accumulators and the NB
  *   weight vectors in registers, so each weight row is read once from memory for MT rows
  *   (and from cache for the next MT). On a 2-core EPYC with SmolLM2's 211 matrices: 1 row
- *   ~19 ms vs BLIS ~31, 8 rows ~30 vs ~43, 128 rows ~210 vs ~250. Products of 1-2 rows read
- *   the weight rows one after another instead (one stream: 1 row 25-28 -> 17-20 ms on a
- *   later, slower host).
+ *   ~19 ms vs BLIS ~31, 8 rows ~30 vs ~43, 128 rows ~210 vs ~250. A one-row product (a
+ *   decode step of one request) runs NB1 weight rows side by side (`tile1`). With the weights
+ *   in 2 MiB pages (blas.py's malloc tunables) this and `tile` beat reading the weight rows
+ *   one after another, which did better in 4 KiB pages (on a 2-core EPYC, the 211 matrices at
+ *   1 row: ~28 ms against ~30, at 2 rows ~35 against ~45).
  * - B stored [K, N] (`probs @ values` in attention): a vector of columns, summing k in order.
  * Every other product goes to the next cblas_sgemm in the link order (the preloaded BLAS).
  *
  * Each output element has one fixed arithmetic. B [N, K]: lane l of a VL-float accumulator (16
  * with AVX-512, 8 with AVX2) sums k = l, l+VL, ... with fused multiply-adds, the lanes are added
- * in a fixed tree, then the K % VL tail in order. B [K, N]: k = 0, 1, ... in order with fused multiply-adds. The order
- * depends on K alone, never on M, N, the tile, the block or the thread, so a row's products are
- * bit-identical alone, batched, or beside a prompt chunk (ARCHITECTURE S10).
+ * in a fixed tree, then the K % VL tail in order. B [K, N]: k = 0, 1, ... in order with fused
+ * multiply-adds. The order depends on K alone, never on M, N, the tile, the block or the
+ * thread, so a row's products are bit-identical alone, batched, or beside a prompt chunk
+ * (ARCHITECTURE S10).
  *
  * Threads: a pool of LLM_SERVER_SKINNY_THREADS (default: BLIS_NUM_THREADS, else the CPU count)
  * and the caller claim N's chunks of 64 columns one at a time. Workers spin briefly between
@@ -56,7 +59,6 @@ static inline vec vfma(vec a, vec b, vec c) {
 #endif
 #define CPU_RELAX() _mm_pause()
 
-#define STREAM_ROWS 2 /* products of up to this many rows read the weights row by row */
 #define X_BLOCK_BYTES (256 * 1024) /* rows of A per block: stay in L2 while weights pass */
 /* pauses (~25 us) a worker waits for the next product, then sleeps: a spinning worker takes a
  * core from the Python thread that builds the step's ops, and a late worker costs nothing now
@@ -95,6 +97,16 @@ typedef struct {
     int lda, ldb, ldc;
 } product_t;
 
+/* output (m, n): its accumulator's lanes added, then the K % VL tail in order, then stored */
+static inline __attribute__((always_inline)) void finish(const product_t *p, int m, int n,
+                                                         vec acc, int k) {
+    const float *xr = p->a + (size_t)m * p->lda, *wr = p->b + (size_t)n * p->ldb;
+    float s = vsum(acc);
+    for (; k < p->k; k++) s = fmaf(xr[k], wr[k], s);
+    float *out = p->c + (size_t)m * p->ldc + n;
+    *out = p->beta == 0.0f ? p->alpha * s : p->alpha * s + p->beta * *out;
+}
+
 /* rows x cols outputs at (m0, n0); rows <= MT, cols <= NB (constants after inlining);
  * `ahead`: prefetch the next tile's weight rows */
 static inline __attribute__((always_inline)) void tile(const product_t *p, int m0, int n0,
@@ -120,13 +132,29 @@ static inline __attribute__((always_inline)) void tile(const product_t *p, int m
         }
     }
     for (int i = 0; i < rows; i++)
+        for (int j = 0; j < cols; j++) finish(p, m0 + i, n0 + j, acc[i][j], k);
+}
+
+#ifndef NB1
+#define NB1 8 /* weight rows per tile of a one-row product: NB1 accumulators + 1 of A */
+#endif
+/* one row of A times NB1 weight rows: each weight vector goes from memory straight into its
+ * multiply-add (no register to keep it for other rows), so twice the columns of `tile` run side
+ * by side, their accumulators' dependency chains interleaved */
+static inline __attribute__((always_inline)) void tile1(const product_t *p, int m, int n0,
+                                                        const int cols) {
+    const float *x = p->a + (size_t)m * p->lda, *w = p->b + (size_t)n0 * p->ldb;
+    vec acc[NB1];
+    for (int j = 0; j < cols; j++) acc[j] = (vec){0};
+    int k = 0;
+    for (; k + VL <= p->k; k += VL) {
+        vec xv = vload(x + k);
         for (int j = 0; j < cols; j++) {
-            const float *xr = x + (size_t)i * p->lda, *wr = w + (size_t)j * p->ldb;
-            float s = vsum(acc[i][j]);
-            for (int kk = k; kk < p->k; kk++) s = fmaf(xr[kk], wr[kk], s);
-            float *out = p->c + (size_t)(m0 + i) * p->ldc + n0 + j;
-            *out = p->beta == 0.0f ? p->alpha * s : p->alpha * s + p->beta * *out;
+            acc[j] = vfma(xv, vload(w + (size_t)j * p->ldb + k), acc[j]);
+            __builtin_prefetch(w + (size_t)(j + NB1) * p->ldb + k);
         }
+    }
+    for (int j = 0; j < cols; j++) finish(p, m, n0 + j, acc[j], k);
 }
 
 /* B stored [K, N] (`x @ v`, attention's probabilities times values): each output element sums
@@ -171,12 +199,10 @@ static void columns(const product_t *p, int n0, int n1) {
         columns_kn(p, n0, n1);
         return;
     }
-    if (p->m <= STREAM_ROWS) {
-        /* a decode step of 1-2 rows: the weight rows one after another, a single stream the
-         * hardware prefetcher follows (NB rows side by side, each its own stream, read 20-35%
-         * slower at one row); the other activation row reads the weight row from L1 */
-        for (int n = n0; n < n1; n++)
-            for (int m = 0; m < p->m; m++) tile(p, m, n, 1, 1, 0);
+    if (p->m == 1) {
+        int n = n0;
+        for (; n + NB1 <= n1; n += NB1) tile1(p, 0, n, NB1);
+        for (; n < n1; n++) tile1(p, 0, n, 1);
         return;
     }
     /* blocks of A's rows small enough to stay in L2 while every weight tile passes them */
