@@ -95,4 +95,8 @@ def test_weight_sized_allocations_sit_in_huge_pages():
 def _base_env() -> dict[str, str]:
     import os
 
-    return {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "BLIS_NUM_THREADS", "GLIBC_TUNABLES")}
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("LD_PRELOAD", "BLIS_NUM_THREADS", "GLIBC_TUNABLES")
+    }
