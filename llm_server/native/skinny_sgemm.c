@@ -47,10 +47,11 @@ static inline vec vfma(vec a, vec b, vec c) {
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define VL 8
-#define NB 2
-/* 8 accumulators + 2 weights + 1 of A in 16 registers: in 2 MiB pages, 4 rows x 2 weight rows
- * beat 2 x 4 by 5-8% at 4-16 rows (fewer loads per multiply-add); 4 x 3 was as fast */
-#define MT 4
+#define NB 1
+/* 8 accumulators + 1 weight + 1 of A in 16 registers: in 2 MiB pages, 8 rows x 1 weight row
+ * beat 2 x 4 by 10-16% at 5-8 rows (a decode step's weight row read from memory once, by one
+ * tile) and tied at 2-4 and 16-64 rows (C harness over SmolLM2's 211 matrices) */
+#define MT 8
 typedef float vec __attribute__((vector_size(32), aligned(4)));
 static inline vec vfma(vec a, vec b, vec c) {
     return (vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
@@ -216,14 +217,13 @@ static void columns(const product_t *p, int n0, int n1) {
         for (; n + NB <= n1; n += NB) {
             int m = m0;
             for (; m + MT <= m1; m += MT) tile(p, m, n, MT, NB, 1);
-            switch (m1 - m) { /* the last rows: constant tile shapes (MT <= 4) */
-#if MT > 3
-            case 3: tile(p, m, n, 3, NB, 1); break;
-#endif
-#if MT > 2
-            case 2: tile(p, m, n, 2, NB, 1); break;
-#endif
-            case 1: tile(p, m, n, 1, NB, 1); break;
+            switch (m1 - m) { /* the last rows: constant tile shapes (MT <= 8) */
+#define LAST(r) \
+    case r: \
+        if (r < MT) tile(p, m, n, r, NB, 1); \
+        break;
+                LAST(7) LAST(6) LAST(5) LAST(4) LAST(3) LAST(2) LAST(1)
+#undef LAST
             }
         }
         for (; n < n1; n++)
