@@ -89,7 +89,7 @@ def test_weight_sized_allocations_sit_in_huge_pages():
         huge_mb[on] = int(out.stdout)
     if "[always]" not in thp:  # madvise: only what malloc advised
         assert huge_mb["0"] < 16, huge_mb
-    assert huge_mb["1"] >= 100, huge_mb  # of 135 MB
+    assert huge_mb["1"] >= 64, huge_mb  # of 135 MB (about all of it on a quiet machine)
 
 
 def _base_env() -> dict[str, str]:
