@@ -59,9 +59,8 @@ class Linear:
         """The two halves of the output (gate and up of a stacked gate/up), each computed on
         its own stream when `split`: no concatenation and no slicing of a joint output."""
         if self.bias is not None or not split:
-            out = self(x, split)
-            half = out.shape[-1] // 2
-            return out[..., :half], out[..., half:]
+            gate, up = mx.split(self(x, split), 2, axis=-1)  # one op for both views, not two
+            return gate, up
         return cpu_kernels.split_matmuls(x, self.halves)
 
 
