@@ -114,11 +114,10 @@ static inline __attribute__((always_inline)) void finish(const product_t *p, int
     *out = p->beta == 0.0f ? p->alpha * s : p->alpha * s + p->beta * *out;
 }
 
-/* rows x cols outputs at (m0, n0); rows <= MT, cols <= NB (constants after inlining);
- * `ahead`: prefetch the next tile's weight rows */
+/* rows x cols outputs at (m0, n0); rows <= MT, cols <= NB (constants after inlining); the
+ * next tile's weight rows are prefetched */
 static inline __attribute__((always_inline)) void tile(const product_t *p, int m0, int n0,
-                                                       const int rows, const int cols,
-                                                       const int ahead) {
+                                                       const int rows, const int cols) {
     const float *x = p->a + (size_t)m0 * p->lda, *w = p->b + (size_t)n0 * p->ldb;
     vec acc[MT][NB];
     for (int i = 0; i < rows; i++)
@@ -131,7 +130,7 @@ static inline __attribute__((always_inline)) void tile(const product_t *p, int m
             PIN(wv[j]);
             /* the next tile's rows at this k: each of its row streams is warm when it starts
              * (5-8% at 4-8 rows in the harness; values unchanged) */
-            if (ahead) __builtin_prefetch(w + (size_t)(j + NB) * p->ldb + k);
+            __builtin_prefetch(w + (size_t)(j + NB) * p->ldb + k);
         }
         for (int i = 0; i < rows; i++) {
             vec xv = vload(x + (size_t)i * p->lda + k);
@@ -142,12 +141,10 @@ static inline __attribute__((always_inline)) void tile(const product_t *p, int m
         for (int j = 0; j < cols; j++) finish(p, m0 + i, n0 + j, acc[i][j], k);
 }
 
-#ifndef NB1
 #define NB1 8 /* weight rows per tile of a one-row product: NB1 accumulators + 1 of A */
-#endif
 /* one row of A times NB1 weight rows: each weight vector goes from memory straight into its
- * multiply-add (no register to keep it for other rows), so twice the columns of `tile` run side
- * by side, their accumulators' dependency chains interleaved */
+ * multiply-add (no register to keep it for other rows), so NB1 accumulators' dependency chains
+ * run interleaved */
 static inline __attribute__((always_inline)) void tile1(const product_t *p, int m, int n0,
                                                         const int cols) {
     const float *x = p->a + (size_t)m * p->lda, *w = p->b + (size_t)n0 * p->ldb;
@@ -228,19 +225,19 @@ static void columns(const product_t *p, int n0, int n1) {
             const int g1 = g0 + group < full ? g0 + group : full;
             int m = m0;
             for (; m + MT <= m1; m += MT)
-                for (int n = g0; n < g1; n += NB) tile(p, m, n, MT, NB, 1);
+                for (int n = g0; n < g1; n += NB) tile(p, m, n, MT, NB);
             switch (m1 - m) { /* the last rows: constant tile shapes (MT <= 8) */
 #define LAST(r) \
     case r: \
         if (r < MT) \
-            for (int n = g0; n < g1; n += NB) tile(p, m, n, r, NB, 1); \
+            for (int n = g0; n < g1; n += NB) tile(p, m, n, r, NB); \
         break;
                 LAST(7) LAST(6) LAST(5) LAST(4) LAST(3) LAST(2) LAST(1)
 #undef LAST
             }
         }
         for (int n = full; n < n1; n++)
-            for (int m = m0; m < m1; m++) tile(p, m, n, 1, 1, 1);
+            for (int m = m0; m < m1; m++) tile(p, m, n, 1, 1);
     }
 }
 
