@@ -205,3 +205,97 @@ def test_the_engine_uses_them_where_they_apply(tiny_llama_path, tiny_model_path)
 
     assert MLXEngine(tiny_llama_path, rows=1)._fused.ops is not None
     assert MLXEngine(tiny_model_path, rows=1)._fused.ops is None
+
+
+@pytest.fixture(scope="module")
+def layer_ops():
+    from llm_server.native import skinny
+
+    if not skinny.loaded():
+        pytest.skip("the skinny library is not preloaded (run under python -m llm_server.blas)")
+    module = decode_ops.layer_module()
+    assert module is not None, "the whole-layer decode ops failed their check"
+    return module
+
+
+@pytest.mark.parametrize(
+    "dim, heads, kv, dh, inter, rows, pos, store_rows",
+    [
+        (64, 4, 2, 16, 96, [0], [0], 1),  # one row, its first position
+        (64, 4, 2, 16, 96, [3, 1, 0], [9, 0, 30], 4),  # scattered rows, another left alone
+        (96, 6, 2, 32, 201, [1, 0], [17, 5], 2),  # odd intermediate size: K tails
+        (72, 3, 3, 8, 100, [0, 1, 2, 3, 4], [1, 2, 3, 4, 5], 5),  # no grouping, head_dim 8
+    ],
+)
+def test_whole_layers_equal_the_separate_ops(
+    layer_ops, dim, heads, kv, dh, inter, rows, pos, store_rows
+):
+    """norm_product + write_kv x2 + layer_rest give the compiled step's eleven ops' values bit
+    for bit: the layer's output and both stores, for two steps in a row (the second reads the
+    first's keys)."""
+    layer = decode_ops.random_layer(dim + len(rows), dim, heads, kv, dh, inter)
+    rng = np.random.default_rng(dim)
+    x = mx.array(rng.standard_normal((len(rows), dim)).astype(np.float32))
+    shape = (store_rows, kv, 40, dh)
+    keys, values = (mx.array(rng.standard_normal(shape).astype(np.float32)) for _ in "kv")
+    angles = rng.random((48, dh // 2)).astype(np.float32) * 3
+    rot = Rotation.of(mx.array(np.concatenate([np.cos(angles), np.sin(angles)], axis=1)))
+    whole = (x, keys, values)
+    separate = (x, keys, values)
+    for step in range(2):
+        at = (mx.array(rows, dtype=mx.int32), mx.array([p + step for p in pos], dtype=mx.int32))
+        whole = decode_ops.whole_layer(layer_ops, layer, *whole, *at, rot.cos2, rot.sin2)
+        separate = decode_ops.separate_layer(layer_ops, layer, *separate, *at, rot.cos2, rot.sin2)
+        mx.eval(*whole, *separate)
+        for got, want in zip(whole, separate, strict=True):
+            np.testing.assert_array_equal(np.array(got), np.array(want))
+    # the layer did change x and write the stores (not an identity on both sides)
+    assert not np.array_equal(np.array(whole[0]), np.array(x))
+    assert not np.array_equal(np.array(whole[1]), np.array(keys))
+    # weights given as views, as MLX's matmul reads them: a transposed one (b = w.T
+    # row-contiguous) and a strided one (copied first)
+    layer.down.weight = mx.array(np.array(layer.down.weight).T.copy()).T
+    layer.o.weight = mx.repeat(layer.o.weight, 2, axis=1)[:, ::2]
+    strided = decode_ops.whole_layer(layer_ops, layer, x, keys, values, *at, rot.cos2, rot.sin2)
+    again = decode_ops.separate_layer(layer_ops, layer, x, keys, values, *at, rot.cos2, rot.sin2)
+    np.testing.assert_array_equal(np.array(strided[0]), np.array(again[0]))
+
+
+def test_whole_layer_ops_refuse_bad_shapes(layer_ops):
+    layer = decode_ops.random_layer(3, 64, 4, 2, 16, 96)
+    x = mx.zeros((1, 64))
+    rows, pos = mx.array([0], dtype=mx.int32), mx.array([1], dtype=mx.int32)
+    rot = _rotation(16)
+    store = mx.zeros((1, 2, 16, 16))
+    with pytest.raises(ValueError, match="weight must be a float32 weight"):
+        layer_ops.norm_product(x, layer.norm_in.weight, mx.zeros((8, 63)), 1e-5)
+    with pytest.raises(ValueError, match=r"x must be float32 \[B, dim\]"):
+        layer_ops.norm_product(mx.zeros((1, 1, 64)), layer.norm_in.weight, layer.qkv.weight, 1e-5)
+    qkv = layer_ops.norm_product(x, layer.norm_in.weight, layer.qkv.weight, 1e-5)
+    good = (layer.o.weight, layer.norm_post.weight, layer.gate_up.weight, layer.down.weight)
+    for i, bad, message in [
+        (0, mx.zeros((64, 63)), "o must be"),
+        (2, mx.zeros((192, 63)), "gate_up must be"),
+        (3, mx.zeros((63, 96)), "o and down must give"),
+        (3, mx.zeros((64, 96), dtype=mx.float16), "down must be"),
+    ]:
+        weights = list(good)
+        weights[i] = bad
+        with pytest.raises(ValueError, match=message):
+            layer_ops.layer_rest(
+                x, qkv, store, store, rows, pos, rot.cos2, rot.sin2, *weights, 4, 2, 16,
+                1e-5, 0.25,
+            )  # fmt: skip
+
+
+def test_the_engine_runs_whole_layers_where_they_apply(tiny_llama_path, tmp_path):
+    """Compiled steps of a llama layout run whole layers when the skinny library is preloaded;
+    biased projections (qwen2) keep the separate ops."""
+    from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.native import skinny
+    from llm_server.testing.tiny import TinySpec, build_tiny_checkpoint
+
+    qwen2 = build_tiny_checkpoint(tmp_path / "tiny-qwen2", TinySpec(arch="qwen2"))
+    assert MLXEngine(qwen2, rows=1)._fused.layer_ops is None
+    llama = MLXEngine(tiny_llama_path, rows=1)._fused
+    assert (llama.layer_ops is not None) == skinny.loaded()

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from llm_server.engines import cpu_kernels, decode_attention
+from llm_server.native import decode_ops
 
 MAX_GRAPHS = 48  # compiled graphs kept (each is a small tape of ops; weights are shared)
 
@@ -114,7 +115,8 @@ class CompiledSteps:
         def step(ids, pos, row_ids, *kv):
             keys, values = list(kv[:layers]), list(kv[layers:])
             if decoder.ops is not None:
-                attention = _OpsAttention(decoder.ops, rotation, pos, row_ids)
+                whole = decoder.layer_ops is not None
+                attention = _OpsAttention(decoder.ops, rotation, pos, row_ids, whole)
             else:
                 attention = _GraphAttention(
                     decode_attention.mask(pos, 1, shape.span),  # [B, 1, 1, span]
@@ -176,14 +178,26 @@ def _attention(layer, queries, keys, values, mask) -> mx.array:
 
 
 class _OpsAttention:
-    """A layer's decode attention as the decode ops: three ops (llm_server.native.decode_ops)."""
+    """A layer's decode attention as the decode ops: three ops (llm_server.native.decode_ops);
+    with `whole_layers`, `_body` runs each whole layer as four of them instead (`layer`)."""
 
-    def __init__(self, ops, rotation: Rotation, pos: mx.array, row_ids: mx.array) -> None:
+    def __init__(
+        self, ops, rotation: Rotation, pos: mx.array, row_ids: mx.array, whole_layers: bool
+    ) -> None:
         self.ops, self.rotation, self.pos, self.row_ids = ops, rotation, pos, row_ids
+        self.whole_layers = whole_layers
 
     def __call__(self, layer, qkv: mx.array, keys: mx.array, values: mx.array):
         return decode_attention.attend_ops(
             self.ops, layer, qkv, keys, values, self.row_ids, self.pos, self.rotation, 1
+        )
+
+    def layer(self, layer, x: mx.array, keys: mx.array, values: mx.array):
+        """x [B, dim] through `layer` -> (x', keys', values'): `_body`'s eleven ops of a layer
+        as four, the same values (decode_ops.whole_layer)."""
+        rot = self.rotation
+        return decode_ops.whole_layer(
+            self.ops, layer, x, keys, values, self.row_ids, self.pos, rot.cos2, rot.sin2
         )
 
 
@@ -235,6 +249,11 @@ def _body(decoder, attention, ids, keys, values, split: bool):
 
     new_keys, new_values = [], []
     for i, layer in enumerate(decoder.layers):
+        if isinstance(attention, _OpsAttention) and attention.whole_layers and not split:
+            x, k, v = attention.layer(layer, x, keys[i], values[i])  # the same, in four ops
+            new_keys.append(k)
+            new_values.append(v)
+            continue
         qkv = layer.qkv(norm(layer.norm_in, x), split)  # [B, (H + 2 KV) * Dh]
         out, k, v = attention(layer, qkv, keys[i], values[i])
         new_keys.append(k)

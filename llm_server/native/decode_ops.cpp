@@ -22,6 +22,7 @@
 // rows, on the store's capacity or on how work is split across threads, so a row's logits are
 // the same alone, batched, in a mixed step or while a draft is verified. The rotation is
 // x * cos2 + swap(x) * sin2 with separate roundings, as MLX computes it (-ffp-contract=off).
+#include <dlfcn.h>
 #include <nanobind/nanobind.h>
 
 #include <algorithm>
@@ -34,11 +35,13 @@
 #include <functional>
 #include <mutex>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/backend/cpu/unary_ops.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 
@@ -237,6 +240,7 @@ struct Matrix {
   int64_t s0, s1;
   explicit Matrix(const mx::array& a)
       : data(a.data<float>()), s0(a.strides()[0]), s1(a.strides()[1]) {}
+  Matrix(const float* d, int64_t row_stride) : data(d), s0(row_stride), s1(1) {}
   const float* row(int64_t n) const { return data + n * s0; }
   float at(int64_t n, int64_t f) const { return data[n * s0 + f * s1]; }
 };
@@ -244,8 +248,27 @@ struct Matrix {
 struct Ints {
   const int32_t* data;
   int64_t s0;
-  explicit Ints(const mx::array& a) : data(a.data<int32_t>()), s0(a.strides()[0]) {}
+  int64_t size;
+  explicit Ints(const mx::array& a)
+      : data(a.data<int32_t>()), s0(a.strides()[0]), size(static_cast<int64_t>(a.size())) {}
   int operator[](int64_t i) const { return data[i * s0]; }
+};
+
+// a KV store [R, KV, C, Dh] by strides
+struct Store {
+  const float* data;
+  int64_t s0, s1, s2, rows, cap;
+  Store(const float* d, const mx::array& like)
+      : data(d), s0(like.strides()[0]), s1(like.strides()[1]), s2(like.strides()[2]),
+        rows(like.shape(0)), cap(like.shape(2)) {}
+  // a contiguous one shaped as `like`
+  static Store contiguous(const float* d, const mx::array& like) {
+    Store s(d, like);
+    s.s2 = like.shape(3);
+    s.s1 = s.s2 * like.shape(2);
+    s.s0 = s.s1 * like.shape(1);
+    return s;
+  }
 };
 
 // head `head` of position n of qkv, rotated at position p when `rotate` (into `out`, Dh floats)
@@ -282,6 +305,93 @@ void copy_4d(const mx::array& in, float* dst) {
       }
 }
 
+// `out` takes `store`'s buffer when MLX may donate it, else a new one; true when donated
+bool take_store(const mx::array& store, mx::array& out) {
+  const bool donate = store.is_donatable() && store.flags().row_contiguous;
+  if (donate)
+    out.copy_shared_buffer(store);
+  else
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+  return donate;
+}
+
+// each row's new keys (rotated, `rotate`) or values of qkv written into the contiguous store
+// `dst` [R, KV, C, Dh] at positions pos[b] .. pos[b] + q - 1 of store row rows[b]
+void write_rows(float* dst, int64_t nrows, int64_t cap, Geometry g, bool rotate,
+                const Matrix& x, const Ints& r, const Ints& at, const Matrix& c,
+                const Matrix& s) {
+  const int kv = g.kv_heads, dh = g.head_dim, q = g.q;
+  const int64_t first = static_cast<int64_t>(rotate ? g.heads : g.heads + kv) * dh;
+  for (int64_t b = 0; b < r.size; b++) {
+    const int64_t row = r[b];
+    for (int i = 0; i < q; i++) {
+      const int64_t p = static_cast<int64_t>(at[b]) + i;
+      if (row < 0 || row >= nrows || p < 0 || p >= cap) continue; // checked by the caller
+      for (int h = 0; h < kv; h++)
+        head_at(x, b * q + i, first + static_cast<int64_t>(h) * dh, dh, rotate, c, s,
+                static_cast<int>(p), dst + ((row * kv + h) * cap + p) * dh);
+    }
+  }
+}
+
+constexpr int64_t kThreadedWork = 1 << 19; // attention below this: one thread is faster
+constexpr int kMaxRep = 64;
+
+// each new position's rotated query heads over its row's positions 0..p -> dst [N, H * Dh]
+void attend_rows(float* dst, Geometry g, float scale, const Matrix& x, const Store& keys,
+                 const Store& values, const Ints& r, const Ints& at, const Matrix& c,
+                 const Matrix& s) {
+  const int heads = g.heads, kv = g.kv_heads, dh = g.head_dim, q = g.q;
+  const int rep = heads / kv;
+  const int64_t batch = r.size;
+  int64_t work = 0; // multiply-adds, to decide whether threads pay
+  for (int64_t b = 0; b < batch; b++) work += (static_cast<int64_t>(at[b]) + q) * q;
+  work *= static_cast<int64_t>(heads) * dh * 2;
+  auto item = [&](int index) { // one row's rep query heads of one KV head
+    const int64_t b = index / kv;
+    const int grp = index % kv;
+    const int64_t row = r[b];
+    thread_local std::vector<float> qrot, scores;
+    qrot.resize(static_cast<size_t>(rep) * dh);
+    float* outs[kMaxRep];
+    for (int i = 0; i < q; i++) {
+      const int64_t n = b * q + i;
+      const int64_t p = static_cast<int64_t>(at[b]) + i;
+      for (int h = 0; h < rep; h++)
+        outs[h] = dst + (n * heads + static_cast<int64_t>(grp) * rep + h) * dh;
+      if (row < 0 || row >= keys.rows || p < 0 || p >= keys.cap) { // checked by the caller
+        for (int h = 0; h < rep; h++) std::fill(outs[h], outs[h] + dh, 0.0f);
+        continue;
+      }
+      for (int h = 0; h < rep; h++)
+        head_at(x, n, (static_cast<int64_t>(grp) * rep + h) * dh, dh, true, c, s,
+                static_cast<int>(p), qrot.data() + h * dh);
+      const float* kb = keys.data + row * keys.s0 + grp * keys.s1;
+      const float* vb = values.data + row * values.s0 + grp * values.s1;
+      scores.resize(static_cast<size_t>(rep) * ((p + 8) & ~int64_t{7}));
+      const int nv = dh / 8;
+      auto run = [&](auto kernel) {
+        kernel(qrot.data(), rep, nv, kb, keys.s2, vb, values.s2, p + 1, scale, scores.data(),
+               outs);
+      };
+      if (nv == 8)
+        run(attend_group<8>);
+      else if (nv == 16)
+        run(attend_group<16>);
+      else if (nv == 4)
+        run(attend_group<4>);
+      else
+        run(attend_group<0>);
+    }
+  };
+  const int items = static_cast<int>(batch * kv);
+  if (work < kThreadedWork) {
+    for (int i = 0; i < items; i++) item(i);
+  } else {
+    Pool::get().run(items, item);
+  }
+}
+
 class WriteKV : public mx::UnaryPrimitive {
  public:
   WriteKV(mx::Stream s, Geometry g, bool rotate) : mx::UnaryPrimitive(s), g_(g), rotate_(rotate) {}
@@ -289,31 +399,14 @@ class WriteKV : public mx::UnaryPrimitive {
   // inputs: store [R, KV, C, Dh], qkv [N, F], rows [B], pos [B], cos2 [P, Dh], sin2 [P, Dh]
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     const mx::array& store = in[0];
-    const bool donate = store.is_donatable() && store.flags().row_contiguous;
-    if (donate)
-      out.copy_shared_buffer(store);
-    else
-      out.set_data(mx::allocator::malloc(out.nbytes()));
+    const bool donate = take_store(store, out);
     auto& enc = mx::cpu::get_command_encoder(stream());
     // by value: the primitive may be gone by the time the stream runs the task
     enc.dispatch([donate, g = g_, rotate = rotate_, store = store, qkv = in[1], rows = in[2],
                   pos = in[3], cos2 = in[4], sin2 = in[5], dst = out.data<float>()]() {
       if (!donate) copy_4d(store, dst);
-      const int kv = g.kv_heads, dh = g.head_dim, q = g.q;
-      const int64_t cap = store.shape(2), nrows = store.shape(0);
-      const int64_t first = static_cast<int64_t>(rotate ? g.heads : g.heads + kv) * dh;
-      const Matrix x(qkv), c(cos2), s(sin2);
-      const Ints r(rows), at(pos);
-      for (int64_t b = 0; b < static_cast<int64_t>(rows.size()); b++) {
-        const int64_t row = r[b];
-        for (int i = 0; i < q; i++) {
-          const int64_t p = static_cast<int64_t>(at[b]) + i;
-          if (row < 0 || row >= nrows || p < 0 || p >= cap) continue; // checked by the caller
-          for (int h = 0; h < kv; h++)
-            head_at(x, b * q + i, first + static_cast<int64_t>(h) * dh, dh, rotate, c, s,
-                    static_cast<int>(p), dst + ((row * kv + h) * cap + p) * dh);
-        }
-      }
+      write_rows(dst, store.shape(0), store.shape(2), g, rotate, Matrix(qkv), Ints(rows),
+                 Ints(pos), Matrix(cos2), Matrix(sin2));
     });
   }
 
@@ -344,61 +437,9 @@ class Attend : public mx::UnaryPrimitive {
     enc.dispatch([g = g_, scale = scale_, qkv = in[0], keys = in[1], values = in[2],
                   rows = in[3], pos = in[4], cos2 = in[5], sin2 = in[6],
                   dst = out.data<float>()]() {
-      const int heads = g.heads, kv = g.kv_heads, dh = g.head_dim, q = g.q;
-      const int rep = heads / kv;
-      const int64_t batch = rows.size();
-      const Matrix x(qkv), c(cos2), s(sin2);
-      const Ints r(rows), at(pos);
-      const float* kd = keys.data<float>();
-      const float* vd = values.data<float>();
-      const auto& ks = keys.strides();
-      const auto& vs = values.strides();
-      const int64_t cap = keys.shape(2), nrows = keys.shape(0);
-      int64_t work = 0; // multiply-adds, to decide whether threads pay
-      for (int64_t b = 0; b < batch; b++) work += (static_cast<int64_t>(at[b]) + q) * q;
-      work *= static_cast<int64_t>(heads) * dh * 2;
-      auto item = [&](int index) { // one row's rep query heads of one KV head
-        const int64_t b = index / kv;
-        const int g = index % kv;
-        const int64_t row = r[b];
-        thread_local std::vector<float> qrot, scores;
-        qrot.resize(static_cast<size_t>(rep) * dh);
-        float* outs[kMaxRep];
-        for (int i = 0; i < q; i++) {
-          const int64_t n = b * q + i;
-          const int64_t p = static_cast<int64_t>(at[b]) + i;
-          for (int h = 0; h < rep; h++)
-            outs[h] = dst + (n * heads + static_cast<int64_t>(g) * rep + h) * dh;
-          if (row < 0 || row >= nrows || p < 0 || p >= cap) { // checked by the caller
-            for (int h = 0; h < rep; h++) std::fill(outs[h], outs[h] + dh, 0.0f);
-            continue;
-          }
-          for (int h = 0; h < rep; h++)
-            head_at(x, n, (static_cast<int64_t>(g) * rep + h) * dh, dh, true, c, s,
-                    static_cast<int>(p), qrot.data() + h * dh);
-          const float* kb = kd + row * ks[0] + g * ks[1];
-          const float* vb = vd + row * vs[0] + g * vs[1];
-          scores.resize(static_cast<size_t>(rep) * ((p + 8) & ~int64_t{7}));
-          const int nv = dh / 8;
-          auto run = [&](auto kernel) {
-            kernel(qrot.data(), rep, nv, kb, ks[2], vb, vs[2], p + 1, scale, scores.data(), outs);
-          };
-          if (nv == 8)
-            run(attend_group<8>);
-          else if (nv == 16)
-            run(attend_group<16>);
-          else if (nv == 4)
-            run(attend_group<4>);
-          else
-            run(attend_group<0>);
-        }
-      };
-      const int items = static_cast<int>(batch * kv);
-      if (work < kThreadedWork) {
-        for (int i = 0; i < items; i++) item(i);
-      } else {
-        Pool::get().run(items, item);
-      }
+      attend_rows(dst, g, scale, Matrix(qkv), Store(keys.data<float>(), keys),
+                  Store(values.data<float>(), values), Ints(rows), Ints(pos), Matrix(cos2),
+                  Matrix(sin2));
     });
   }
 
@@ -412,11 +453,32 @@ class Attend : public mx::UnaryPrimitive {
   }
 
  private:
-  static constexpr int64_t kThreadedWork = 1 << 19; // below this one thread is faster
-  static constexpr int kMaxRep = 64;
   Geometry g_;
   float scale_;
 };
+
+// RMSNorm of n rows of d features with the arithmetic of MLX's CPU `mx.fast.rms_norm` (its
+// fallback graph: the squares summed in order, times 1 / D, plus eps, 1 / sqrt, x * that,
+// times the weight) -> dst [n, d] contiguous
+void rms_norm_rows(const Matrix& m, int64_t n, int64_t d, const float* wd, int64_t ws, float eps,
+                   float* dst) {
+  const float inv = static_cast<float>(1.0 / static_cast<double>(d));
+  for (int64_t i = 0; i < n; i++) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < d; j++) {
+      const float v = m.at(i, j);
+      const float sq = v * v;
+      sum = sum + sq;
+    }
+    const float mean = sum * inv;
+    const float r = 1.0f / std::sqrt(mean + eps);
+    float* o = dst + i * d;
+    for (int64_t j = 0; j < d; j++) {
+      const float t = m.at(i, j) * r;
+      o[j] = t * wd[j * ws];
+    }
+  }
+}
 
 // RMSNorm with the arithmetic of MLX's CPU `mx.fast.rms_norm` (its fallback graph: the
 // squares summed in order, times 1 / D, plus eps, 1 / sqrt, x * that, times the weight), one
@@ -430,26 +492,8 @@ class RmsNorm : public mx::UnaryPrimitive {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
     enc.dispatch([eps = eps_, x = in[0], w = in[1], dst = out.data<float>()]() {
-      const Matrix m(x);
-      const float* wd = w.data<float>();
-      const int64_t ws = w.strides()[0];
-      const int64_t n = x.shape(0), d = x.shape(1);
-      const float inv = static_cast<float>(1.0 / static_cast<double>(d));
-      for (int64_t i = 0; i < n; i++) {
-        float sum = 0.0f;
-        for (int64_t j = 0; j < d; j++) {
-          const float v = m.at(i, j);
-          const float sq = v * v;
-          sum = sum + sq;
-        }
-        const float mean = sum * inv;
-        const float r = 1.0f / std::sqrt(mean + eps);
-        float* o = dst + i * d;
-        for (int64_t j = 0; j < d; j++) {
-          const float t = m.at(i, j) * r;
-          o[j] = t * wd[j * ws];
-        }
-      }
+      rms_norm_rows(Matrix(x), x.shape(0), x.shape(1), w.data<float>(), w.strides()[0], eps,
+                    dst);
     });
   }
 
@@ -465,32 +509,195 @@ class RmsNorm : public mx::UnaryPrimitive {
   float eps_;
 };
 
+
+// ---- a decode layer in four ops ----
+// llm_skinny_sgemm of the preloaded skinny library (llm_server.native.skinny): the function
+// MLX's float32 products reach through cblas_sgemm, so a product here is the product MLX's
+// Matmul or AddMM computes, value for value
+using Sgemm = void (*)(int trans_b, int m, int n, int k, float alpha, const float* a, int lda,
+                       const float* b, int ldb, float beta, float* c, int ldc);
+
+Sgemm skinny_sgemm() {
+  static const Sgemm fn = reinterpret_cast<Sgemm>(dlsym(RTLD_DEFAULT, "llm_skinny_sgemm"));
+  return fn;
+}
+
+// c [m, n] (row stride n) = a [m, k] (contiguous) @ w.T + beta * c, w [n, k]: MLX's `a @ w.T`
+// (beta 0) or `mx.addmm(c, a, w.T)` (beta 1) as MLX's CPU matmul calls cblas_sgemm for it: b =
+// w.T [k, n] row-contiguous as is, else w's rows contiguous (transposed b), else b copied
+// row-contiguous (the model's weights are always the second case)
+void product(const float* a, int64_t m, int k, const mx::array& w, float beta, float* c) {
+  const float* wd = w.data<float>();
+  const int64_t n = w.shape(0), s0 = w.strides()[0], s1 = w.strides()[1];
+  int trans = 0;
+  int64_t ld = n;
+  thread_local std::vector<float> packed;
+  if (s1 == n && s0 == 1) {
+  } else if (s0 == k && s1 == 1) {
+    trans = 1;
+    ld = k;
+  } else {
+    packed.resize(static_cast<size_t>(n) * k);
+    for (int64_t j = 0; j < k; j++)
+      for (int64_t i = 0; i < n; i++) packed[j * n + i] = wd[i * s0 + j * s1];
+    wd = packed.data();
+  }
+  skinny_sgemm()(trans, static_cast<int>(m), static_cast<int>(n), k, 1.0f, a, k, wd,
+                 static_cast<int>(ld), beta, c, static_cast<int>(n));
+}
+
+// `out` takes x's buffer when MLX may donate it, else a contiguous copy of x (the copy addmm
+// makes of its addend)
+float* residual(const mx::array& x, mx::array& out) {
+  if (x.is_donatable() && x.flags().row_contiguous) {
+    out.copy_shared_buffer(x);
+    return nullptr;
+  }
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  return out.data<float>();
+}
+
+void copy_rows(const mx::array& x, float* dst) {
+  const Matrix m(x);
+  const int64_t n = x.shape(0), d = x.shape(1);
+  for (int64_t i = 0; i < n; i++)
+    for (int64_t j = 0; j < d; j++) dst[i * d + j] = m.at(i, j);
+}
+
+// rms_norm(x, norm) @ weight.T: a layer's first two decode ops as one
+class NormProduct : public mx::UnaryPrimitive {
+ public:
+  NormProduct(mx::Stream s, float eps) : mx::UnaryPrimitive(s), eps_(eps) {}
+
+  // inputs: x [B, D], norm [D], weight [F, D]; output [B, F]
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.dispatch([eps = eps_, x = in[0], norm = in[1], w = in[2], dst = out.data<float>()]() {
+      const int64_t b = x.shape(0);
+      const int d = x.shape(1);
+      thread_local std::vector<float> h;
+      h.resize(b * d);
+      rms_norm_rows(Matrix(x), b, d, norm.data<float>(), norm.strides()[0], eps, h.data());
+      product(h.data(), b, d, w, 0.0f, dst);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("llm_server decode_ops: CPU only");
+  }
+  const char* name() const override { return "LlmNormProduct"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const NormProduct&>(other).eps_;
+  }
+
+ private:
+  float eps_;
+};
+
+struct LayerShape {
+  Geometry g;
+  float eps, scale;
+  bool operator==(const LayerShape&) const = default;
+};
+
+// the rest of a decode layer once its keys and values are written: x [B, D] ->
+// h = x + o(attention), then h + down(silu(gate) * up) of gate_up(rms_norm(h)). The same
+// arithmetic as the compiled step's separate ops (Attend; `mx.addmm`; RmsNorm; the product and
+// `mx.split`; MLX's compiled SiLU kernel, whose Sigmoid and Multiply come from MLX's CPU
+// headers here; `mx.addmm`), as `decode_ops._check_layer` confirms bit for bit at load.
+class LayerRest : public mx::UnaryPrimitive {
+ public:
+  LayerRest(mx::Stream s, LayerShape shape) : mx::UnaryPrimitive(s), shape_(shape) {}
+
+  // inputs: x [B, D], qkv [B, F], keys and values [R, KV, C, Dh] (written), rows [B], pos [B],
+  // cos2 [P, Dh], sin2 [P, Dh], o [D, H * Dh], norm_post [D], gate_up [2I, D], down [D, I];
+  // output [B, D]
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    float* copy_to = residual(in[0], out);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.dispatch([shape = shape_, in = in, copy_to, xo = out.data<float>()]() {
+      if (copy_to != nullptr) copy_rows(in[0], copy_to);
+      run(shape, in, xo);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("llm_server decode_ops: CPU only");
+  }
+  const char* name() const override { return "LlmLayerRest"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return shape_ == static_cast<const LayerRest&>(other).shape_;
+  }
+
+ private:
+  static void run(const LayerShape& sh, const std::vector<mx::array>& in, float* xo) {
+    const Geometry g = sh.g;
+    const mx::array &x = in[0], &keys = in[2], &values = in[3];
+    const mx::array &o = in[8], &norm = in[9], &gate_up = in[10], &down = in[11];
+    const int64_t b = x.shape(0);
+    const int d = x.shape(1), inter = gate_up.shape(0) / 2, hd = g.heads * g.head_dim;
+    thread_local std::vector<float> att, h, gu, act;
+    att.resize(b * hd);
+    h.resize(b * d);
+    gu.resize(b * 2 * inter);
+    act.resize(b * inter);
+    attend_rows(att.data(), g, sh.scale, Matrix(in[1]), Store(keys.data<float>(), keys),
+                Store(values.data<float>(), values), Ints(in[4]), Ints(in[5]), Matrix(in[6]),
+                Matrix(in[7]));
+    product(att.data(), b, hd, o, 1.0f, xo);
+    rms_norm_rows(Matrix(xo, d), b, d, norm.data<float>(), norm.strides()[0], sh.eps, h.data());
+    product(h.data(), b, d, gate_up, 0.0f, gu.data());
+    mx::detail::Sigmoid sigmoid;
+    for (int64_t i = 0; i < b; i++) {
+      const float* gate = gu.data() + i * 2 * inter;
+      const float* up = gate + inter;
+      float* a = act.data() + i * inter;
+      for (int j = 0; j < inter; j++) {
+        const float t = gate[j] * sigmoid(gate[j]);
+        a[j] = t * up[j];
+      }
+    }
+    product(act.data(), b, inter, down, 1.0f, xo);
+  }
+
+  LayerShape shape_;
+};
+
 mx::Stream cpu_stream() {
   mx::Stream s = mx::default_stream(mx::default_device());
   if (s.device != mx::Device::cpu) throw std::invalid_argument("decode_ops run on the CPU only");
   return s;
 }
 
-void check(const mx::array& qkv, const mx::array& store, const mx::array& rows,
-           const mx::array& pos, const mx::array& cos2, const mx::array& sin2, Geometry g) {
+// the head geometry, the store, rows/pos and the rotation tables, for `n` positions of width
+// `width` (the stacked product's rows and columns)
+void check_step(int64_t n, int64_t width, const mx::array& store, const mx::array& rows,
+                const mx::array& pos, const mx::array& cos2, const mx::array& sin2, Geometry g) {
   if (g.heads <= 0 || g.kv_heads <= 0 || g.heads % g.kv_heads != 0 || g.head_dim <= 0 ||
       g.head_dim % 8 != 0 || g.head_dim > 256 || g.heads / g.kv_heads > 64 || g.q <= 0)
     throw std::invalid_argument(
         "decode_ops: bad head geometry (head_dim a multiple of 8 up to 256, at most 64 query "
         "heads per KV head)");
-  for (const mx::array* a : {&qkv, &store, &cos2, &sin2})
+  for (const mx::array* a : {&store, &cos2, &sin2})
     if (a->dtype() != mx::float32) throw std::invalid_argument("decode_ops: float32 only");
   if (rows.dtype() != mx::int32 || pos.dtype() != mx::int32 || rows.ndim() != 1 ||
       pos.ndim() != 1 || rows.size() != pos.size())
     throw std::invalid_argument("decode_ops: rows and pos must be int32 [B]");
-  const int64_t width = static_cast<int64_t>(g.heads + 2 * g.kv_heads) * g.head_dim;
-  if (qkv.ndim() != 2 || qkv.shape(1) != width ||
-      qkv.shape(0) != static_cast<int64_t>(rows.size()) * g.q)
+  if (width != static_cast<int64_t>(g.heads + 2 * g.kv_heads) * g.head_dim ||
+      n != static_cast<int64_t>(rows.size()) * g.q)
     throw std::invalid_argument("decode_ops: qkv must be [B * q, (H + 2 KV) * Dh]");
   if (store.ndim() != 4 || store.shape(1) != g.kv_heads || store.shape(3) != g.head_dim)
     throw std::invalid_argument("decode_ops: a store must be [rows, KV, capacity, Dh]");
   if (cos2.ndim() != 2 || cos2.shape(1) != g.head_dim || sin2.shape() != cos2.shape())
     throw std::invalid_argument("decode_ops: cos2/sin2 must be [positions, Dh]");
+}
+
+void check(const mx::array& qkv, const mx::array& store, const mx::array& rows,
+           const mx::array& pos, const mx::array& cos2, const mx::array& sin2, Geometry g) {
+  if (qkv.dtype() != mx::float32 || qkv.ndim() != 2)
+    throw std::invalid_argument("decode_ops: qkv must be float32 [B * q, (H + 2 KV) * Dh]");
+  check_step(qkv.shape(0), qkv.shape(1), store, rows, pos, cos2, sin2, g);
 }
 
 mx::array write_kv(const mx::array& store, const mx::array& qkv, const mx::array& rows,
@@ -524,6 +731,56 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
                    {x, weight});
 }
 
+
+bool layer_ready() { return skinny_sgemm() != nullptr; }
+
+// a weight [out, in] (the products read it as `x @ weight.T`)
+void check_weight(const mx::array& w, int64_t cols, const char* what) {
+  if (w.dtype() != mx::float32 || w.ndim() != 2 || w.shape(1) != cols)
+    throw std::invalid_argument(std::string("decode_ops: ") + what +
+                                " must be a float32 weight [out, in]");
+}
+
+void check_rows(const mx::array& x, const mx::array& norm) {
+  if (x.dtype() != mx::float32 || x.ndim() != 2 || norm.dtype() != mx::float32 ||
+      norm.ndim() != 1 || norm.shape(0) != x.shape(1))
+    throw std::invalid_argument("decode_ops: x must be float32 [B, dim] and its norm [dim]");
+  if (!layer_ready())
+    throw std::invalid_argument("decode_ops: the skinny library is not loaded");
+}
+
+mx::array norm_product(const mx::array& x, const mx::array& norm, const mx::array& weight,
+                       float eps) {
+  check_rows(x, norm);
+  check_weight(weight, x.shape(1), "weight");
+  return mx::array({x.shape(0), weight.shape(0)}, mx::float32,
+                   std::make_shared<NormProduct>(cpu_stream(), eps), {x, norm, weight});
+}
+
+mx::array layer_rest(const mx::array& x, const mx::array& qkv, const mx::array& keys,
+                     const mx::array& values, const mx::array& rows, const mx::array& pos,
+                     const mx::array& cos2, const mx::array& sin2, const mx::array& o,
+                     const mx::array& norm_post, const mx::array& gate_up,
+                     const mx::array& down, int heads, int kv_heads, int head_dim, float eps,
+                     float scale) {
+  const Geometry g{heads, kv_heads, head_dim, 1};
+  check_rows(x, norm_post);
+  check(qkv, keys, rows, pos, cos2, sin2, g);
+  if (values.shape() != keys.shape() || values.dtype() != mx::float32)
+    throw std::invalid_argument("decode_ops: values must be shaped as keys");
+  if (qkv.shape(0) != x.shape(0))
+    throw std::invalid_argument("decode_ops: x and qkv must have one row per step row");
+  const int dim = x.shape(1);
+  check_weight(o, static_cast<int64_t>(heads) * head_dim, "o");
+  check_weight(gate_up, dim, "gate_up");
+  check_weight(down, gate_up.shape(0) / 2, "down");
+  if (o.shape(0) != dim || down.shape(0) != dim || gate_up.shape(0) % 2 != 0)
+    throw std::invalid_argument("decode_ops: o and down must give [dim] rows, gate_up [2I, dim]");
+  return mx::array(x.shape(), mx::float32,
+                   std::make_shared<LayerRest>(cpu_stream(), LayerShape{g, eps, scale}),
+                   {x, qkv, keys, values, rows, pos, cos2, sin2, o, norm_post, gate_up, down});
+}
+
 } // namespace
 
 NB_MODULE(_llm_decode_ops, m) {
@@ -535,5 +792,13 @@ NB_MODULE(_llm_decode_ops, m) {
         nb::arg("pos"), nb::arg("cos2"), nb::arg("sin2"), nb::arg("heads"), nb::arg("kv_heads"),
         nb::arg("head_dim"), nb::arg("q"), nb::arg("scale"));
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
+  m.def("norm_product", &norm_product, nb::arg("x"), nb::arg("norm"), nb::arg("weight"),
+        nb::arg("eps"));
+  m.def("layer_rest", &layer_rest, nb::arg("x"), nb::arg("qkv"), nb::arg("keys"),
+        nb::arg("values"), nb::arg("rows"), nb::arg("pos"), nb::arg("cos2"), nb::arg("sin2"),
+        nb::arg("o"), nb::arg("norm_post"), nb::arg("gate_up"), nb::arg("down"),
+        nb::arg("heads"), nb::arg("kv_heads"), nb::arg("head_dim"), nb::arg("eps"),
+        nb::arg("scale"));
+  m.def("layer_ready", &layer_ready);
   m.def("threads", [] { return Pool::get().threads(); });
 }

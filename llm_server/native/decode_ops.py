@@ -9,7 +9,14 @@ nanobind in MLX's own nanobind domain so that `mx.array`s pass straight through)
 - `attend(qkv, keys, values, rows, pos, cos2, sin2, heads, kv_heads, head_dim, q, scale)`:
   each new position's rotated query heads over its row's positions 0..p -> [B * q, H * Dh];
 - `rms_norm(x, weight, eps)`: `mx.fast.rms_norm`'s values bit for bit (checked at load) as one
-  op, where MLX's CPU runs it as a graph of ~4.
+  op, where MLX's CPU runs it as a graph of ~4;
+- `norm_product(x, norm, weight, eps)` -> rms_norm(x) @ weight.T, and `layer_rest(x, qkv, keys,
+  values, rows, pos, cos2, sin2, o, norm_post, gate_up, down, heads, kv_heads, head_dim, eps,
+  scale)` -> the layer's output once its keys and values are written (attention, o, the MLP and
+  both residuals): with the two `write_kv` a decode layer in four ops where the compiled step
+  ran eleven. Products go through the skinny library's function (preloaded; `layer_ready()`),
+  and `layer_module()` uses them only where they equal the separate ops bit for bit
+  (`_check_layer`).
 
 They replace the ~22 graph ops of a layer's decode attention (slices, the rotation, the store
 writes and reads, the grouped products, the mask and the softmax) with three, each computing one
@@ -152,6 +159,113 @@ def _check(ops) -> None:
     for eps in (1e-5, 1e-6):
         if not np.array_equal(np.array(ops.rms_norm(x, w, eps)), mx.fast.rms_norm(x, w, eps)):
             raise RuntimeError("decode ops' rms_norm differs from mx.fast.rms_norm")
+
+
+def whole_layer(ops, layer, x, keys, values, rows, pos, cos2, sin2):
+    """x [B, dim] through a decode layer (one new position per row) as four ops: norm_product,
+    write_kv twice, layer_rest -> (x', keys', values').
+
+    `layer`: norm_in, norm_post (`.weight`, `.eps`), qkv, o, gate_up, down (`.weight` [out,
+    in]), heads, kv_heads, head_dim, scale (a fused_layers.Layer); rows, pos int32 [B]."""
+    qkv = ops.norm_product(x, layer.norm_in.weight, layer.qkv.weight, layer.norm_in.eps)
+    geometry = (rows, pos, cos2, sin2, layer.heads, layer.kv_heads, layer.head_dim)
+    keys = ops.write_kv(keys, qkv, *geometry, 1, True)
+    values = ops.write_kv(values, qkv, *geometry, 1, False)
+    weights = (layer.o.weight, layer.norm_post.weight, layer.gate_up.weight, layer.down.weight)
+    x = ops.layer_rest(
+        x, qkv, keys, values, *geometry[:4], *weights, *geometry[4:], layer.norm_post.eps,
+        layer.scale,
+    )  # fmt: skip
+    return x, keys, values
+
+
+def separate_layer(ops, layer, x, keys, values, rows, pos, cos2, sin2):
+    """`whole_layer` as the compiled step's ops without norm_product and layer_rest
+    (compiled_step._body): eleven ops, the values `whole_layer` must equal bit for bit."""
+    import mlx.core as mx
+
+    from llm_server.engines.cpu_kernels import silu_mul
+
+    qkv = ops.rms_norm(x, layer.norm_in.weight, layer.norm_in.eps) @ layer.qkv.weight.T
+    geometry = (rows, pos, cos2, sin2, layer.heads, layer.kv_heads, layer.head_dim, 1)
+    keys = ops.write_kv(keys, qkv, *geometry, True)
+    values = ops.write_kv(values, qkv, *geometry, False)
+    h = mx.addmm(x, ops.attend(qkv, keys, values, *geometry, layer.scale), layer.o.weight.T)
+    normed = ops.rms_norm(h, layer.norm_post.weight, layer.norm_post.eps)
+    gate, up = mx.split(normed @ layer.gate_up.weight.T, 2, axis=-1)
+    return mx.addmm(h, silu_mul(gate, up), layer.down.weight.T), keys, values
+
+
+def random_layer(seed: int, dim: int, heads: int, kv_heads: int, head_dim: int, inter: int):
+    """A decode layer of random float32 weights for the checks (gates of about -60 to 60,
+    into the SiLU's saturated ends)."""
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+
+    def rand(*shape, scale=1.0):
+        return mx.array((rng.standard_normal(shape) * scale).astype(np.float32))
+
+    def norm(eps):
+        return SimpleNamespace(weight=rand(dim), eps=eps)
+
+    def linear(out, inp, scale):
+        return SimpleNamespace(weight=rand(out, inp, scale=scale))
+
+    return SimpleNamespace(
+        norm_in=norm(1e-5),
+        qkv=linear((heads + 2 * kv_heads) * head_dim, dim, 0.2),
+        o=linear(dim, heads * head_dim, 0.2),
+        norm_post=norm(1e-6),
+        gate_up=linear(2 * inter, dim, 2.0),
+        down=linear(dim, inter, 0.1),
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        scale=head_dim**-0.5,
+    )
+
+
+def _check_layer(ops) -> None:
+    """One decode layer (3 rows of a 4-row store) as `whole_layer` against `separate_layer`:
+    raises unless equal bit for bit."""
+    import mlx.core as mx
+    import numpy as np
+
+    layer = random_layer(1, dim=64, heads=4, kv_heads=2, head_dim=16, inter=96)
+    rng = np.random.default_rng(2)
+    x = mx.array(rng.standard_normal((3, 64)).astype(np.float32))
+    keys, values = (mx.array(rng.standard_normal((4, 2, 8, 16)).astype(np.float32)) for _ in "kv")
+    rows, pos = mx.array([2, 0, 3], dtype=mx.int32), mx.array([0, 3, 7], dtype=mx.int32)
+    angles = np.arange(8)[:, None] * np.linspace(0.1, 1.0, 8)[None]
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    cos2 = mx.array(np.concatenate([cos, cos], -1))
+    sin2 = mx.array(np.concatenate([-sin, sin], -1))
+    args = (x, keys, values, rows, pos, cos2, sin2)
+    got, want = whole_layer(ops, layer, *args), separate_layer(ops, layer, *args)
+    mx.eval(*got, *want)
+    for name, a, b in zip(("x", "keys", "values"), got, want, strict=True):
+        if not np.array_equal(np.array(a), np.array(b)):
+            raise RuntimeError(f"the whole-layer decode ops' {name} differs from the separate ops")
+
+
+@functools.cache
+def layer_module():
+    """The decode ops when their `norm_product` and `layer_rest` may run a decode step's
+    layers (the skinny library is preloaded and they equal the separate ops bit for bit), else
+    None."""
+    ops = module()
+    if ops is None or not ops.layer_ready():
+        return None
+    try:
+        _check_layer(ops)
+    except Exception as exc:  # noqa: BLE001 - any failure keeps the separate ops
+        log.warning("decode ops not used for whole layers: %s", exc)
+        return None
+    return ops
 
 
 @functools.cache

@@ -350,3 +350,25 @@ def test_the_cli_flag_turns_compiled_steps_off(tiny_llama_path, flag, on):
     finally:
         svc.scheduler.abort()
         svc.close(30)
+
+
+def test_whole_layer_steps_equal_separate_op_steps(tiny_llama_path):
+    """Compiled steps that run each layer as the four whole-layer decode ops give the logits of
+    compiled steps with the separate ops, bit for bit: rows at different cursors, subsets,
+    across the store's growth."""
+    from llm_server.native import skinny
+
+    if not skinny.loaded():
+        pytest.skip("the skinny library is not preloaded (run under python -m llm_server.blas)")
+    whole, separate = MLXEngine(tiny_llama_path, rows=3), MLXEngine(tiny_llama_path, rows=3)
+    assert whole._fused.layer_ops is not None
+    separate._fused.layer_ops = None  # read when a step's graph is traced
+    rng = np.random.default_rng(4)
+    last = {}
+    for row, n in enumerate((GROW - 5, 2, 33)):
+        prompt = rng.integers(3, 380, n).tolist()
+        a, b = whole.prefill(row, prompt), separate.prefill(row, prompt)
+        np.testing.assert_array_equal(a, b)
+        last[row] = int(np.argmax(a))
+    _run_steps(whole, separate, [[0, 1, 2], [2], [0, 2], [1]], last, steps=16)
+    assert whole._store.capacity == 2 * GROW
