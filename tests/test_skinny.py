@@ -81,11 +81,18 @@ def test_products_are_right(lib, shape, trans_b):
 
 @pytest.mark.parametrize("trans_b", [True, False])
 def test_a_rows_products_do_not_depend_on_the_rows_beside_it(lib, trans_b):
-    """Row i of a 16-row product equals the same row alone, in a 2-row and a 5-row slice and
-    with the columns cut in two, bit for bit (one row runs in tiles of NB1 weight rows, more rows
-    in tiles of MT x NB: neither, nor row blocks or threads, change the sums)."""
+    """Row i of a 16- to 1100-row product equals the same row alone, in a 2-row and a 5-row
+    slice and with the columns cut in two, bit for bit (one row runs in tiles of NB1 weight rows, more rows
+    in tiles of up to MT x NB, 18 rows as three of 6 and 27 as 7 + 7 + 7 + 6: neither, nor row
+    blocks or threads, change the sums)."""
     rng = np.random.default_rng(7)
-    for m, n, k in [(16, 1536, 576), (16, 3072, 576), (1100, 96, 576)]:
+    for m, n, k in [
+        (16, 1536, 576),
+        (16, 3072, 576),
+        (18, 960, 576),
+        (27, 576, 1536),
+        (1100, 96, 576),
+    ]:
         a = rng.standard_normal((m, k)).astype(np.float32)
         w = rng.standard_normal((n, k)).astype(np.float32)
         b = w if trans_b else np.ascontiguousarray(w.T)

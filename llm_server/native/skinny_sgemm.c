@@ -223,17 +223,24 @@ static void columns(const product_t *p, int n0, int n1) {
         const int full = n0 + (n1 - n0) / NB * NB;
         for (int g0 = n0; g0 < full; g0 += group) {
             const int g1 = g0 + group < full ? g0 + group : full;
+            /* ceil(rows / MT) tiles of equal rows (sizes differing by one at most), in
+             * constant shapes: 18 rows as 6 + 6 + 6, not 8 + 8 + 2, whose 2-row tile takes
+             * nearly as long as a full one (C harness, SmolLM2's 211 matrices: 10-27 rows
+             * 3-7% faster; 1-8 rows are one tile either way) */
+            const int tiles = (m1 - m0 + MT - 1) / MT;
             int m = m0;
-            for (; m + MT <= m1; m += MT)
-                for (int n = g0; n < g1; n += NB) tile(p, m, n, MT, NB);
-            switch (m1 - m) { /* the last rows: constant tile shapes (MT <= 8) */
-#define LAST(r) \
-    case r: \
-        if (r < MT) \
-            for (int n = g0; n < g1; n += NB) tile(p, m, n, r, NB); \
+            for (int t = 0; t < tiles; t++) {
+                const int r = (m1 - m) / (tiles - t) + ((m1 - m) % (tiles - t) != 0);
+                switch (r) { /* r <= MT <= 8 */
+#define ROWS(rr) \
+    case rr: \
+        if (rr <= MT) \
+            for (int n = g0; n < g1; n += NB) tile(p, m, n, rr, NB); \
         break;
-                LAST(7) LAST(6) LAST(5) LAST(4) LAST(3) LAST(2) LAST(1)
-#undef LAST
+                    ROWS(8) ROWS(7) ROWS(6) ROWS(5) ROWS(4) ROWS(3) ROWS(2) ROWS(1)
+#undef ROWS
+                }
+                m += r;
             }
         }
         for (int n = full; n < n1; n++)
