@@ -59,15 +59,17 @@ def test_malloc_tunables_are_added_and_the_callers_win():
     assert blas.preload_env({"GLIBC_TUNABLES": wanted})["GLIBC_TUNABLES"] == wanted  # idempotent
     mine = "glibc.malloc.mmap_threshold=65536:glibc.cpu.x86_rep_movsb_threshold=4096"
     assert blas.preload_env({"GLIBC_TUNABLES": mine})["GLIBC_TUNABLES"] == (
-        mine + ":glibc.malloc.hugetlb=1"
+        mine + ":glibc.malloc.hugetlb=1:glibc.malloc.arena_max=1"
     )
     assert "GLIBC_TUNABLES" not in blas.preload_env({"LLM_SERVER_HUGEPAGES": "0"})
 
 
-def test_weight_sized_allocations_sit_in_huge_pages():
+@pytest.mark.parametrize("thread", [False, True])
+def test_weight_sized_allocations_sit_in_huge_pages(thread):
     """Under the preload's tunables, 40 matrices of 3.4 MB (SmolLM2's down projection; each
-    below the mmap threshold, so from malloc's heap) are backed by 2 MiB pages; without them,
-    by none."""
+    below the mmap threshold, so from malloc's heap) are backed by 2 MiB pages, allocated on
+    the main thread or on another (the server loads its model on a worker thread); without
+    them, by none."""
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
             thp = f.read()
@@ -76,8 +78,12 @@ def test_weight_sized_allocations_sit_in_huge_pages():
     if "[never]" in thp or blas.chosen_blas({}) is None:
         pytest.skip(f"transparent huge pages off ({thp.strip()}) or nothing preloaded")
     code = (
-        "import numpy as np\n"
-        "ws = [np.ones((576, 1536), np.float32) for _ in range(40)]\n"
+        "import threading, numpy as np\n"
+        "ws = []\n"
+        "def load(): ws.extend(np.ones((576, 1536), np.float32) for _ in range(40))\n"
+        f"t = threading.Thread(target=load) if {thread} else None\n"
+        "t.start() if t else load()\n"
+        "t.join() if t else None\n"
         "info = open('/proc/self/smaps_rollup').read().split('AnonHugePages:')[1]\n"
         "print(int(info.split()[0]) // 1024)\n"
     )
