@@ -81,10 +81,8 @@ def test_weight_sized_allocations_sit_in_huge_pages(thread):
         "import threading, numpy as np\n"
         "ws = []\n"
         "def load(): ws.extend(np.ones((576, 1536), np.float32) for _ in range(40))\n"
-        f"t = threading.Thread(target=load) if {thread} else None\n"
-        "t.start() if t else load()\n"
-        "t.join() if t else None\n"
-        "info = open('/proc/self/smaps_rollup').read().split('AnonHugePages:')[1]\n"
+        + ("t = threading.Thread(target=load)\nt.start()\nt.join()\n" if thread else "load()\n")
+        + "info = open('/proc/self/smaps_rollup').read().split('AnonHugePages:')[1]\n"
         "print(int(info.split()[0]) // 1024)\n"
     )
     huge_mb = {}

@@ -296,6 +296,6 @@ def test_the_engine_runs_whole_layers_where_they_apply(tiny_llama_path, tmp_path
     from llm_server.testing.tiny import TinySpec, build_tiny_checkpoint
 
     qwen2 = build_tiny_checkpoint(tmp_path / "tiny-qwen2", TinySpec(arch="qwen2"))
-    assert MLXEngine(qwen2, rows=1)._fused.layer_ops is None
+    assert MLXEngine(qwen2, rows=1)._fused.whole_layers is False
     llama = MLXEngine(tiny_llama_path, rows=1)._fused
-    assert (llama.layer_ops is not None) == skinny.loaded()
+    assert llama.whole_layers == skinny.loaded()

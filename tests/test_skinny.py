@@ -82,9 +82,9 @@ def test_products_are_right(lib, shape, trans_b):
 @pytest.mark.parametrize("trans_b", [True, False])
 def test_a_rows_products_do_not_depend_on_the_rows_beside_it(lib, trans_b):
     """Row i of a 16- to 1100-row product equals the same row alone, in a 2-row and a 5-row
-    slice and with the columns cut in two, bit for bit (one row runs in tiles of NB1 weight rows, more rows
-    in tiles of up to MT x NB, 18 rows as three of 6 and 27 as 7 + 7 + 7 + 6: neither, nor row
-    blocks or threads, change the sums)."""
+    slice and with the columns cut in two, bit for bit (one row runs in tiles of NB1 weight
+    rows, more rows in tiles of up to MT x NB, 18 rows as three of 6 and 27 as 7 + 7 + 7 + 6:
+    neither, nor row blocks or threads, change the sums)."""
     rng = np.random.default_rng(7)
     for m, n, k in [
         (16, 1536, 576),

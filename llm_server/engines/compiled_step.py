@@ -115,8 +115,7 @@ class CompiledSteps:
         def step(ids, pos, row_ids, *kv):
             keys, values = list(kv[:layers]), list(kv[layers:])
             if decoder.ops is not None:
-                whole = decoder.layer_ops is not None
-                attention = _OpsAttention(decoder.ops, rotation, pos, row_ids, whole)
+                attention = _OpsAttention(decoder.ops, rotation, pos, row_ids)
             else:
                 attention = _GraphAttention(
                     decode_attention.mask(pos, 1, shape.span),  # [B, 1, 1, span]
@@ -179,13 +178,10 @@ def _attention(layer, queries, keys, values, mask) -> mx.array:
 
 class _OpsAttention:
     """A layer's decode attention as the decode ops: three ops (llm_server.native.decode_ops);
-    with `whole_layers`, `_body` runs each whole layer as four of them instead (`layer`)."""
+    or, where the decoder has `whole_layers`, the whole layer as four of them (`layer`)."""
 
-    def __init__(
-        self, ops, rotation: Rotation, pos: mx.array, row_ids: mx.array, whole_layers: bool
-    ) -> None:
+    def __init__(self, ops, rotation: Rotation, pos: mx.array, row_ids: mx.array) -> None:
         self.ops, self.rotation, self.pos, self.row_ids = ops, rotation, pos, row_ids
-        self.whole_layers = whole_layers
 
     def __call__(self, layer, qkv: mx.array, keys: mx.array, values: mx.array):
         return decode_attention.attend_ops(
@@ -249,7 +245,7 @@ def _body(decoder, attention, ids, keys, values, split: bool):
 
     new_keys, new_values = [], []
     for i, layer in enumerate(decoder.layers):
-        if isinstance(attention, _OpsAttention) and attention.whole_layers and not split:
+        if decoder.whole_layers and not split:  # (only with the decode ops: _OpsAttention)
             x, k, v = attention.layer(layer, x, keys[i], values[i])  # the same, in four ops
             new_keys.append(k)
             new_values.append(v)

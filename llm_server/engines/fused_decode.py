@@ -70,15 +70,17 @@ class FusedForward:
             and all(layer.qkv.weight.dtype == mx.float32 for layer in self.layers)
         ):
             self.ops = decode_ops.module()
-        # a compiled step's layers each as one op (decode_ops.decode_layer) where it equals
-        # the separate ops bit for bit (checked at load) and no product has a bias
-        self.layer_ops = None
-        if self.ops is not None and all(
-            linear.bias is None
-            for layer in self.layers
-            for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
-        ):
-            self.layer_ops = decode_ops.layer_module()
+        # a compiled step runs each layer in four decode ops (decode_ops.whole_layer) where
+        # they equal the separate ops bit for bit (checked at load) and no product has a bias
+        self.whole_layers = (
+            self.ops is not None
+            and all(
+                linear.bias is None
+                for layer in self.layers
+                for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
+            )
+            and decode_ops.layer_module() is not None
+        )
 
     def enable_compiled(self) -> None:
         """Run decode steps (q = 1) as compiled graphs from now on (see compiled_step)."""

@@ -261,14 +261,6 @@ struct Store {
   Store(const float* d, const mx::array& like)
       : data(d), s0(like.strides()[0]), s1(like.strides()[1]), s2(like.strides()[2]),
         rows(like.shape(0)), cap(like.shape(2)) {}
-  // a contiguous one shaped as `like`
-  static Store contiguous(const float* d, const mx::array& like) {
-    Store s(d, like);
-    s.s2 = like.shape(3);
-    s.s1 = s.s2 * like.shape(2);
-    s.s0 = s.s1 * like.shape(1);
-    return s;
-  }
 };
 
 // head `head` of position n of qkv, rotated at position p when `rotate` (into `out`, Dh floats)
@@ -305,11 +297,12 @@ void copy_4d(const mx::array& in, float* dst) {
       }
 }
 
-// `out` takes `store`'s buffer when MLX may donate it, else a new one; true when donated
-bool take_store(const mx::array& store, mx::array& out) {
-  const bool donate = store.is_donatable() && store.flags().row_contiguous;
+// `out` takes `in`'s buffer when MLX may donate it (updated in place), else a new one that the
+// caller fills with a copy of `in`; true when donated
+bool take_buffer(const mx::array& in, mx::array& out) {
+  const bool donate = in.is_donatable() && in.flags().row_contiguous;
   if (donate)
-    out.copy_shared_buffer(store);
+    out.copy_shared_buffer(in);
   else
     out.set_data(mx::allocator::malloc(out.nbytes()));
   return donate;
@@ -399,7 +392,7 @@ class WriteKV : public mx::UnaryPrimitive {
   // inputs: store [R, KV, C, Dh], qkv [N, F], rows [B], pos [B], cos2 [P, Dh], sin2 [P, Dh]
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     const mx::array& store = in[0];
-    const bool donate = take_store(store, out);
+    const bool donate = take_buffer(store, out);
     auto& enc = mx::cpu::get_command_encoder(stream());
     // by value: the primitive may be gone by the time the stream runs the task
     enc.dispatch([donate, g = g_, rotate = rotate_, store = store, qkv = in[1], rows = in[2],
@@ -480,9 +473,8 @@ void rms_norm_rows(const Matrix& m, int64_t n, int64_t d, const float* wd, int64
   }
 }
 
-// RMSNorm with the arithmetic of MLX's CPU `mx.fast.rms_norm` (its fallback graph: the
-// squares summed in order, times 1 / D, plus eps, 1 / sqrt, x * that, times the weight), one
-// op instead of that graph's ~4; `decode_ops._check` compares the two bit for bit at load.
+// RMSNorm as `rms_norm_rows` computes it, one op instead of the ~4 of MLX's CPU fallback
+// graph; `decode_ops._check` compares the two bit for bit at load.
 class RmsNorm : public mx::UnaryPrimitive {
  public:
   RmsNorm(mx::Stream s, float eps) : mx::UnaryPrimitive(s), eps_(eps) {}
@@ -509,7 +501,6 @@ class RmsNorm : public mx::UnaryPrimitive {
   float eps_;
 };
 
-
 // ---- a decode layer in four ops ----
 // llm_skinny_sgemm of the preloaded skinny library (llm_server.native.skinny): the function
 // MLX's float32 products reach through cblas_sgemm, so a product here is the product MLX's
@@ -529,34 +520,21 @@ Sgemm skinny_sgemm() {
 void product(const float* a, int64_t m, int k, const mx::array& w, float beta, float* c) {
   const float* wd = w.data<float>();
   const int64_t n = w.shape(0), s0 = w.strides()[0], s1 = w.strides()[1];
-  int trans = 0;
-  int64_t ld = n;
+  const bool b_contiguous = s1 == n && s0 == 1;         // w.T as is: [k, n]
+  const bool trans = !b_contiguous && s0 == k && s1 == 1; // w's rows, transposed
+  const int64_t ld = trans ? k : n;
   thread_local std::vector<float> packed;
-  if (s1 == n && s0 == 1) {
-  } else if (s0 == k && s1 == 1) {
-    trans = 1;
-    ld = k;
-  } else {
+  if (!b_contiguous && !trans) {
     packed.resize(static_cast<size_t>(n) * k);
     for (int64_t j = 0; j < k; j++)
       for (int64_t i = 0; i < n; i++) packed[j * n + i] = wd[i * s0 + j * s1];
     wd = packed.data();
   }
-  skinny_sgemm()(trans, static_cast<int>(m), static_cast<int>(n), k, 1.0f, a, k, wd,
+  skinny_sgemm()(trans ? 1 : 0, static_cast<int>(m), static_cast<int>(n), k, 1.0f, a, k, wd,
                  static_cast<int>(ld), beta, c, static_cast<int>(n));
 }
 
-// `out` takes x's buffer when MLX may donate it, else a contiguous copy of x (the copy addmm
-// makes of its addend)
-float* residual(const mx::array& x, mx::array& out) {
-  if (x.is_donatable() && x.flags().row_contiguous) {
-    out.copy_shared_buffer(x);
-    return nullptr;
-  }
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  return out.data<float>();
-}
-
+// a contiguous copy of a 2-D array (the residual addmm copies before adding the product to it)
 void copy_rows(const mx::array& x, float* dst) {
   const Matrix m(x);
   const int64_t n = x.shape(0), d = x.shape(1);
@@ -614,10 +592,10 @@ class LayerRest : public mx::UnaryPrimitive {
   // cos2 [P, Dh], sin2 [P, Dh], o [D, H * Dh], norm_post [D], gate_up [2I, D], down [D, I];
   // output [B, D]
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    float* copy_to = residual(in[0], out);
+    const bool donated = take_buffer(in[0], out);
     auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.dispatch([shape = shape_, in = in, copy_to, xo = out.data<float>()]() {
-      if (copy_to != nullptr) copy_rows(in[0], copy_to);
+    enc.dispatch([shape = shape_, in = in, donated, xo = out.data<float>()]() {
+      if (!donated) copy_rows(in[0], xo);
       run(shape, in, xo);
     });
   }
@@ -670,34 +648,26 @@ mx::Stream cpu_stream() {
   return s;
 }
 
-// the head geometry, the store, rows/pos and the rotation tables, for `n` positions of width
-// `width` (the stacked product's rows and columns)
-void check_step(int64_t n, int64_t width, const mx::array& store, const mx::array& rows,
-                const mx::array& pos, const mx::array& cos2, const mx::array& sin2, Geometry g) {
+void check(const mx::array& qkv, const mx::array& store, const mx::array& rows,
+           const mx::array& pos, const mx::array& cos2, const mx::array& sin2, Geometry g) {
   if (g.heads <= 0 || g.kv_heads <= 0 || g.heads % g.kv_heads != 0 || g.head_dim <= 0 ||
       g.head_dim % 8 != 0 || g.head_dim > 256 || g.heads / g.kv_heads > 64 || g.q <= 0)
     throw std::invalid_argument(
         "decode_ops: bad head geometry (head_dim a multiple of 8 up to 256, at most 64 query "
         "heads per KV head)");
-  for (const mx::array* a : {&store, &cos2, &sin2})
+  for (const mx::array* a : {&qkv, &store, &cos2, &sin2})
     if (a->dtype() != mx::float32) throw std::invalid_argument("decode_ops: float32 only");
   if (rows.dtype() != mx::int32 || pos.dtype() != mx::int32 || rows.ndim() != 1 ||
       pos.ndim() != 1 || rows.size() != pos.size())
     throw std::invalid_argument("decode_ops: rows and pos must be int32 [B]");
-  if (width != static_cast<int64_t>(g.heads + 2 * g.kv_heads) * g.head_dim ||
-      n != static_cast<int64_t>(rows.size()) * g.q)
+  const int64_t width = static_cast<int64_t>(g.heads + 2 * g.kv_heads) * g.head_dim;
+  if (qkv.ndim() != 2 || qkv.shape(1) != width ||
+      qkv.shape(0) != static_cast<int64_t>(rows.size()) * g.q)
     throw std::invalid_argument("decode_ops: qkv must be [B * q, (H + 2 KV) * Dh]");
   if (store.ndim() != 4 || store.shape(1) != g.kv_heads || store.shape(3) != g.head_dim)
     throw std::invalid_argument("decode_ops: a store must be [rows, KV, capacity, Dh]");
   if (cos2.ndim() != 2 || cos2.shape(1) != g.head_dim || sin2.shape() != cos2.shape())
     throw std::invalid_argument("decode_ops: cos2/sin2 must be [positions, Dh]");
-}
-
-void check(const mx::array& qkv, const mx::array& store, const mx::array& rows,
-           const mx::array& pos, const mx::array& cos2, const mx::array& sin2, Geometry g) {
-  if (qkv.dtype() != mx::float32 || qkv.ndim() != 2)
-    throw std::invalid_argument("decode_ops: qkv must be float32 [B * q, (H + 2 KV) * Dh]");
-  check_step(qkv.shape(0), qkv.shape(1), store, rows, pos, cos2, sin2, g);
 }
 
 mx::array write_kv(const mx::array& store, const mx::array& qkv, const mx::array& rows,
@@ -730,7 +700,6 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
   return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(cpu_stream(), eps),
                    {x, weight});
 }
-
 
 bool layer_ready() { return skinny_sgemm() != nullptr; }
 

@@ -361,8 +361,8 @@ def test_whole_layer_steps_equal_separate_op_steps(tiny_llama_path):
     if not skinny.loaded():
         pytest.skip("the skinny library is not preloaded (run under python -m llm_server.blas)")
     whole, separate = MLXEngine(tiny_llama_path, rows=3), MLXEngine(tiny_llama_path, rows=3)
-    assert whole._fused.layer_ops is not None
-    separate._fused.layer_ops = None  # read when a step's graph is traced
+    assert whole._fused.whole_layers
+    separate._fused.whole_layers = False  # read when a step's graph is traced
     rng = np.random.default_rng(4)
     last = {}
     for row, n in enumerate((GROW - 5, 2, 33)):
