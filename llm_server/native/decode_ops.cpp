@@ -385,9 +385,18 @@ void attend_rows(float* dst, Geometry g, float scale, const Matrix& x, const Sto
   }
 }
 
-class WriteKV : public mx::UnaryPrimitive {
+// the ops' common base: MLX primitives with a CPU kernel only
+class CpuPrimitive : public mx::UnaryPrimitive {
  public:
-  WriteKV(mx::Stream s, Geometry g, bool rotate) : mx::UnaryPrimitive(s), g_(g), rotate_(rotate) {}
+  using mx::UnaryPrimitive::UnaryPrimitive;
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("llm_server decode_ops: CPU only");
+  }
+};
+
+class WriteKV : public CpuPrimitive {
+ public:
+  WriteKV(mx::Stream s, Geometry g, bool rotate) : CpuPrimitive(s), g_(g), rotate_(rotate) {}
 
   // inputs: store [R, KV, C, Dh], qkv [N, F], rows [B], pos [B], cos2 [P, Dh], sin2 [P, Dh]
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
@@ -403,9 +412,6 @@ class WriteKV : public mx::UnaryPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("llm_server decode_ops: CPU only");
-  }
   const char* name() const override { return "LlmWriteKV"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const WriteKV&>(other);
@@ -417,9 +423,9 @@ class WriteKV : public mx::UnaryPrimitive {
   bool rotate_;
 };
 
-class Attend : public mx::UnaryPrimitive {
+class Attend : public CpuPrimitive {
  public:
-  Attend(mx::Stream s, Geometry g, float scale) : mx::UnaryPrimitive(s), g_(g), scale_(scale) {}
+  Attend(mx::Stream s, Geometry g, float scale) : CpuPrimitive(s), g_(g), scale_(scale) {}
 
   // inputs: qkv [N, F], keys [R, KV, C, Dh], values [R, KV, C, Dh], rows [B], pos [B],
   // cos2 [P, Dh], sin2 [P, Dh]; output [N, H * Dh]
@@ -436,9 +442,6 @@ class Attend : public mx::UnaryPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("llm_server decode_ops: CPU only");
-  }
   const char* name() const override { return "LlmAttend"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const Attend&>(other);
@@ -475,9 +478,9 @@ void rms_norm_rows(const Matrix& m, int64_t n, int64_t d, const float* wd, int64
 
 // RMSNorm as `rms_norm_rows` computes it, one op instead of the ~4 of MLX's CPU fallback
 // graph; `decode_ops._check` compares the two bit for bit at load.
-class RmsNorm : public mx::UnaryPrimitive {
+class RmsNorm : public CpuPrimitive {
  public:
-  RmsNorm(mx::Stream s, float eps) : mx::UnaryPrimitive(s), eps_(eps) {}
+  RmsNorm(mx::Stream s, float eps) : CpuPrimitive(s), eps_(eps) {}
 
   // inputs: x [N, D], weight [D]; output [N, D]
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
@@ -489,9 +492,6 @@ class RmsNorm : public mx::UnaryPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("llm_server decode_ops: CPU only");
-  }
   const char* name() const override { return "LlmRmsNorm"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     return eps_ == static_cast<const RmsNorm&>(other).eps_;
@@ -543,9 +543,9 @@ void copy_rows(const mx::array& x, float* dst) {
 }
 
 // rms_norm(x, norm) @ weight.T: a layer's first two decode ops as one
-class NormProduct : public mx::UnaryPrimitive {
+class NormProduct : public CpuPrimitive {
  public:
-  NormProduct(mx::Stream s, float eps) : mx::UnaryPrimitive(s), eps_(eps) {}
+  NormProduct(mx::Stream s, float eps) : CpuPrimitive(s), eps_(eps) {}
 
   // inputs: x [B, D], norm [D], weight [F, D]; output [B, F]
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
@@ -561,9 +561,6 @@ class NormProduct : public mx::UnaryPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("llm_server decode_ops: CPU only");
-  }
   const char* name() const override { return "LlmNormProduct"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     return eps_ == static_cast<const NormProduct&>(other).eps_;
@@ -584,9 +581,9 @@ struct LayerShape {
 // arithmetic as the compiled step's separate ops (Attend; `mx.addmm`; RmsNorm; the product and
 // `mx.split`; MLX's compiled SiLU kernel, whose Sigmoid and Multiply come from MLX's CPU
 // headers here; `mx.addmm`), as `decode_ops._check_layer` confirms bit for bit at load.
-class LayerRest : public mx::UnaryPrimitive {
+class LayerRest : public CpuPrimitive {
  public:
-  LayerRest(mx::Stream s, LayerShape shape) : mx::UnaryPrimitive(s), shape_(shape) {}
+  LayerRest(mx::Stream s, LayerShape shape) : CpuPrimitive(s), shape_(shape) {}
 
   // inputs: x [B, D], qkv [B, F], keys and values [R, KV, C, Dh] (written), rows [B], pos [B],
   // cos2 [P, Dh], sin2 [P, Dh], o [D, H * Dh], norm_post [D], gate_up [2I, D], down [D, I];
@@ -600,9 +597,6 @@ class LayerRest : public mx::UnaryPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("llm_server decode_ops: CPU only");
-  }
   const char* name() const override { return "LlmLayerRest"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     return shape_ == static_cast<const LayerRest&>(other).shape_;
