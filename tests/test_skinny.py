@@ -134,6 +134,43 @@ def test_products_from_many_threads_at_once_are_each_exact(lib):
     assert failures == []
 
 
+_POOL_SCRIPT = """
+import sys, numpy as np
+from llm_server.native import skinny
+lib = skinny.handle()
+assert lib.llm_skinny_threads() == int(sys.argv[1]), lib.llm_skinny_threads()
+rng = np.random.default_rng(5)
+for m, n, k in [(1, 49152, 64), (1, 1000, 576), (3, 4099, 100), (20, 960, 576)]:
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    for _ in range(20):
+        c = np.full((m, n), np.nan, np.float32)
+        lib.llm_skinny_sgemm(1, m, n, k, 1.0, a.ctypes.data, k, w.ctypes.data, k, 0.0,
+                             c.ctypes.data, n)
+        sys.stdout.buffer.write(c.tobytes())
+"""
+
+
+def test_products_are_the_same_whatever_the_pools_size(lib):
+    """Pools of 1, 2 and 7 threads give the same bytes, 20 times over, for products whose
+    chunks do not split evenly into the threads' runs. With 7 threads on this machine's cores
+    most workers start late, and the others take their runs' chunks from the back: every
+    column is computed once, by whichever thread, with the same arithmetic."""
+    outputs = []
+    for threads in (1, 2, 7):
+        env = dict(os.environ, LLM_SERVER_SKINNY_THREADS=str(threads))
+        done = subprocess.run(
+            [sys.executable, "-c", _POOL_SCRIPT, str(threads)],
+            env=env, capture_output=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+        outputs.append(np.frombuffer(done.stdout, np.float32))
+    assert outputs[0].size == 20 * (49152 + 1000 + 3 * 4099 + 20 * 960)
+    assert not np.isnan(outputs[0]).any()
+    np.testing.assert_array_equal(outputs[1], outputs[0])
+    np.testing.assert_array_equal(outputs[2], outputs[0])
+
+
 def test_mlx_products_in_this_process_take_the_library():
     """Under `make test` MLX's products run on the library: a lone row's product equals its
     row in a batch of 8 and of 200 (a prompt chunk's size), bit for bit. With BLIS alone a

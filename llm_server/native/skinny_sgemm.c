@@ -24,8 +24,8 @@
  * (ARCHITECTURE S10).
  *
  * Threads: a pool of LLM_SERVER_SKINNY_THREADS (default: BLIS_NUM_THREADS, else the CPU count)
- * and the caller claim N's chunks of 64 columns one at a time. Workers spin briefly between
- * products, then sleep. A second caller while the pool is busy computes on its own thread.
+ * and the caller each take a contiguous run of N's chunks of 64 columns, then the chunks left
+ * in the others' runs (see "the pool"). Workers spin briefly between products, then sleep. A second caller while the pool is busy computes on its own thread.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -249,11 +249,17 @@ static void columns(const product_t *p, int n0, int n1) {
 }
 
 /* ---- the pool ---- */
-/* A product's columns are cut into chunks of CHUNK_COLS that the caller and the workers claim
- * one at a time, so a thread the OS holds back (on 2 cores the Python thread and MLX's stream
- * thread share them with the pool) leaves its share to the others instead of making the
- * caller wait at a barrier. Which thread computes a column changes nothing in its values. */
+/* A product's columns are cut into chunks of CHUNK_COLS. Each of the product's parts (the
+ * caller and parts - 1 workers) owns a contiguous run of them and takes its own from the front;
+ * a part whose run is done takes the other runs' chunks from their backs. Each thread so
+ * streams one long stretch of the weights (the memory's prefetchers keep up: one-row products
+ * over SmolLM2's 211 matrices ~5% faster than chunks handed out in turn, whose threads
+ * alternate 147 KB stretches), and a thread the OS holds back (on 2 cores the Python thread
+ * and MLX's stream thread share them with the pool) leaves its chunks to the others instead of
+ * making the caller wait at a barrier. Which thread computes a column changes nothing in its
+ * values. */
 #define CHUNK_COLS 64 /* a multiple of 16: whole tiles */
+#define MAX_POOL 64
 static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
 static pthread_mutex_t pool_busy = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t wake_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -261,27 +267,40 @@ static pthread_cond_t wake_cv = PTHREAD_COND_INITIALIZER;
 static int pool_threads = 1;
 static product_t job;
 static int job_parts;
-static atomic_int job_chunks; /* read by a late worker while the next product is posted */
 static atomic_uint generation;
-/* (generation << 32) | the next unclaimed chunk: a claim is valid for its generation only, so a
- * worker late for a product never takes a chunk of the next one with the old one's sizes */
-static _Atomic unsigned long long claim;
+/* part r's unclaimed chunks [next, end) as (generation << 40) | (next << 20) | end: a claim is
+ * valid for its generation only (24 bits of it), so a worker late for a product never takes a
+ * chunk of the next one with the old one's sizes */
+static _Atomic unsigned long long runs[MAX_POOL];
+#define GEN_BITS 0xffffffull
+#define IDX_BITS 0xfffffull /* chunks per product: at most 2^20 - 1 (67M columns) */
 static atomic_int chunks_done;
 
-static void run_chunks(unsigned gen) {
+/* a chunk of part r's run for generation gen, from the front (its own part) or the back;
+ * -1 when the run is done */
+static int take(int r, unsigned gen, int back) {
+    unsigned long long v = atomic_load_explicit(&runs[r], memory_order_acquire);
     for (;;) {
-        unsigned long long v = atomic_load_explicit(&claim, memory_order_acquire);
-        if ((unsigned)(v >> 32) != gen ||
-            (int)(v & 0xffffffffu) >= atomic_load_explicit(&job_chunks, memory_order_relaxed))
-            return;
-        if (!atomic_compare_exchange_weak_explicit(&claim, &v, v + 1, memory_order_acq_rel,
-                                                   memory_order_acquire))
-            continue;
-        /* claimed: the caller waits for this chunk, so `job` stays this generation's */
-        int n0 = (int)(v & 0xffffffffu) * CHUNK_COLS;
-        int n1 = n0 + CHUNK_COLS < job.n ? n0 + CHUNK_COLS : job.n;
-        columns(&job, n0, n1);
-        atomic_fetch_add_explicit(&chunks_done, 1, memory_order_acq_rel);
+        unsigned long long next = v >> 20 & IDX_BITS, end = v & IDX_BITS;
+        if ((v >> 40 & GEN_BITS) != (gen & GEN_BITS) || next >= end) return -1;
+        if (atomic_compare_exchange_weak_explicit(&runs[r], &v, back ? v - 1 : v + (1ull << 20),
+                                                  memory_order_acq_rel, memory_order_acquire))
+            return (int)(back ? end - 1 : next);
+    }
+}
+
+/* part t: its own run, then the others' */
+static void run_chunks(unsigned gen, int t) {
+    const int parts = job_parts; /* a late worker's stale value only finds other generations */
+    for (int i = 0; i < parts; i++) {
+        const int r = (t + i) % parts;
+        for (int c; (c = take(r, gen, i != 0)) >= 0;) {
+            /* claimed: the caller waits for this chunk, so `job` stays this generation's */
+            int n0 = c * CHUNK_COLS;
+            int n1 = n0 + CHUNK_COLS < job.n ? n0 + CHUNK_COLS : job.n;
+            columns(&job, n0, n1);
+            atomic_fetch_add_explicit(&chunks_done, 1, memory_order_acq_rel);
+        }
     }
 }
 
@@ -301,7 +320,7 @@ static void *worker(void *arg) {
             pthread_mutex_unlock(&wake_mu);
         }
         seen = atomic_load_explicit(&generation, memory_order_acquire);
-        if (t < job_parts) run_chunks(seen);
+        if (t < job_parts) run_chunks(seen, t);
     }
     return NULL;
 }
@@ -314,7 +333,7 @@ static void start_pool(void) {
     const char *env = getenv("LLM_SERVER_SKINNY_THREADS");
     if (!env || !*env) env = getenv("BLIS_NUM_THREADS");
     long n = env && *env ? strtol(env, NULL, 10) : sysconf(_SC_NPROCESSORS_ONLN);
-    pool_threads = n < 1 ? 1 : n > 64 ? 64 : (int)n;
+    pool_threads = n < 1 ? 1 : n > MAX_POOL ? MAX_POOL : (int)n;
     for (int t = 1; t < pool_threads; t++) {
         pthread_t th;
         if (pthread_create(&th, NULL, worker, (void *)(long)t) != 0) {
@@ -331,21 +350,25 @@ static void skinny(const product_t *p) {
     int chunks = (p->n + CHUNK_COLS - 1) / CHUNK_COLS;
     int parts = parts_wanted > pool_threads ? pool_threads : (int)parts_wanted;
     if (parts > chunks) parts = chunks;
-    if (parts <= 1 || pthread_mutex_trylock(&pool_busy) != 0) {
+    if (parts <= 1 || chunks > (int)IDX_BITS || pthread_mutex_trylock(&pool_busy) != 0) {
         columns(p, 0, p->n);
         return;
     }
     job = *p;
     job_parts = parts;
-    atomic_store_explicit(&job_chunks, chunks, memory_order_relaxed);
     atomic_store_explicit(&chunks_done, 0, memory_order_relaxed);
     unsigned gen = atomic_load_explicit(&generation, memory_order_relaxed) + 1;
-    atomic_store_explicit(&claim, (unsigned long long)gen << 32, memory_order_release);
+    for (int r = 0; r < parts; r++) { /* runs of equal length, give or take one chunk */
+        unsigned long long b = (unsigned long long)chunks * r / parts;
+        unsigned long long e = (unsigned long long)chunks * (r + 1) / parts;
+        atomic_store_explicit(&runs[r], (gen & GEN_BITS) << 40 | b << 20 | e,
+                              memory_order_release);
+    }
     pthread_mutex_lock(&wake_mu);
     atomic_store_explicit(&generation, gen, memory_order_release);
     pthread_cond_broadcast(&wake_cv);
     pthread_mutex_unlock(&wake_mu);
-    run_chunks(gen);
+    run_chunks(gen, 0);
     /* every chunk is claimed: wait for those still computing on a worker */
     while (atomic_load_explicit(&chunks_done, memory_order_acquire) < chunks) CPU_RELAX();
     pthread_mutex_unlock(&pool_busy);
