@@ -94,10 +94,13 @@ class RowStore:
         )
 
     def _init_layer(self, layer: int, keys: mx.array, values: mx.array) -> None:
-        _, heads, _, k_dim = keys.shape
-        v_dim = values.shape[-1]
-        self.keys[layer] = mx.zeros((self.rows, heads, self.capacity, k_dim), keys.dtype)
-        self.values[layer] = mx.zeros((self.rows, heads, self.capacity, v_dim), values.dtype)
+        self.allocate(layer, keys.shape[1], keys.shape[-1], values.shape[-1], keys.dtype)
+
+    def allocate(self, layer: int, heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype) -> None:
+        """A layer's keys and values (zeros), before its first write: their shapes are
+        otherwise learnt from the first keys written."""
+        self.keys[layer] = mx.zeros((self.rows, heads, self.capacity, k_dim), dtype)
+        self.values[layer] = mx.zeros((self.rows, heads, self.capacity, v_dim), dtype)
 
 
 @dataclass

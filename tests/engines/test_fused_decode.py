@@ -127,3 +127,50 @@ def test_scoring_chunks_equal_the_mlx_lm_forward(arch, arch_paths):
         np.testing.assert_allclose(a.token_logprobs, b.token_logprobs, atol=1e-5)
         np.testing.assert_array_equal(a.greedy_ids, b.greedy_ids)
         np.testing.assert_array_equal(a.top_ids, b.top_ids)
+
+
+def test_prompt_positions_attend_alike_wherever_their_chunk_starts(tiny_llama_path, monkeypatch):
+    """With the decode ops (llm_server.native.decode_ops), prompt chunks attend through them
+    as decode steps do: one arithmetic per position, whatever chunk it is in. A prompt's logits
+    are the same bit for bit prefilled whole on a fresh store, after its first 60 tokens came
+    from the prefix cache (the store cleared in between, as an idle server's is), and in chunks
+    of 16; and its first generated tokens are the same. No position attends through numpy,
+    MLX's attention or decode_attention's MLX ops, not even on the fresh store's first write."""
+    from llm_server.engines import cpu_kernels, decode_attention, mlx_engine
+
+    engine = MLXEngine(tiny_llama_path, rows=1)
+    if engine._fused is None or engine._fused.ops is None:
+        pytest.skip("the decode ops do not apply here (not Linux's CPU)")
+
+    def elsewhere(*args, **kwargs):
+        raise AssertionError("a position attended outside the decode ops")
+
+    monkeypatch.setattr(cpu_kernels, "attention", elsewhere)
+    monkeypatch.setattr(decode_attention, "attend", elsewhere)
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", elsewhere)
+    rng = np.random.default_rng(12)
+    first = rng.integers(3, 380, 90).tolist()
+    prompt = first[:60] + rng.integers(3, 380, 30).tolist()
+
+    def run(engine: MLXEngine) -> tuple[np.ndarray, list[int], np.ndarray]:
+        prefilled = logits = engine.prefill(0, prompt)
+        tokens = []
+        for _ in range(6):
+            tokens.append(int(np.argmax(logits)))
+            logits = engine.decode([0], tokens[-1:])[0]
+        engine.release(0)
+        return prefilled, tokens, logits
+
+    whole = run(engine)
+    assert engine.cached_tokens(0) == 0
+    engine = MLXEngine(tiny_llama_path, rows=1)
+    engine.prefill(0, first)
+    engine.release(0)  # `first` goes to the prefix cache; the idle store is cleared
+    cached = run(engine)
+    assert engine.cached_tokens(0) == 60
+    monkeypatch.setattr(mlx_engine, "PREFILL_CHUNK", 16)
+    chunked = run(MLXEngine(tiny_llama_path, rows=1))
+    assert cached[1] == whole[1] and chunked[1] == whole[1]
+    for a, b in ((cached, whole), (chunked, whole)):
+        np.testing.assert_array_equal(a[0], b[0])  # the prompt's last position
+        np.testing.assert_array_equal(a[2], b[2])  # after 6 decode steps
