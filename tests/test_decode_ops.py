@@ -79,6 +79,30 @@ def _inputs(rng, store_rows, capacity, n):
     return qkv, keys, values
 
 
+def test_a_prompt_chunks_positions_attend_as_each_would_alone(ops):
+    """Two rows' 100-position prompt chunks at positions 900 and 37 (attention threaded, each
+    row's positions in blocks spread over the threads): every position's output equals the
+    same position attended alone (q = 1 after the chunk's keys are written), bit for bit."""
+    rng = np.random.default_rng(21)
+    q, rows, pos = 100, [1, 0], [900, 37]
+    rot = _rotation(1000)
+    qkv, keys, values = _inputs(rng, 2, 1000, len(rows) * q)
+    out, k, v = _run(ops, qkv, keys, values, rows, pos, rot, q)
+    geometry = lambda r, p: (  # noqa: E731
+        mx.array([r], dtype=mx.int32), mx.array([p], dtype=mx.int32), rot.cos2, rot.sin2,
+        H, KV, DH, 1,
+    )  # fmt: skip
+    k, v = mx.array(k), mx.array(v)
+    for b, (r, p0) in enumerate(zip(rows, pos, strict=True)):
+        for i in (0, 31, 32, 33, 63, 64, 99):
+            alone = ops.attend(
+                mx.array(qkv[b * q + i : b * q + i + 1]), k, v, *geometry(r, p0 + i), 0.25
+            )
+            np.testing.assert_array_equal(np.array(alone)[0], out[b * q + i])
+    want = _reference(qkv, keys, values, rows, pos, rot, q, 0.25)[0]
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=2e-6)
+
+
 @pytest.mark.parametrize(
     "q, rows, pos",
     [(1, [2, 0], [5, 30]), (3, [1], [10]), (1, [0, 1, 2], [0, 7, 36]), (2, [2, 1], [0, 4])],
