@@ -272,7 +272,7 @@ class FusedForward:
         """Every position on the engine's row store attends as a compiled decode step does,
         through the decode ops where they apply: prompt chunks too (one primitive per layer
         instead of a round trip through numpy: a 20-token prompt after a cached prefix ~100 ->
-        82 ms, 1000 tokens 6.0 -> 4.6 s, 3000 tokens 29 -> 17 s on 2 cores). Without them,
+        74 ms, 1,000 tokens 6.0 -> 3.5 s, 3,000 tokens 29 -> 17 s on 2 cores). Without them,
         `exact` (decode positions) takes decode_attention's arithmetic on the CPU, and prompt
         chunks numpy's or MLX's attention."""
         hd, nh, nkv = layer.head_dim, layer.heads, layer.kv_heads

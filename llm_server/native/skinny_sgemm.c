@@ -25,7 +25,8 @@
  *
  * Threads: a pool of LLM_SERVER_SKINNY_THREADS (default: BLIS_NUM_THREADS, else the CPU count)
  * and the caller each take a contiguous run of N's chunks of 64 columns, then the chunks left
- * in the others' runs (see "the pool"). Workers spin briefly between products, then sleep. A second caller while the pool is busy computes on its own thread.
+ * in the others' runs (see "the pool"). Workers spin briefly between products, then sleep. A
+ * second caller while the pool is busy computes on its own thread.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
