@@ -88,10 +88,11 @@ def test_a_prompt_chunks_positions_attend_as_each_would_alone(ops):
     rot = _rotation(1000)
     qkv, keys, values = _inputs(rng, 2, 1000, len(rows) * q)
     out, k, v = _run(ops, qkv, keys, values, rows, pos, rot, q)
-    geometry = lambda r, p: (  # noqa: E731
-        mx.array([r], dtype=mx.int32), mx.array([p], dtype=mx.int32), rot.cos2, rot.sin2,
-        H, KV, DH, 1,
-    )  # fmt: skip
+
+    def geometry(r: int, p: int) -> tuple:  # one position of store row r, at p
+        return (mx.array([r], dtype=mx.int32), mx.array([p], dtype=mx.int32), rot.cos2,
+                rot.sin2, H, KV, DH, 1)  # fmt: skip
+
     k, v = mx.array(k), mx.array(v)
     for b, (r, p0) in enumerate(zip(rows, pos, strict=True)):
         for i in (0, 31, 32, 33, 63, 64, 99):

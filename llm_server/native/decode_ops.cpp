@@ -486,11 +486,24 @@ void rms_norm_rows(const Matrix& m, int64_t n, int64_t d, const float* wd, int64
   }
 }
 
+// a primitive whose one attribute is its RMSNorm's epsilon (`Derived`: the primitive's class)
+template <class Derived>
+class EpsPrimitive : public CpuPrimitive {
+ public:
+  EpsPrimitive(mx::Stream s, float eps) : CpuPrimitive(s), eps_(eps) {}
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const Derived&>(other).eps_;
+  }
+
+ protected:
+  float eps_;
+};
+
 // RMSNorm as `rms_norm_rows` computes it, one op instead of the ~4 of MLX's CPU fallback
 // graph; `decode_ops._check` compares the two bit for bit at load.
-class RmsNorm : public CpuPrimitive {
+class RmsNorm : public EpsPrimitive<RmsNorm> {
  public:
-  RmsNorm(mx::Stream s, float eps) : CpuPrimitive(s), eps_(eps) {}
+  using EpsPrimitive::EpsPrimitive;
 
   // inputs: x [N, D], weight [D]; output [N, D]
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
@@ -503,12 +516,6 @@ class RmsNorm : public CpuPrimitive {
   }
 
   const char* name() const override { return "LlmRmsNorm"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return eps_ == static_cast<const RmsNorm&>(other).eps_;
-  }
-
- private:
-  float eps_;
 };
 
 // ---- a decode layer in four ops ----
@@ -553,9 +560,9 @@ void copy_rows(const mx::array& x, float* dst) {
 }
 
 // rms_norm(x, norm) @ weight.T: a layer's first two decode ops as one
-class NormProduct : public CpuPrimitive {
+class NormProduct : public EpsPrimitive<NormProduct> {
  public:
-  NormProduct(mx::Stream s, float eps) : CpuPrimitive(s), eps_(eps) {}
+  using EpsPrimitive::EpsPrimitive;
 
   // inputs: x [B, D], norm [D], weight [F, D]; output [B, F]
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
@@ -572,12 +579,6 @@ class NormProduct : public CpuPrimitive {
   }
 
   const char* name() const override { return "LlmNormProduct"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return eps_ == static_cast<const NormProduct&>(other).eps_;
-  }
-
- private:
-  float eps_;
 };
 
 struct LayerShape {
