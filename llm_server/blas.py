@@ -6,14 +6,17 @@ or OpenBLAS (`libopenblas0-pthread`). BLIS is preferred when both are installed:
 kernels skip packing, so the matrix-vector products of decoding run ~1.5x faster than OpenBLAS
 0.3.21 (see README "Linux CPU note"); OpenBLAS stays the fallback. LLM_SERVER_BLAS picks one
 (`blis`, `openblas`, `off`); LLM_SERVER_NO_BLAS_PRELOAD=1 is the same as `off`. A quick numeric
-check after start-up falls back to the other library if the chosen one computes wrong results.
+check after start-up falls back to the other library, once, if the chosen one computes wrong
+results (`check_blas`); where nothing was preloaded (macOS) a wrong product is one warning.
 In front of the BLAS goes `llm_server.native.skinny`'s library: it computes MLX's row-major
 products itself (decoding's few-row products at close to memory speed; each output element
 with one arithmetic whatever the batch) and hands other layouts to the BLAS
 (LLM_SERVER_SKINNY=0 leaves it out). The same re-exec sets glibc's malloc tunables so the
 weights sit in transparent huge pages (`HUGEPAGE_TUNABLES`; LLM_SERVER_HUGEPAGES=0 leaves malloc
 as it is).
-Does nothing on macOS (MLX uses Accelerate there).
+Preloads nothing on macOS (MLX uses Accelerate and Metal there). On every platform the entry
+points set MLX_ENABLE_TF32=0 unless the user set it (`exact_float32`): float32 products in full
+precision on hardware with matrix units too (M5, CUDA); /health reports which holds.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from llm_server.native import jit, skinny
 
 CHOICE_ENV = "LLM_SERVER_BLAS"
 DISABLE_ENV = "LLM_SERVER_NO_BLAS_PRELOAD"
-_REEXEC_ENV = "LLM_SERVER_BLAS_REEXEC"
+_REEXEC_ENV = "LLM_SERVER_BLAS_REEXEC"  # "1": preloaded by ensure_fast_blas; "fallback": last try
+TF32_ENV = "MLX_ENABLE_TF32"
 _LIBRARIES = {
     # libblis.so.4 first: besides the BLAS symbols it exports BLIS's own API, whose runtime
     # thread setter `threads()` uses (libblas.so.3 from the same package exports BLAS only)
@@ -122,6 +126,7 @@ def with_tunables(current: str, wanted: tuple[str, ...]) -> str:
 
 def ensure_fast_blas() -> None:
     """Re-exec this process once with the fast BLAS preloaded (Linux only; no-op when active)."""
+    exact_float32()  # before MLX's first product (it reads the variable once)
     path = jit.path_env(dict(os.environ)).get("PATH")
     if path is not None:
         os.environ["PATH"] = path  # MLX looks g++ up when it builds a kernel (native.jit)
@@ -139,12 +144,49 @@ def ensure_fast_blas() -> None:
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
-def check_blas() -> bool:
-    """Compare MLX float32 matmuls (skinny and square) with numpy in float64.
+def exact_float32(env: dict[str, str] | None = None) -> None:
+    """Full-precision float32 products unless the user chose otherwise.
 
-    When the preloaded library gets them wrong, re-exec once with the next library (or none).
-    Returns True when the products are right.
+    MLX runs float32 matmul-family ops with TF32-class inputs on hardware with matrix units (the
+    M5's GPU, CUDA) while MLX_ENABLE_TF32 is 1, its default; it reads the variable once, at its
+    first product. The server's exactness promises (batched == alone, speculation on == off)
+    are stated for full float32, so a float32 model gets that unless MLX_ENABLE_TF32 was set.
+    bfloat16/float16 models are unaffected (TF32 concerns float32 inputs only).
     """
+    (os.environ if env is None else env).setdefault(TF32_ENV, "0")
+
+
+def float32_precision() -> str:
+    """'full' when MLX_ENABLE_TF32=0, else 'tf32' (taken where the hardware has matrix units)."""
+    return "full" if os.environ.get(TF32_ENV, "1").strip() == "0" else "tf32"
+
+
+def check_blas() -> bool:
+    """Compare MLX float32 matmuls (skinny and square) with numpy in float64 (rtol 1e-4).
+
+    Wrong products under a BLAS this module preloaded (Linux) re-exec the process once with the
+    next library (or none); a process that is already that fallback, or runs without a preloaded
+    BLAS (macOS: Accelerate or Metal, where TF32 is the likely cause), logs one warning and goes
+    on. Returns True when the products are right.
+    """
+    wrong = _wrong_product()
+    if wrong is None:
+        return True
+    if _preloaded() and os.environ.get(_REEXEC_ENV) != "fallback":
+        _fall_back(wrong)  # does not return
+    log.warning(
+        "float32 products differ from float64 beyond rtol 1e-4 (%s; BLAS %s, %s=%s): serving "
+        "anyway, but outputs may differ from other machines' and batched == alone may not hold",
+        wrong,
+        active_blas(),
+        TF32_ENV,
+        os.environ.get(TF32_ENV, "unset"),
+    )
+    return False
+
+
+def _wrong_product() -> str | None:
+    """The first product shape MLX gets wrong (`MxKxN`), or None."""
     import mlx.core as mx
     import numpy as np
 
@@ -158,16 +200,23 @@ def check_blas() -> bool:
             (mx.array(a) @ mx.array(np.ascontiguousarray(b.T)), a.astype(np.float64) @ b.T),
         ):
             if not np.allclose(np.array(got), want, rtol=1e-4, atol=1e-3 * np.sqrt(k)):
-                _fall_back(f"{m}x{k}x{n} product is wrong")
-                return False
-    return True
+                return f"{m}x{k}x{n} product is wrong"
+    return None
+
+
+def _preloaded() -> bool:
+    """True when this process runs with the BLAS `chosen_blas()` names in LD_PRELOAD (Linux)."""
+    name = chosen_blas()
+    path = library_path(name) if name else None
+    return path is not None and path in os.environ.get("LD_PRELOAD", "").split(":")
 
 
 def _fall_back(reason: str) -> None:
+    """Re-exec once with the next installed library, or with none; marked so it is the last."""
     name = chosen_blas()
     rest = [p for p in PREFERENCE if p != name and library_path(p) is not None]
-    nxt = rest[0] if rest and os.environ.get(_REEXEC_ENV) != "fallback" else "off"
-    log.error("BLAS %s computes wrong results (%s); restarting with %s", name, reason, nxt)
+    nxt = rest[0] if rest else "off"
+    log.error("BLAS %s computes wrong results (%s); restarting once with %s", name, reason, nxt)
     env = dict(os.environ)
     env[CHOICE_ENV] = nxt
     env[skinny.DISABLE_ENV] = "0"  # the fallback runs the BLAS alone
@@ -246,6 +295,7 @@ def threads(n: int) -> Iterator[None]:
 def _main(argv: list[str]) -> None:
     """`python -m llm_server.blas`: print the LD_PRELOAD value; `... CMD ARGS` runs CMD with it."""
     env = preload_env()
+    exact_float32(env)  # `make test`: the exactness tests hold in full float32 (M5 included)
     if not argv:
         print(env.get("LD_PRELOAD", ""))
         return

@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(launch_hosts(argv or sys.argv[1:], args.hosts, args.distributed or "ring"))
     source = source_or_exit(args.model)  # before any log line: a bad --model is one line on stderr
-    check_blas()  # re-execs with the fallback library if this one computes wrong products
+    check_blas()  # wrong products: one re-exec with the fallback BLAS (Linux), else a warning
     log.info("BLAS: %s", active_blas())
     model_path = source.path
     if args.model_id is None:

@@ -12,7 +12,7 @@ from llm_server.api.common import check_model, get_service, read_json, served_id
 from llm_server.api.errors import invalid
 from llm_server.api.schemas import parse_messages
 from llm_server.api.state import AppState
-from llm_server.blas import active_blas
+from llm_server.blas import active_blas, float32_precision
 from llm_server.tokenizer import ChatTemplateError
 
 
@@ -27,6 +27,7 @@ async def health(request: Request) -> Response:
     st: AppState = request.app.state.llm
     svc = st.service
     body: dict = {"status": "loading", "ready": False, "model": st.model_id, "blas": active_blas()}
+    body["float32_precision"] = float32_precision()  # MLX_ENABLE_TF32: "full" or "tf32"
     if svc is not None and svc.ready:
         stats = svc.scheduler.stats()
         body.update(
