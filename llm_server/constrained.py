@@ -142,6 +142,10 @@ class JsonConstraint(LogitsConstraint):
             raise ConstraintViolation(f"constrained decoding failed: {self.matcher.get_error()}")
         return self.matcher.is_stopped()
 
+    def accepting(self) -> bool:
+        """True when the grammar accepts the text so far (an EOS may end it here)."""
+        return bool(self.matcher.is_accepting())
+
 
 def build_constraint(response_format: dict, tokenizer, vocab_size: int) -> LogitsConstraint:
     """A fresh per-request constraint for `response_format` (type json_object or json_schema).

@@ -342,6 +342,10 @@ class LogitsConstraint:
         """Accept `token`; True when the constraint is complete (must stop)."""
         raise NotImplementedError
 
+    def accepting(self) -> bool:
+        """True when the text so far is a whole answer, so an EOS may end it here."""
+        return True
+
 
 class Decoder:
     """Turns one request's logits into tokens, text deltas and a finish reason."""
@@ -377,8 +381,11 @@ class Decoder:
         lp = None
         if self.params.logprobs:
             lp = token_logprob(raw, token, self.params.top_logprobs)
+        # an EOS id ends the answer only where its grammar accepts: a checkpoint may list ids
+        # a grammar takes as text (generation_config.json), and those then stay text
+        ends = token in self.eos_ids and (self.constraint is None or self.constraint.accepting())
         done_by_constraint = self.constraint is not None and self.constraint.advance(token)
-        if token in self.eos_ids:  # EOS ends the answer; it is not part of it
+        if ends:  # EOS ends the answer; it is not part of it
             return StepOutput(token, self._flush(), None, FinishReason.STOP)
         text = self.stops.push(self.detok.add(token))
         if self.stops.matched:

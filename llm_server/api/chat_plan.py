@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 from llm_server.api.errors import invalid
 from llm_server.api.schemas import ChatRequest
@@ -18,6 +19,8 @@ from llm_server.decoding import LogitsConstraint
 from llm_server.service import ModelService
 from llm_server.tokenizer import ChatTemplateError
 from llm_server.tools.budget import ThinkingBudget
+from llm_server.tools.generic import NAME as GENERIC
+from llm_server.tools.generic import generic_messages
 from llm_server.tools.grammar import NoGrammar, answer_grammar, tool_grammar
 from llm_server.tools.harmony import MARKERS as HARMONY_MARKERS
 from llm_server.tools.harmony import HarmonyParser, HarmonySplitter
@@ -42,7 +45,7 @@ class ChatPlan:
     prompt: list[int]
     constraints: tuple[LogitsConstraint | None, ...]  # one grammar state per choice (n)
     keep_tokens: frozenset[int]
-    parser: str | None  # PARSERS key when the output is parsed for calls
+    parser: str  # the PARSERS key the output is parsed with when tools are active
     tools: ToolRequest
     reasoning: str | None  # "think" or "harmony": reasoning fields are reported
     thinking_open: bool  # the prompt ends inside <think>
@@ -55,7 +58,7 @@ class ChatPlan:
     def output(self) -> ChatOutput:
         """A fresh output assembler for one choice."""
         parser: ToolParser | None = None
-        if self.parser is not None and self.tools.active:
+        if self.tools.active:
             parser = PARSERS[self.parser](self.tools.tools)
         max_calls = None if self.tools.parallel else 1
         splitter: ReasoningSplitter | HarmonySplitter | None = None
@@ -71,11 +74,32 @@ class ChatPlan:
 def chat_prompt(service: ModelService, chat: ChatRequest) -> list[int]:
     """The prompt token ids of `chat` through the model's chat template (a template's own
     error is a 400 on `messages`)."""
-    template_tools = [t.template_dict() for t in chat.tools.tools] or None
+    return render_prompt(service, list(chat.messages), chat.tools, chat.template_kwargs)
+
+
+def render_prompt(
+    service: ModelService,
+    messages: list[dict[str, Any]],
+    tools: ToolRequest,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """Prompt ids of `messages` and `tools`: through the template's `tools=`, or in the
+    generic format where the template shows no call syntax (a template error is a 400)."""
+    tok = service.tokenizer
+    if service.syntax.tool_parser != GENERIC:
+        shown_tools = [t.template_dict() for t in tools.tools] or None
+        return _render(tok, messages, shown_tools, template_kwargs)
+    if tools.active:  # a template that refuses a system turn (Gemma): the first user turn
+        try:
+            return tok.apply_chat_template(generic_messages(messages, tools), None, template_kwargs)
+        except ChatTemplateError:
+            return _render(tok, generic_messages(messages, tools, True), None, template_kwargs)
+    return _render(tok, generic_messages(messages, tools), None, template_kwargs)
+
+
+def _render(tok, messages: list[dict], tools: list[dict] | None, kwargs) -> list[int]:
     try:
-        return service.tokenizer.apply_chat_template(
-            list(chat.messages), template_tools, chat.template_kwargs
-        )
+        return tok.apply_chat_template(messages, tools, kwargs)
     except ChatTemplateError as exc:
         raise invalid("messages", str(exc)) from None
 
@@ -83,12 +107,6 @@ def chat_prompt(service: ModelService, chat: ChatRequest) -> list[int]:
 async def plan_chat(service: ModelService, chat: ChatRequest) -> ChatPlan:
     """Validate the tool/reasoning fields against the model and build the plan (400s here)."""
     tok, syntax, tools = service.tokenizer, service.syntax, chat.tools
-    if tools.active and syntax.tool_parser is None:
-        raise invalid(
-            "tools",
-            "this model's chat template shows no tool-call syntax this server can parse; "
-            "start the server with --tool-parser NAME",
-        )
     if tools.active and chat.response_format is not None:
         raise invalid(
             "response_format",

@@ -92,7 +92,7 @@ def assemble(plan: ChatPlan, out: Collected) -> ChatOutput:
     answer = plan.output()
     for piece in out.pieces:
         answer.feed(piece)
-    answer.finish()
+    answer.finish(cut=out.finish is not None and out.finish.reason == FinishReason.LENGTH)
     return answer
 
 
@@ -124,7 +124,7 @@ async def answer_deltas(
             return
         record_finish(request, ev)
         if ev.reason != FinishReason.ERROR:
-            for delta in answer.finish():
+            for delta in answer.finish(cut=ev.reason == FinishReason.LENGTH):
                 yield delta
         yield Finished(ev, answer, tuple(tail))
         return

@@ -150,7 +150,7 @@ async def _chat_stream(
             yield sse(error_body(500, "the model failed while generating this request"))
             break
         finishes[i] = ev
-        for delta in answer.finish():
+        for delta in answer.finish(cut=ev.reason == FinishReason.LENGTH):
             yield chunk(i, delta)
         yield chunk(i, {}, finish=answer.finish_reason(finish_reason(ev)))
     if chat.include_usage and all(f is not None for f in finishes):

@@ -61,6 +61,9 @@ class ThinkingBudget(LogitsConstraint):
             return out
         return self.inner.mask(logits) if self.inner is not None else logits
 
+    def accepting(self) -> bool:
+        return self.inner is None or self.inner.accepting()
+
     def advance(self, token: int) -> bool:
         done = self.inner.advance(token) if self.inner is not None else False
         self._seen.append(int(token))

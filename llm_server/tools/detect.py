@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llm_server.tools.generic import NAME as GENERIC
 from llm_server.tools.reasoning import THINK_END, THINK_START
 from llm_server.tools.registry import PARSERS
 
@@ -16,7 +17,7 @@ class UnknownParser(ValueError):
 class ModelSyntax:
     """What the model's template and tokenizer say about tool calls and thinking."""
 
-    tool_parser: str | None  # a PARSERS key, or None when the template shows no call syntax
+    tool_parser: str  # a PARSERS key; "generic" when the template shows no call syntax
     reasoning: str | None  # "think" (<think>...</think>), "harmony" (analysis channel) or None
 
     @property
@@ -40,12 +41,13 @@ def detect_parser(template: str, vocab: dict[str, int]) -> str | None:
 
 
 def model_syntax(template: str, vocab: dict[str, int], override: str | None) -> ModelSyntax:
-    """Detect the family; `override` (--tool-parser) wins. UnknownParser for a bad name."""
+    """Detect the family; `override` (--tool-parser) wins; the generic format where the
+    template shows no call syntax. UnknownParser for a bad name."""
     if override is not None and override not in PARSERS:
         raise UnknownParser(
             f"unknown tool parser {override!r}; choose one of {', '.join(sorted(PARSERS))}"
         )
-    parser = override or detect_parser(template, vocab)
+    parser = override or detect_parser(template, vocab) or GENERIC
     reasoning = None
     if "<|channel|>" in template:
         reasoning = "harmony"

@@ -70,7 +70,7 @@ def _xml_call(tools: tuple[ToolSpec, ...]) -> tuple[str, list[str]]:
 
 def _body(family: str, tools: tuple[ToolSpec, ...], marker: str) -> tuple[str, list[str]]:
     """The text after the call-start marker, and helper rules."""
-    if family == "hermes":
+    if family in ("hermes", "generic"):
         return f'"\\n" {_json(_call_schema(tools, "arguments"))} "\\n</tool_call>"', []
     if family == "qwen3_coder":
         return _xml_call(tools)
@@ -87,7 +87,7 @@ def tool_grammar(
     """
     tools = req.callable()
     rules = ["%llguidance {}", TEXT]
-    if family in ("hermes", "qwen3_coder"):
+    if family in ("hermes", "qwen3_coder", "generic"):
         body, extra = _body(family, tools, "<tool_call>")
         rules += extra
         if req.forced:

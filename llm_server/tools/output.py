@@ -43,6 +43,7 @@ class ChatOutput:
         self.content = ""
         self.calls: list[dict[str, Any]] = []  # OpenAI tool_calls entries, arguments so far
         self.error: str | None = None
+        self.open_call = False  # a token limit cut the answer inside a call (never complete)
         self.reasoning_tokens = 0
         self._sent = _Sent()
         self._thinking_over = splitter is None
@@ -63,9 +64,19 @@ class ChatOutput:
             parsed = ParseResult(answer, ())
         return self._diff(reasoning, parsed)
 
-    def finish(self) -> list[dict[str, Any]]:
-        """The last deltas once generation ended (held-back text, a malformed call as text)."""
-        return self.feed("", tokens=0, final=True)
+    def finish(self, cut: bool = False) -> list[dict[str, Any]]:
+        """The last deltas once generation ended (held-back text, a malformed call as text).
+
+        `cut`: a token limit ended it. A call it cut stays a call with the arguments so far
+        (`open_call`, never `called`) and its markup stays out of the content."""
+        if not cut or self.parser is None:
+            return self.feed("", tokens=0, final=True)
+        out = self.feed("", tokens=0)
+        closed = self.parser.parse(self._answer(final=True), final=True)
+        self.open_call = closed.error is not None or any(
+            not c.complete for c in closed.calls[: self.max_calls]
+        )
+        return out
 
     def _diff(self, reasoning: str, parsed: ParseResult) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -97,15 +108,20 @@ class ChatOutput:
         """True when nothing is parsed: the text is all content."""
         return self.parser is None and self.splitter is None
 
+    def _answer(self, final: bool) -> str:
+        """The answer part of the text (after any thinking)."""
+        return self.splitter.split(self.text, final).answer if self.splitter else self.text
+
     @property
     def called(self) -> bool:
-        """True when the answer is a well-formed tool call (finish_reason tool_calls)."""
-        return bool(self.calls) and self.error is None
+        """True when the answer is well-formed, complete tool calls (finish_reason tool_calls)."""
+        return bool(self.calls) and self.error is None and not self.open_call
 
     def message(self) -> dict[str, Any]:
-        """The non-streamed `message` (after `finish`)."""
+        """The non-streamed `message` (after `finish`); a call a limit cut is shown as far as
+        it got, as the stream showed it (finish_reason `length` says it is not complete)."""
         msg: dict[str, Any] = {"role": "assistant", "content": self.content}
-        if self.called:
+        if self.called or (self.open_call and self.calls):
             msg["content"] = self.content if self.content.strip() else None
             msg["tool_calls"] = self.calls
         if self.splitter is not None:

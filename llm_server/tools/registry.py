@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from llm_server.tools.generic import GenericParser
 from llm_server.tools.harmony import HarmonyParser
 from llm_server.tools.parsers import (
     HermesParser,
@@ -13,5 +14,12 @@ from llm_server.tools.parsers import (
 
 PARSERS: dict[str, type[ToolParser]] = {
     p.name: p
-    for p in (HermesParser, Qwen3CoderParser, Llama3JsonParser, MistralParser, HarmonyParser)
+    for p in (
+        HermesParser,
+        Qwen3CoderParser,
+        Llama3JsonParser,
+        MistralParser,
+        HarmonyParser,
+        GenericParser,
+    )
 }
