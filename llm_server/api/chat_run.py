@@ -66,12 +66,21 @@ class Started:
     handles: list[GenerationHandle]
 
 
-async def start_chat(service: ModelService, chat: ChatRequest, param: str = "messages") -> Started:
+async def start_chat(
+    service: ModelService,
+    chat: ChatRequest,
+    param: str = "messages",
+    check_length: Callable[[int], None] | None = None,
+) -> Started:
     """Plan `chat` and admit all its choices now, or raise the 400/429/503 (before any byte).
 
-    `param` names the request field an empty or too long prompt is blamed on."""
+    `param` names the request field an empty or too long prompt is blamed on; `check_length`
+    (given the prompt's length in tokens) replaces that check with an adapter's own words."""
     plan = await plan_chat(service, chat)
-    check_prompt(service, len(plan.prompt), param)
+    if check_length is not None:
+        check_length(len(plan.prompt))
+    else:
+        check_prompt(service, len(plan.prompt), param)
     predicted = None
     if chat.prediction is not None:  # a drafting source (scheduler/drafting.py)
         predicted = tuple(service.tokenizer.encode(chat.prediction, add_special_tokens=False))

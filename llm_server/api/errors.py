@@ -1,8 +1,16 @@
-"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}`, never a stack trace."""
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}`, never a stack trace;
+and the log line an operator sees for every refusal (4xx)."""
 
 from __future__ import annotations
 
+import json
+import logging
+
+from starlette.requests import Request
 from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -58,3 +66,66 @@ def error_body(
 def invalid(param: str, message: str) -> APIError:
     """400 naming the field at fault."""
     return APIError(400, message, param=param, code="invalid_value")
+
+
+# the request's field a refusal blamed, for the log line (Anthropic's body carries no `param`)
+_PARAM_KEY = "refused_param"
+_MAX_LOGGED_BODY = 16384  # bytes of a 4xx body read for its message
+CLIENT_CLOSED = 499  # the client went away: a cancellation, not a refusal
+
+
+def note_refusal(request: Request, exc: APIError) -> None:
+    """Remember `exc`'s field for RefusalLog (its response body may not carry it)."""
+    request.scope.setdefault("state", {})[_PARAM_KEY] = exc.param
+
+
+class RefusalLog:
+    """ASGI middleware: one info line per 4xx answer, whatever built it (a route, a handler,
+    the API-key check): `METHOD /path -> status param=FIELD: message`."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status, body = 0, bytearray()
+
+        async def watch(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and _refused(status):
+                if len(body) < _MAX_LOGGED_BODY:
+                    body.extend(message.get("body", b"")[: _MAX_LOGGED_BODY - len(body)])
+                if not message.get("more_body", False):
+                    _log_refusal(scope, status, bytes(body))
+            await send(message)
+
+        await self.app(scope, receive, watch)
+
+
+def _refused(status: int) -> bool:
+    return 400 <= status < 500 and status != CLIENT_CLOSED
+
+
+def _log_refusal(scope: Scope, status: int, body: bytes) -> None:
+    param, message = scope.get("state", {}).get(_PARAM_KEY), ""
+    try:
+        err = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        err = None
+    if isinstance(err, dict):
+        param = err.get("param") or param
+        message = str(err.get("message") or "")
+    elif body:
+        message = body.decode("utf-8", "replace")
+    log.info(
+        "refused %s %s -> %d param=%s: %s",
+        scope.get("method", ""),
+        scope.get("path", ""),
+        status,
+        param or "-",
+        " ".join(message.split()),
+    )
