@@ -16,7 +16,7 @@ from starlette.routing import Route
 from llm_server.api import messages_output as anthropic
 from llm_server.api.agent_routes import AGENT_ROUTES
 from llm_server.api.common import DEFAULT_MAX_BODY_BYTES
-from llm_server.api.errors import APIError, error_body
+from llm_server.api.errors import APIError, RefusalLog, error_body, note_refusal
 from llm_server.api.metrics import Metrics, RequestCounter, metrics_endpoint
 from llm_server.api.openapi import openapi_schema
 from llm_server.api.request_log import RequestLogMiddleware, RequestRecorder
@@ -37,6 +37,7 @@ async def _openapi(request: Request) -> Response:
 
 
 async def _api_error(request: Request, exc: APIError) -> Response:
+    note_refusal(request, exc)
     if anthropic.is_anthropic(request.url.path):
         return anthropic.error_response(exc.status, exc.message, exc.headers)
     return exc.response()
@@ -120,7 +121,8 @@ def create_app(
     if max_body_bytes < 1:
         raise ValueError("max_body_bytes must be at least 1")
     metrics = Metrics(lambda: state.service)
-    middleware = [Middleware(RequestCounter, metrics=metrics)]
+    # outermost: one log line per 4xx, whichever layer answered it
+    middleware = [Middleware(RefusalLog), Middleware(RequestCounter, metrics=metrics)]
     if cors_origins:
         middleware.append(
             Middleware(
