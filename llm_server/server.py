@@ -48,6 +48,7 @@ def make_service(
     group_backend: str = "",
     group_timeout: float = 20.0,
     parallel: str = "tensor",
+    aliases: tuple[str, ...] = (),
 ) -> ModelService:
     """A started (loading) service for `model_path`; the engine loads on the scheduler thread."""
     rows = concurrent  # the engine may serve fewer; BatchScheduler.load decides (S1)
@@ -82,6 +83,7 @@ def make_service(
     config = ServiceConfig(
         model_path=tokenizer_path,
         model_id=model_id,
+        aliases=aliases,
         concurrent_requests=rows,
         max_queued=max_queued,
         dtype=dtype,
@@ -103,7 +105,11 @@ def make_service(
 
 
 def service_from_args(
-    args: argparse.Namespace, model_path: Path, model_id: str, max_queued: int | None = None
+    args: argparse.Namespace,
+    model_path: Path,
+    model_id: str,
+    max_queued: int | None = None,
+    aliases: tuple[str, ...] = (),
 ) -> ModelService:
     """make_service() with the CLI's settings (the queue bound may be raised for replay)."""
     return make_service(
@@ -129,6 +135,7 @@ def service_from_args(
         group_backend=args.distributed or "",
         group_timeout=args.distributed_timeout,
         parallel="pipeline" if args.pipeline else "tensor",
+        aliases=aliases,
     )
 
 

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 class ServiceConfig:
     model_path: Path
     model_id: str
+    aliases: tuple[str, ...] = ()  # other names requests may use (a registry entry's aliases)
     concurrent_requests: int = 1
     max_queued: int = 16
     dtype: str = "float32"

@@ -25,7 +25,8 @@ from llm_server.api.routes_completions import completions
 from llm_server.api.routes_embeddings import embeddings
 from llm_server.api.routes_info import detokenize, health, list_models, tokenize, tokenizer_info
 from llm_server.api.security import APIKeyMiddleware, resolve_api_key
-from llm_server.api.state import AppState
+from llm_server.api.routes_models import model_action
+from llm_server.api.state import AppState, scoped_service
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def _needs_lm_head(handler):
     model saved as the bare transformer); it serves /v1/embeddings only."""
 
     async def route(request: Request) -> Response:
-        service = request.app.state.llm.service
+        service = scoped_service(request.scope, request.app.state.llm)
         engine = service.engine if service is not None else None
         if engine is not None and not engine.has_lm_head:
             raise APIError(
@@ -90,6 +91,7 @@ ROUTES = [
     Route("/v1/completions", _needs_lm_head(completions), methods=["POST"]),
     Route("/v1/embeddings", embeddings, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/models/{rest:path}", model_action, methods=["GET", "POST"]),
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics_endpoint, methods=["GET"]),
     Route("/tokenize", tokenize, methods=["POST"]),
@@ -138,6 +140,12 @@ def create_app(
     if request_log is not None:  # innermost: logs only requests the key check let through
         request_log.set_secret(key)
         middleware.append(Middleware(RequestLogMiddleware, recorder=request_log, state=state))
+    if state.manager is not None:  # innermost: a request's model loads after the key check
+        from llm_server.models.router import ModelRouter
+
+        middleware.append(
+            Middleware(ModelRouter, manager=state.manager, max_body_bytes=max_body_bytes)
+        )
     app = Starlette(
         routes=ROUTES,
         middleware=middleware,

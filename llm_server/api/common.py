@@ -11,7 +11,7 @@ from starlette.responses import Response
 
 from llm_server.api.errors import APIError, invalid
 from llm_server.api.request_log import note_finish
-from llm_server.api.state import AppState
+from llm_server.api.state import MODEL_ID_KEY, AppState, scoped_service
 from llm_server.decoding import FinishReason, LogitsConstraint, SamplingParams
 from llm_server.distributed import group_lost
 from llm_server.scheduler import FinishEvent, QueueFull, SchedulerClosed
@@ -25,14 +25,15 @@ def get_service(request: Request) -> ModelService:
     st: AppState = request.app.state.llm
     if st.draining:
         raise APIError(503, "the server is shutting down", code="shutting_down")
-    if st.service is None or not st.service.ready:
+    service = scoped_service(request.scope, st)
+    if service is None or not service.ready:
         raise APIError(
             503,
             "the model is still loading; retry shortly",
             code="model_loading",
             headers={"Retry-After": "1"},
         )
-    return st.service
+    return service
 
 
 # A \uD800-\uDFFF escape: half of a surrogate pair, or a lone one that no tokenizer can encode.
@@ -103,7 +104,8 @@ def _too_large(limit: int) -> APIError:
 
 def check_model(service: ModelService, model: str | None, served_id: str) -> None:
     """404 unless `model` names the served model (or is absent / "default")."""
-    if model is not None and model not in (served_id, service.config.model_id, "default"):
+    names = (served_id, service.config.model_id, "default", *service.config.aliases)
+    if model is not None and model not in names:
         raise APIError(
             404,
             f"model {model!r} does not exist; this server serves {served_id!r}",
@@ -222,4 +224,5 @@ def record_finish(request: Request, fin: FinishEvent) -> None:
 
 
 def served_id(request: Request) -> str:
-    return request.app.state.llm.model_id
+    """The id of the model serving this request (as /v1/models lists it)."""
+    return request.scope.get(MODEL_ID_KEY) or request.app.state.llm.model_id

@@ -10,6 +10,7 @@ from starlette.responses import JSONResponse, Response
 from llm_server.api.chat_tools import parse_template_kwargs, parse_tools
 from llm_server.api.common import check_model, get_service, read_json, served_id
 from llm_server.api.errors import invalid
+from llm_server.api.routes_models import list_managed, managed_health
 from llm_server.api.schemas import parse_messages
 from llm_server.api.state import AppState
 from llm_server.blas import active_blas, float32_precision
@@ -18,6 +19,8 @@ from llm_server.tokenizer import ChatTemplateError
 
 async def list_models(request: Request) -> Response:
     st: AppState = request.app.state.llm
+    if st.manager is not None:
+        return list_managed(st.manager)
     created = int(st.service.started_at) if st.service else int(time.time())
     model = {"id": st.model_id, "object": "model", "created": created, "owned_by": "llm-server"}
     return JSONResponse({"object": "list", "data": [model]})
@@ -25,6 +28,8 @@ async def list_models(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     st: AppState = request.app.state.llm
+    if st.manager is not None:
+        return managed_health(st, st.manager)
     svc = st.service
     body: dict = {"status": "loading", "ready": False, "model": st.model_id, "blas": active_blas()}
     body["float32_precision"] = float32_precision()  # MLX_ENABLE_TF32: "full" or "tf32"

@@ -1,17 +1,29 @@
-"""The application state every handler and middleware shares: the served model and its service."""
+"""The application state every handler and middleware shares: the served model and its service
+(one model), or the model manager (a registry, `--models FILE`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from llm_server.service import ModelService
+
+if TYPE_CHECKING:
+    from llm_server.models.manager import ModelManager
+
+# ASGI scope keys the model router sets: the service and id the request's `model` resolved to
+SERVICE_KEY = "llm_server.service"
+MODEL_ID_KEY = "llm_server.model_id"
 
 
 class AppState:
     """What the handlers share: the service (None until the model is loaded)."""
 
-    def __init__(self, service: ModelService | None, model_id: str) -> None:
+    def __init__(
+        self, service: ModelService | None, model_id: str, manager: ModelManager | None = None
+    ) -> None:
         self._service = service
+        self.manager = manager  # many models: requests resolve theirs (models/router.py)
         self._listeners: list[Callable[[ModelService], None]] = []
         self.model_id = model_id
         self.draining = False
@@ -32,3 +44,8 @@ class AppState:
         self._listeners.append(listener)
         if self._service is not None:
             listener(self._service)
+
+
+def scoped_service(scope: dict, state: AppState) -> ModelService | None:
+    """The service a request uses: the one its `model` resolved to, else the app's one."""
+    return scope.get(SERVICE_KEY) or state.service

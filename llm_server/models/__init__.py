@@ -1,0 +1,1 @@
+"""Many models in one daemon: the registry file, the memory budget, loading on demand."""

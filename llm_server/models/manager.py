@@ -1,0 +1,313 @@
+"""Loads registered models on demand, one at a time on a loader thread, within a memory budget.
+
+Everything here runs on the event loop except the loads and unloads themselves, so a slot's
+status, counts and the budget change atomically between awaits. Each loaded model has its own
+ModelService (its own scheduler thread), so a load never stalls another model's decode steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from llm_server.models.memory import ModelSize, format_bytes
+from llm_server.models.registry import ModelEntry
+from llm_server.models.slots import (
+    InsufficientMemory,
+    ModelBusy,
+    ModelError,
+    ModelLoadFailed,
+    ModelNotFound,
+    ModelSlot,
+    ModelTooLarge,
+    Status,
+)
+from llm_server.service import ModelService
+
+log = logging.getLogger(__name__)
+
+REAP_INTERVAL_S = 0.25  # how often idle TTLs are checked
+CLOSE_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class ManagerConfig:
+    budget: int  # bytes all loaded models may hold together (ModelSize.total summed)
+    idle_unload: float | None = None  # seconds idle before an unpinned model unloads
+    max_waiting: int = 16  # requests that may wait for one model's load before 429
+
+
+# (entry, resolved path) -> a started service (its engine loads on its scheduler thread)
+ServiceFactory = Callable[[ModelEntry, Path], ModelService]
+SizeEstimator = Callable[[ModelEntry, Path], ModelSize]
+
+
+class ModelManager:
+    """The registry's models and their loaded services."""
+
+    def __init__(
+        self,
+        entries: list[ModelEntry],
+        config: ManagerConfig,
+        factory: ServiceFactory,
+        estimate: SizeEstimator,
+        resolve: Callable[[str], Path],
+    ) -> None:
+        self.slots = {e.id: ModelSlot(e) for e in entries}
+        self._names = {name: e.id for e in entries for name in e.names}
+        self.default_id = entries[0].id
+        self.config = config
+        self._factory, self._estimate, self._resolve = factory, estimate, resolve
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="llm-model-loader")
+        self._lock = asyncio.Lock()  # one load (with its evictions) at a time
+        self._seq = itertools.count(1)
+        self._listeners: list[Callable[[str, ModelService], None]] = []
+        self._reaper: asyncio.Task | None = None
+
+    # -- looking up ------------------------------------------------------------------
+
+    def slot(self, name: str | None) -> ModelSlot:
+        """The slot a request's `model` names (absent or "default": the first entry)."""
+        if name is None or name == "default":
+            return self.slots[self.default_id]
+        model_id = self._names.get(name)
+        if model_id is None:
+            known = ", ".join(sorted(self.slots))
+            raise ModelNotFound(f"model {name!r} does not exist; this server serves: {known}")
+        return self.slots[model_id]
+
+    def used(self) -> int:
+        return sum(s.counted for s in self.slots.values())
+
+    def on_loaded(self, listener: Callable[[str, ModelService], None]) -> None:
+        """Call `listener(model_id, service)` whenever a model finishes loading."""
+        self._listeners.append(listener)
+
+    # -- requests --------------------------------------------------------------------
+
+    async def acquire(self, name: str | None) -> ModelSlot:
+        """The slot for `name` with its service ready, held until release(); loads it first
+        when needed (waiting in its bounded queue) and raises ModelError when it cannot."""
+        slot = self.slot(name)
+        while slot.status is not Status.LOADED:
+            if slot.waiting >= self.config.max_waiting:
+                raise ModelBusy(
+                    f"{slot.waiting} requests already wait for model {slot.entry.id!r} to "
+                    "load; retry shortly"
+                )
+            slot.waiting += 1
+            try:
+                await asyncio.shield(self._transition(slot))
+            finally:
+                slot.waiting -= 1
+        slot.active += 1
+        slot.expires = None
+        return slot
+
+    def release(self, slot: ModelSlot, keep_alive: float | None = None) -> None:
+        """A request let go of `slot`; `keep_alive` (seconds; 0 unloads now, negative keeps it
+        loaded) overrides the model's idle TTL, as Ollama's field does."""
+        slot.active -= 1
+        slot.last_used = time.time()
+        slot.used_seq = next(self._seq)
+        ttl = keep_alive
+        if ttl is None:
+            ttl = (
+                slot.entry.idle_ttl if slot.entry.idle_ttl is not None else self.config.idle_unload
+            )
+        if slot.entry.pinned or ttl is None or ttl < 0:
+            slot.expires = None
+        else:
+            slot.expires = time.monotonic() + ttl
+            if ttl == 0 and slot.idle() and slot.status is Status.LOADED:
+                self._start_unload(slot)
+
+    # -- loading and unloading -------------------------------------------------------
+
+    def _transition(self, slot: ModelSlot) -> asyncio.Task:
+        """The load (or the unload, then a load) in progress for `slot`, started if none."""
+        if slot.task is None:
+            slot.task = asyncio.ensure_future(self._load(slot))
+            slot.task.add_done_callback(lambda t: _finished(slot, t))
+        return slot.task
+
+    async def load(self, name: str) -> ModelSlot:
+        """Load `name` now (POST /v1/models/{id}/load); returns once it serves."""
+        slot = self.slot(name)
+        while slot.status is not Status.LOADED:
+            await asyncio.shield(self._transition(slot))
+        slot.last_used = time.time()
+        slot.used_seq = next(self._seq)
+        return slot
+
+    async def unload(self, name: str) -> ModelSlot:
+        """Unload `name` now; ModelError (409) while requests use it."""
+        slot = self.slot(name)
+        if slot.task is not None:
+            with contextlib.suppress(ModelError):
+                await asyncio.shield(slot.task)
+        if slot.status is Status.LOADED:
+            if not slot.idle():
+                err = ModelError(f"model {slot.entry.id!r} has {slot.active} running requests")
+                err.status, err.code = 409, "model_busy"
+                raise err
+            await asyncio.shield(self._start_unload(slot))
+        return slot
+
+    async def _load(self, slot: ModelSlot) -> None:
+        async with self._lock:
+            if slot.status is Status.LOADED:
+                return
+            entry = slot.entry
+            slot.status, slot.error = Status.LOADING, None
+            started = time.monotonic()
+            try:
+                service = await self._load_locked(slot)
+            except BaseException as exc:
+                slot.status, slot.size, slot.service = Status.UNLOADED, None, None
+                slot.error = exc.args[0] if isinstance(exc, ModelError) else _reason(exc)
+                log.error("model %s failed to load: %s", entry.id, slot.error)
+                if isinstance(exc, ModelError):
+                    raise
+                raise ModelLoadFailed(f"model {entry.id!r} failed to load: {slot.error}") from exc
+            slot.service, slot.status = service, Status.LOADED
+            slot.loaded_at = slot.last_used = time.time()
+            slot.used_seq = next(self._seq)
+            log.info(
+                "loaded %s in %.1fs (%s; %s of %s in use)",
+                entry.id,
+                time.monotonic() - started,
+                format_bytes(slot.size.total),
+                format_bytes(self.used()),
+                format_bytes(self.config.budget),
+            )
+            for listener in self._listeners:
+                listener(entry.id, service)
+
+    async def _load_locked(self, slot: ModelSlot) -> ModelService:
+        loop = asyncio.get_running_loop()
+        path = await loop.run_in_executor(self._loader, self._resolve, slot.entry.source)
+        slot.path = path
+        try:
+            size = self._estimate(slot.entry, path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelLoadFailed(
+                f"model {slot.entry.id!r} failed to load: cannot read its files ({_reason(exc)})"
+            ) from exc
+        if size.total > self.config.budget:
+            raise ModelTooLarge(slot.entry.id, size, self.config.budget)
+        await self._make_room(slot, size)
+        slot.size = size  # counted from here on
+        return await loop.run_in_executor(self._loader, self._start, slot.entry, path)
+
+    def _start(self, entry: ModelEntry, path: Path) -> ModelService:
+        """On the loader thread: a started service with its engine loaded."""
+        service = self._factory(entry, path)
+        try:
+            service.wait_ready()
+        except BaseException:
+            service.close(5)
+            raise
+        return service
+
+    async def _make_room(self, slot: ModelSlot, size: ModelSize) -> None:
+        """Unload least recently used, idle, unpinned models until `size` fits the budget."""
+        while self.used() + size.total > self.config.budget:
+            victims = [
+                s
+                for s in self.slots.values()
+                if s is not slot and s.status is Status.LOADED and s.idle() and not s.entry.pinned
+            ]
+            if not victims:
+                busy = [s for s in self.slots.values() if s.counted]
+                held = ", ".join(f"{s.entry.id} {format_bytes(s.counted)}" for s in busy)
+                raise InsufficientMemory(
+                    f"model {slot.entry.id!r} needs {format_bytes(size.total)} but "
+                    f"{format_bytes(self.used())} of the {format_bytes(self.config.budget)} "
+                    f"budget is held by models that are pinned or serving ({held}); retry later"
+                )
+            victim = min(victims, key=lambda s: s.used_seq)
+            log.info("evicting %s (least recently used) to load %s", victim.entry.id, slot.entry.id)
+            await self._start_unload(victim)
+
+    def _start_unload(self, slot: ModelSlot) -> asyncio.Task:
+        slot.status = Status.UNLOADING
+        slot.task = asyncio.ensure_future(self._unload(slot))
+        slot.task.add_done_callback(lambda t: _finished(slot, t))
+        return slot.task
+
+    async def _unload(self, slot: ModelSlot) -> None:
+        service, slot.service = slot.service, None
+        if service is not None:
+            await asyncio.to_thread(_close, service)
+        del service
+        slot.status, slot.size, slot.expires = Status.UNLOADED, None, None
+        await asyncio.to_thread(release_memory)
+        log.info("unloaded %s (%s in use)", slot.entry.id, format_bytes(self.used()))
+
+    # -- background ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Load the pinned models and start the idle reaper (on the running loop)."""
+        for slot in self.slots.values():
+            if slot.entry.pinned:
+                self._transition(slot)
+        self._reaper = asyncio.ensure_future(self._reap())
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_INTERVAL_S)
+            now = time.monotonic()
+            for slot in self.slots.values():
+                expired = slot.expires is not None and slot.expires <= now
+                if expired and slot.status is Status.LOADED and slot.idle():
+                    log.info("%s idle past its TTL: unloading", slot.entry.id)
+                    self._start_unload(slot)
+
+    async def close(self) -> None:
+        """Stop the reaper and close every loaded service (each drains its requests)."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for slot in self.slots.values():
+            if slot.task is not None:
+                with contextlib.suppress(BaseException):
+                    await slot.task
+            if slot.service is not None:
+                await asyncio.to_thread(_close, slot.service)
+                slot.service, slot.status = None, Status.UNLOADED
+        self._loader.shutdown(wait=False)
+
+
+def _finished(slot: ModelSlot, task: asyncio.Task) -> None:
+    if slot.task is task:
+        slot.task = None
+    if not task.cancelled():
+        task.exception()  # retrieved: a failed load is reported to its waiters and in /v1/models
+
+
+def _close(service: ModelService) -> None:
+    service.close(CLOSE_TIMEOUT_S)
+
+
+def release_memory() -> None:
+    """Return freed arrays to the system: collect cycles, empty MLX's buffer cache."""
+    gc.collect()
+    try:
+        import mlx.core as mx
+
+        mx.clear_cache()
+    except (ImportError, AttributeError):
+        pass
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

@@ -1,0 +1,93 @@
+"""A real uvicorn server in front of a ModelManager (many models on demand), for tests."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+
+from llm_server.api.app import AppState, create_app
+from llm_server.models.daemon import manage
+from llm_server.models.manager import ManagerConfig, ModelManager
+from llm_server.models.memory import ModelSize, estimate_size
+from llm_server.models.registry import ModelEntry
+from llm_server.service import ModelService
+
+GiB = 1 << 30
+
+
+def tiny_factory(concurrent: int = 1, max_queued: int = 16, **kw):
+    """(entry, path) -> a started service, as the daemon makes them (entry overrides kept)."""
+    from llm_server.server import make_service
+
+    def make(entry: ModelEntry, path: Path) -> ModelService:
+        return make_service(
+            path,
+            entry.id,
+            entry.concurrent_requests or concurrent,
+            max_queued,
+            context_length=entry.context_length,
+            aliases=entry.aliases,
+            **kw,
+        )
+
+    return make
+
+
+def tiny_estimate(concurrent: int = 1):
+    def estimate(entry: ModelEntry, path: Path) -> ModelSize:
+        return estimate_size(path, entry.concurrent_requests or concurrent, entry.context_length)
+
+    return estimate
+
+
+class ManagedServer:
+    """Serve `entries` on 127.0.0.1:<free port>; use as a context manager."""
+
+    def __init__(
+        self,
+        entries: list[ModelEntry],
+        budget: int = 8 * GiB,
+        idle_unload: float | None = None,
+        concurrent: int = 1,
+        max_queued: int = 16,
+        **app_options,
+    ) -> None:
+        config = ManagerConfig(budget=budget, idle_unload=idle_unload, max_waiting=max_queued)
+        self.manager = ModelManager(
+            entries, config, tiny_factory(concurrent, max_queued), tiny_estimate(concurrent), Path
+        )
+        self.state = AppState(None, self.manager.default_id, manager=self.manager)
+        self.app = create_app(self.state, **app_options)
+        manage(self.state, self.app)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off")
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=asyncio.run, args=(self._serve(),), daemon=True)
+
+    async def _serve(self) -> None:
+        self.manager.start()
+        try:
+            await self.server.serve(sockets=[self._sock])
+        finally:
+            await self.manager.close()
+
+    def __enter__(self) -> ManagedServer:
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise TimeoutError("uvicorn did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self._thread.join(60)
+        self._sock.close()
