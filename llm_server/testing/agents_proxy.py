@@ -1,0 +1,185 @@
+"""A recording HTTP proxy between a real agent and the server (tests/agents).
+
+Every request is forwarded unchanged to `upstream` and recorded (method, path, JSON body,
+status, the response bytes, streamed or not), except that `force_tool` rewrites the FIRST
+request that offers that tool so its `tool_choice` names it, in the shape of its API: that
+is how a test makes an agent with a random-weight model run one of its own tools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+
+class _ServerThread:
+    """uvicorn serving `app` on a free loopback port in a daemon thread."""
+
+    def __init__(self, app, name: str) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+        self.server = uvicorn.Server(config)
+        serve = self.server.serve
+        self._thread = threading.Thread(
+            target=lambda: asyncio.run(serve(sockets=[self._sock])), name=name, daemon=True
+        )
+
+    def start(self, timeout: float = 30.0) -> None:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise TimeoutError("proxy did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(10)
+        self._sock.close()
+
+
+_HOP = {"host", "content-length", "transfer-encoding", "connection", "accept-encoding"}
+
+
+@dataclass
+class Exchange:
+    """One request through the proxy and what came back."""
+
+    method: str
+    path: str
+    body: dict | None
+    status: int = 0
+    response: bytes = b""
+    forced: bool = False
+
+    def events(self) -> list[dict]:
+        """The JSON payloads of an SSE response's `data:` lines (or the one JSON body)."""
+        text = self.response.decode(errors="replace")
+        if not text.lstrip().startswith(("event:", "data:")):
+            try:
+                return [json.loads(text)]
+            except json.JSONDecodeError:
+                return []
+        out = []
+        for line in text.splitlines():
+            if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
+                with contextlib.suppress(json.JSONDecodeError):
+                    out.append(json.loads(line[5:]))
+        return out
+
+
+def tool_names(path: str, body: dict) -> list[str]:
+    """The function names a request offers (chat, Responses or Messages shape)."""
+    names = []
+    for tool in body.get("tools") or []:
+        if "/chat/completions" in path:
+            names.append((tool.get("function") or {}).get("name"))
+        elif tool.get("type") in ("function", None, "custom") or "input_schema" in tool:
+            names.append(tool.get("name"))
+    return [n for n in names if n]
+
+
+def forced_choice(path: str, name: str) -> dict:
+    """`tool_choice` naming `name` in the API of `path`."""
+    if path.endswith("/messages"):
+        return {"type": "tool", "name": name}
+    if path.endswith("/responses"):
+        return {"type": "function", "name": name}
+    return {"type": "function", "function": {"name": name}}
+
+
+@dataclass
+class RecordingProxy:
+    """Serve on 127.0.0.1:<free port>, forwarding to `upstream`; a context manager."""
+
+    upstream: str
+    force_tool: str | list[str] | None = None
+    exchanges: list[Exchange] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._forced = False
+        app = Starlette(
+            routes=[Route("/{path:path}", self._handle, methods=["GET", "POST", "DELETE", "HEAD"])]
+        )
+        self._server = _ServerThread(app, name="agent-proxy")
+        self.url = self._server.url
+
+    def _maybe_force(self, path: str, body: dict | None) -> bool:
+        if self.force_tool is None or body is None or self._forced:
+            return False
+        wanted = [self.force_tool] if isinstance(self.force_tool, str) else self.force_tool
+        offered = tool_names(path, body)
+        name = next((n for n in wanted if n in offered), None)
+        if name is None:
+            return False
+        with self._lock:
+            if self._forced:
+                return False
+            self._forced = True
+        body["tool_choice"] = forced_choice(path, name)
+        return True
+
+    async def _handle(self, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw else None
+        except json.JSONDecodeError:
+            body = None
+        path = request.url.path
+        ex = Exchange(request.method, path, body)
+        ex.forced = self._maybe_force(path, body) if isinstance(body, dict) else False
+        if ex.forced:
+            raw = json.dumps(body).encode()
+        self.exchanges.append(ex)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        client = httpx.AsyncClient(timeout=httpx.Timeout(600.0))
+        url = self.upstream + path + (f"?{request.url.query}" if request.url.query else "")
+        upstream = await client.send(
+            client.build_request(request.method, url, headers=headers, content=raw), stream=True
+        )
+        ex.status = upstream.status_code
+        out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
+
+        async def relay():
+            try:
+                async for chunk in upstream.aiter_raw():
+                    ex.response += chunk
+                    yield chunk
+            finally:
+                await upstream.aclose()
+                await client.aclose()
+
+        return StreamingResponse(relay(), status_code=upstream.status_code, headers=out_headers)
+
+    def model_calls(self) -> list[Exchange]:
+        """The generation requests (chat, Responses, Messages), in order."""
+        ends = ("/chat/completions", "/responses", "/messages")
+        return [e for e in self.exchanges if e.method == "POST" and e.path.endswith(ends)]
+
+    def start(self) -> RecordingProxy:
+        self._server.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.stop()
+
+    def __enter__(self) -> RecordingProxy:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
