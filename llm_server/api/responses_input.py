@@ -1,25 +1,24 @@
 """Translate a `POST /v1/responses` body into the service's chat request (400s name the field).
 
-Input items become chat messages (`instructions` a leading system message, `function_call`
-items the assistant's `tool_calls`, `function_call_output` items `tool` messages, `reasoning`
-items the next assistant message's `reasoning_content`); `tools`, `tool_choice`, `text.format`,
-`reasoning.effort` and `max_output_tokens` become their chat fields. `parse_chat` then applies
-every chat rule (sampling ranges, tool specs, template kwargs) unchanged.
+Input items become chat messages (responses_items), tools chat tools (responses_tools:
+namespaces flattened, custom tools as one-string functions, hosted tools dropped); `text.format`,
+`reasoning.effort` and `max_output_tokens` become their chat fields. Without
+`max_output_tokens` an answer may run to the end of the context, as on OpenAI. `parse_chat`
+then applies every chat rule (sampling ranges, tool specs, template kwargs) unchanged.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from llm_server.api.chat_run import parse_translated
 from llm_server.api.errors import APIError, invalid
+from llm_server.api.responses_items import input_messages
+from llm_server.api.responses_tools import ToolMap, chat_tool_choice, chat_tools
 from llm_server.api.schemas import ChatRequest
 from llm_server.service import ModelService
 
-ROLES = ("user", "assistant", "system", "developer")
-TEXT_PARTS = ("input_text", "output_text", "text")
 INCLUDE_OK = ("reasoning.encrypted_content",)  # accepted: reasoning items carry their text
 # Responses fields this server refuses (a client relying on them gets a 400 naming them).
 UNSUPPORTED = {
@@ -29,7 +28,11 @@ UNSUPPORTED = {
     "max_tool_calls": "'max_tool_calls' is not supported; use 'parallel_tool_calls': false",
     "top_logprobs": "'top_logprobs' is not supported on /v1/responses; use chat completions",
 }
-SERVICE_TIERS = ("auto", "default")  # one tier here; 'flex' and 'priority' need OpenAI's
+# accepted without effect: one tier here (the response says 'default', the tier that ran it)
+SERVICE_TIERS = ("auto", "default", "flex", "priority", "scale")
+VERBOSITY = ("low", "medium", "high")  # accepted without effect: the model's own length
+# efforts above 'high' (Codex's 'xhigh') as the highest chat templates know
+EFFORTS = {"xhigh": "high", "max": "high"}
 # chat field -> the Responses field a parse_chat error is about
 CHAT_TO_RESPONSES = {
     "max_completion_tokens": "max_output_tokens",
@@ -48,23 +51,36 @@ class ResponsesRequest:
     echo: dict[str, Any]  # request fields the response object repeats
     store: bool
     summary: bool  # reasoning.summary asked: the thinking is also given as summary_text
+    tools: ToolMap  # chat calls back to Responses items; the hosted tools left out
+
+    def param(self, param: str | None) -> str | None:
+        """The Responses field a chat field's error is about."""
+        return responses_param(param, self.tools)
+
+
+def _check_fields(body: dict) -> None:
+    for key, why in UNSUPPORTED.items():
+        if body.get(key) not in (None, False, 0):
+            raise invalid(key, why)
+    _check_include(body.get("include"))
+    if body.get("service_tier") not in (None, *SERVICE_TIERS):
+        raise invalid("service_tier", f"'service_tier' must be one of {', '.join(SERVICE_TIERS)}")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise invalid("user", "'user' must be a string")
+    if body.get("truncation") not in (None, "disabled"):
+        raise invalid("truncation", "only 'truncation': 'disabled' is supported")
+    if body.get("prompt_cache_key") is not None and not isinstance(body["prompt_cache_key"], str):
+        raise invalid("prompt_cache_key", "'prompt_cache_key' must be a string")
+    meta = body.get("client_metadata")
+    if meta is not None and not isinstance(meta, dict):
+        raise invalid("client_metadata", "'client_metadata' must be an object")
 
 
 def parse_responses(
     body: dict, service: ModelService, previous: tuple[dict[str, Any], ...] = ()
 ) -> ResponsesRequest:
     """`body` (with the stored conversation `previous`) as a ResponsesRequest, or a 400."""
-    for key, why in UNSUPPORTED.items():
-        if body.get(key) not in (None, False, 0):
-            raise invalid(key, why)
-    _check_include(body.get("include"))
-    if body.get("service_tier") not in (None, *SERVICE_TIERS):
-        raise invalid("service_tier", "'service_tier' must be 'auto' or 'default' (one tier here)")
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise invalid("user", "'user' must be a string")
-    truncation = body.get("truncation")
-    if truncation not in (None, "disabled"):
-        raise invalid("truncation", "only 'truncation': 'disabled' is supported")
+    _check_fields(body)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise invalid("instructions", "'instructions' must be a string")
@@ -86,20 +102,23 @@ def parse_responses(
             raise invalid("reasoning.effort", "this model always reasons; use 'low'")
         if service.syntax.reasoning == "think":
             template_kwargs = {"enable_thinking": False}
+    tools, tmap = chat_tools(body.get("tools"))
+    max_output = body.get("max_output_tokens")
     fields: dict[str, Any] = {
         "model": body.get("model"),
         "stream": body.get("stream"),
         "temperature": body.get("temperature"),
         "top_p": body.get("top_p"),
-        "max_completion_tokens": body.get("max_output_tokens"),
+        # none asked: up to the end of the context (the decoder stops where the row is full)
+        "max_completion_tokens": service.context_length if max_output is None else max_output,
         "response_format": text_format,
-        "reasoning_effort": None if effort == "none" else effort,
+        "reasoning_effort": None if effort == "none" else EFFORTS.get(effort, effort),
         "chat_template_kwargs": template_kwargs,
         "parallel_tool_calls": body.get("parallel_tool_calls"),
-        "tools": _tools(body.get("tools")),
-        "tool_choice": _tool_choice(body.get("tool_choice")),
+        "tools": tools,
+        "tool_choice": chat_tool_choice(body.get("tool_choice"), tmap),
     }
-    chat = parse_translated(messages, fields, service, responses_param)
+    chat = parse_translated(messages, fields, service, lambda p: responses_param(p, tmap))
     store = True if body.get("store") is None else body["store"]
     if not isinstance(store, bool):
         raise invalid("store", "'store' must be a boolean")
@@ -108,20 +127,28 @@ def parse_responses(
         raise invalid("metadata", "'metadata' must be an object")
     echo = {
         "instructions": instructions,
-        "max_output_tokens": body.get("max_output_tokens"),
+        "max_output_tokens": max_output,
         "metadata": metadata,
         "parallel_tool_calls": chat.tools.parallel,
         "previous_response_id": body.get("previous_response_id"),
         "reasoning": {"effort": effort, "summary": summary},
+        "service_tier": "default",
         "temperature": chat.params.temperature,
-        "text": {"format": _echo_format(body.get("text"))},
+        "text": {"format": _echo_format(body.get("text")), "verbosity": _verbosity(body)},
         "tool_choice": body.get("tool_choice") or "auto",
         "tools": body.get("tools") or [],
         "top_p": chat.params.top_p,
         "truncation": "disabled",
         "user": body.get("user"),
     }
-    return ResponsesRequest(chat, history, echo, store, bool(summary))
+    if body.get("prompt_cache_key") is not None:
+        echo["prompt_cache_key"] = body["prompt_cache_key"]
+    return ResponsesRequest(chat, history, echo, store, bool(summary), tmap)
+
+
+def _verbosity(body: dict) -> str:
+    text = body.get("text")
+    return (text.get("verbosity") if isinstance(text, dict) else None) or "medium"
 
 
 def _echo_format(text: dict | None) -> dict:
@@ -130,14 +157,16 @@ def _echo_format(text: dict | None) -> dict:
     return fmt if isinstance(fmt, dict) else {"type": "text"}
 
 
-def responses_param(param: str | None) -> str | None:
-    """The Responses field a chat field's error is about."""
+def responses_param(param: str | None, tools: ToolMap | None = None) -> str | None:
+    """The Responses field a chat field's error is about (`tools[k]` through the map)."""
     if param is None:
         return None
     if param.startswith("messages"):
         return "input"
-    if param.startswith("tools[") and ".function" in param:
-        return param.replace(".function", "")
+    if param.startswith("tools["):
+        if tools is not None and tools.params:
+            return tools.param(param)
+        return param.replace(".function", "", 1)
     return CHAT_TO_RESPONSES.get(param, param)
 
 
@@ -151,133 +180,13 @@ def _check_include(include: Any) -> None:
             raise invalid("include", f"'include' value {x!r} is not supported")
 
 
-def input_messages(raw: Any, known_calls: set[str]) -> tuple[list[dict[str, Any]], dict[int, str]]:
-    """Chat messages for `input`, and the reasoning text of assistant messages by index.
-
-    `known_calls`: call ids of earlier turns a `function_call_output` may answer."""
-    if isinstance(raw, str):
-        return [{"role": "user", "content": raw}], {}
-    if not isinstance(raw, list):
-        raise invalid("input", "'input' must be a string or an array of input items")
-    out: list[dict[str, Any]] = []
-    reasoning: dict[int, str] = {}
-    pending = ""  # reasoning waiting for the assistant message it belongs to
-    calls = set(known_calls)
-    for i, item in enumerate(raw):
-        param = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise invalid(param, f"{param} must be an object")
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ROLES:
-                raise invalid(f"{param}.role", f"role must be one of {', '.join(ROLES)}")
-            out.append({"role": role, "content": _text(item.get("content"), f"{param}.content")})
-            if role == "assistant" and pending:
-                reasoning[len(out) - 1], pending = pending, ""
-        elif kind == "function_call":
-            call = _call(item, param)
-            calls.add(call["id"])
-            last = out[-1] if out else None
-            if last is None or last["role"] != "assistant":
-                out.append({"role": "assistant", "content": ""})
-                last = out[-1]
-            last.setdefault("tool_calls", []).append(call)
-            if pending:
-                reasoning[len(out) - 1], pending = pending, ""
-        elif kind == "function_call_output":
-            cid = item.get("call_id")
-            if not isinstance(cid, str) or cid not in calls:
-                raise invalid(
-                    f"{param}.call_id",
-                    f"no function_call with call_id {cid!r} precedes this function_call_output",
-                )
-            out.append(
-                {"role": "tool", "tool_call_id": cid, "content": _output(item, f"{param}.output")}
-            )
-        elif kind == "reasoning":
-            pending += _reasoning_text(item, param)
-        else:
-            raise invalid(
-                f"{param}.type",
-                f"input item type {kind!r} is not supported; send message, function_call, "
-                "function_call_output or reasoning items",
-            )
-    return out, reasoning
-
-
-def _text(content: Any, param: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise invalid(param, f"'{param}' must be a string or an array of text parts")
-    parts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "refusal" and isinstance(part.get("refusal"), str):
-            parts.append(part["refusal"])
-            continue
-        if kind not in TEXT_PARTS:
-            raise invalid(
-                f"{param}[{j}].type",
-                f"content part type {kind!r} is not supported; only input_text and output_text",
-            )
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise invalid(f"{param}[{j}].text", "a text part needs a string 'text'")
-        parts.append(text)
-    return "".join(parts)
-
-
-def _call(item: dict, param: str) -> dict[str, Any]:
-    cid, name, args = item.get("call_id"), item.get("name"), item.get("arguments")
-    if not isinstance(cid, str) or not cid:
-        raise invalid(f"{param}.call_id", "a function_call item needs a string 'call_id'")
-    if not isinstance(name, str) or not name:
-        raise invalid(f"{param}.name", "a function_call item needs a string 'name'")
-    if not isinstance(args, str):
-        raise invalid(f"{param}.arguments", "'arguments' must be a JSON object string")
-    try:
-        parsed = json.loads(args) if args.strip() else {}
-    except json.JSONDecodeError:
-        parsed = None
-    if not isinstance(parsed, dict):
-        raise invalid(f"{param}.arguments", "'arguments' must be a JSON object string")
-    return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
-
-
-def _output(item: dict, param: str) -> str:
-    output = item.get("output")
-    if isinstance(output, list):
-        return _text(output, param)
-    if not isinstance(output, str):
-        raise invalid(param, f"'{param}' must be a string or an array of text parts")
-    return output
-
-
-def _reasoning_text(item: dict, param: str) -> str:
-    texts = []
-    for key in ("content", "summary"):
-        parts = item.get(key) or []
-        if not isinstance(parts, list):
-            raise invalid(f"{param}.{key}", f"'{param}.{key}' must be an array")
-        for j, p in enumerate(parts):
-            if not isinstance(p, dict) or not isinstance(p.get("text"), str):
-                raise invalid(f"{param}.{key}[{j}]", "a reasoning part needs a string 'text'")
-            texts.append(p["text"])
-        if texts:  # the full reasoning text when given, else its summary
-            break
-    return "\n".join(texts)
-
-
 def _text_format(text: Any) -> dict | None:
     if text is None:
         return None
     if not isinstance(text, dict):
         raise invalid("text", "'text' must be an object")
-    verbosity = text.get("verbosity")
-    if verbosity not in (None, "medium"):
-        raise invalid("text.verbosity", "'text.verbosity' is not supported; only 'medium'")
+    if text.get("verbosity") not in (None, *VERBOSITY):
+        raise invalid("text.verbosity", f"'text.verbosity' must be one of {', '.join(VERBOSITY)}")
     fmt = text.get("format")
     if fmt is None:
         return None
@@ -306,39 +215,6 @@ def _reasoning(reasoning: Any) -> tuple[str | None, str | None]:
     if summary not in (None, "auto", "concise", "detailed"):
         raise invalid("reasoning.summary", "reasoning.summary must be auto, concise or detailed")
     return reasoning.get("effort"), summary
-
-
-def _tools(tools: Any) -> list | None:
-    """Responses function tools (flat) in the chat shape; other tool types are refused."""
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise invalid("tools", "'tools' must be an array of function tools")
-    out = []
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict) or t.get("type") != "function":
-            kind = t.get("type") if isinstance(t, dict) else None
-            raise invalid(
-                f"tools[{i}].type",
-                f"tool type {kind!r} is not supported; only 'function' tools (built-in tools "
-                "need OpenAI's servers)",
-            )
-        fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
-        fn["strict"] = t.get("strict", True)  # the Responses default
-        out.append({"type": "function", "function": fn})
-    return out
-
-
-def _tool_choice(choice: Any) -> Any:
-    if choice is None or isinstance(choice, str):
-        return choice
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    raise invalid(
-        "tool_choice",
-        "'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", "
-        '"name": ...}',
-    )
 
 
 def unknown_response(rid: str, param: str | None = None) -> APIError:

@@ -15,23 +15,20 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from llm_server.api.chat_run import Finished, Started, answer_deltas, assemble, start_chat
+from llm_server.api.chat_plan import ChatPlan
+from llm_server.api.chat_run import Finished, Started, answer_deltas, start_chat
 from llm_server.api.common import check_model, get_service, read_json, served_id, settle
 from llm_server.api.errors import APIError, invalid
-from llm_server.api.responses_input import (
-    ResponsesRequest,
-    parse_responses,
-    responses_param,
-    unknown_response,
-)
-from llm_server.api.responses_output import OutputItems, final_deltas, new_id
+from llm_server.api.responses_input import ResponsesRequest, parse_responses, unknown_response
+from llm_server.api.responses_output import OutputItems, new_id
 from llm_server.api.responses_store import ResponseStore
-from llm_server.api.streaming import collect_many
+from llm_server.api.streaming import Collected, collect_many
 from llm_server.decoding import FinishReason
 from llm_server.scheduler import FinishEvent
 from llm_server.tools.output import ChatOutput
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DROPPED_HEADER = "x-llm-server-dropped-tools"  # hosted tool types left out of the prompt
 
 
 def response_store(request: Request) -> ResponseStore:
@@ -60,7 +57,7 @@ async def create_response(request: Request) -> Response:
     try:
         started = await start_chat(service, req.chat, "input")  # 429 before any byte (S3)
     except APIError as exc:  # a grammar or template error names the chat field
-        exc.param = responses_param(exc.param)
+        exc.param = req.param(exc.param)
         raise
     head = {
         "id": new_id("resp"),
@@ -70,24 +67,33 @@ async def create_response(request: Request) -> Response:
         **req.echo,
         "store": req.store,
     }
+    headers = {DROPPED_HEADER: ",".join(req.tools.dropped)} if req.tools.dropped else {}
     if req.chat.stream:
         return StreamingResponse(
             _stream(request, store, req, started, head),
             media_type="text/event-stream",
-            headers=SSE_HEADERS,
+            headers=SSE_HEADERS | headers,
         )
     (out,) = await collect_many(started.handles, request)
     if (early := settle(request, [out.finish])) is not None:
         return early
-    answer = assemble(started.plan, out)
-    items = OutputItems(req.summary)
-    for delta in final_deltas(answer):
+    items, answer = _whole(req, started.plan, out)
+    response = _finished(head, _status(out.finish), items.items, out.finish, answer)
+    _keep(store, req, response, items)
+    return JSONResponse(response, headers=headers)
+
+
+def _whole(req: ResponsesRequest, plan: ChatPlan, out: Collected) -> tuple[OutputItems, ChatOutput]:
+    """The output items of a collected answer, built as the stream builds them."""
+    answer = plan.output()
+    items = OutputItems(req.summary, req.tools)
+    for piece in out.pieces:
+        for delta in answer.feed(piece):
+            items.feed(delta)
+    for delta in answer.finish(cut=out.finish.reason == FinishReason.LENGTH):
         items.feed(delta)
-    status = _status(out.finish)
-    items.close("incomplete" if status == "incomplete" else "completed")
-    response = _finished(head, status, items.items, out.finish, answer)
-    _keep(store, req, response, answer)
-    return JSONResponse(response)
+    items.finish(_status(out.finish), answer)
+    return items, answer
 
 
 async def get_response(request: Request) -> Response:
@@ -128,17 +134,10 @@ def _finished(
     }
 
 
-def _keep(store: ResponseStore, req: ResponsesRequest, response: dict, answer: ChatOutput) -> None:
+def _keep(store: ResponseStore, req: ResponsesRequest, response: dict, items: OutputItems) -> None:
     """Store the response and the conversation through its answer (when `store`)."""
-    if not req.store:
-        return
-    reply: dict[str, Any] = {"role": "assistant", "content": answer.content}
-    if answer.called:
-        reply["content"] = answer.content if answer.content.strip() else ""
-        reply["tool_calls"] = [dict(c) for c in answer.calls]
-    if answer.reasoning:
-        reply["reasoning_content"] = answer.reasoning
-    store.put(response, req.history + (reply,))
+    if req.store:
+        store.put(response, req.history + (items.reply(),))
 
 
 def _event(seq: int, event: dict) -> str:
@@ -162,7 +161,7 @@ async def _stream(
     pending |= {"output": [], "usage": None}
     yield emit({"type": "response.created", "response": pending})
     yield emit({"type": "response.in_progress", "response": pending})
-    items = OutputItems(req.summary)
+    items = OutputItems(req.summary, req.tools)
     (handle,) = started.handles
     async for delta in answer_deltas(request, handle, started.plan):
         if not isinstance(delta, Finished):
@@ -178,8 +177,8 @@ async def _stream(
             yield emit({"type": "response.failed", "response": failed})
             return
         status = _status(delta.event)
-        for event in items.close("incomplete" if status == "incomplete" else "completed"):
+        for event in items.finish(status, delta.answer):
             yield emit(event)
         response = _finished(head, status, items.items, delta.event, delta.answer)
-        _keep(store, req, response, delta.answer)
+        _keep(store, req, response, items)
         yield emit({"type": f"response.{status}", "response": response})

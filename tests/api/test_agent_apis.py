@@ -172,7 +172,9 @@ def test_response_store_is_a_bounded_lru():
 @pytest.mark.parametrize(
     ("path", "field", "value", "param"),
     [
-        ("/v1/responses", "service_tier", "priority", "service_tier"),
+        ("/v1/responses", "service_tier", "turbo", "service_tier"),
+        ("/v1/responses", "text", {"verbosity": "loud"}, "text.verbosity"),
+        ("/v1/responses", "client_metadata", ["x"], "client_metadata"),
         ("/v1/responses", "user", 7, "user"),
         ("/v1/responses", "truncation", "auto", "truncation"),
         ("/v1/responses", "top_logprobs", 3, "top_logprobs"),
@@ -206,6 +208,13 @@ def test_accepted_no_op_field_values(hermes_server):
     r = httpx.post(hermes_server.url + "/v1/responses", json={**resp, "service_tier": "auto"},
                    timeout=60)  # fmt: skip
     assert r.status_code == 200 and r.json()["user"] == "u-1"
+    # Codex's fields, accepted without effect (README): the tier that ran it is 'default'
+    codex = {"service_tier": "priority", "text": {"verbosity": "low"}, "prompt_cache_key": "k",
+             "client_metadata": {"turn_id": "t"}, "include": ["reasoning.encrypted_content"]}  # fmt: skip
+    r = httpx.post(hermes_server.url + "/v1/responses", json={**resp, **codex}, timeout=60)
+    body = r.json()
+    assert r.status_code == 200 and body["service_tier"] == "default"
+    assert body["text"]["verbosity"] == "low" and body["prompt_cache_key"] == "k"
 
 
 # -- one engine: all three APIs batched together ----------------------------------------------
