@@ -20,6 +20,7 @@ log = logging.getLogger("llm_server")
 # Batching costs nothing while one request runs (a step over one row is the same forward), so
 # the server batches by default.
 DEFAULT_CONCURRENT = 4
+VERBS = ("ls", "ps", "pull", "rm", "service")  # subcommands; anything else is the server's flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +33,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model-id", help="id reported by /v1/models (default: the hub id or the folder name)"
+    )
+    p.add_argument(
+        "--models",
+        metavar="FILE",
+        help="serve every model of this registry (TOML [[models]] tables: id, source, ...), each "
+        "loaded on the first request naming it (see README, Many models)",
+    )
+    p.add_argument(
+        "--models-from-cache",
+        action="store_true",
+        help="also register every model in the Hugging Face cache (by its hub id)",
+    )
+    p.add_argument(
+        "--max-memory",
+        type=_size,
+        metavar="SIZE",
+        help="with --models: bytes the loaded models may hold together (weights + KV rows + "
+        "prefix caches), e.g. 12G; least recently used idle models unload to make room "
+        "(default: 3/4 of physical memory)",
+    )
+    p.add_argument(
+        "--idle-unload",
+        type=float,
+        metavar="SECONDS",
+        help="with --models: unload a model idle this long (default: never; a registry entry's "
+        "idle_ttl and a request's keep_alive override it)",
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port; 0 picks a free one (default 8080)")
@@ -281,11 +308,42 @@ def validate_args(args: argparse.Namespace) -> None:
         raise SystemExit("llm-server: --max-body-size must be at least 1 byte")
     if args.pipeline and not (args.distributed or args.hosts):
         raise SystemExit("llm-server: --pipeline needs --distributed BACKEND or --hosts HOSTFILE")
+    if args.models or args.models_from_cache:
+        if args.model or args.replay or args.distributed or args.hosts:
+            raise SystemExit(
+                "llm-server: --models serves a registry; it does not combine with --model, "
+                "--replay, --distributed or --hosts"
+            )
+    elif args.max_memory is not None or args.idle_unload is not None:
+        raise SystemExit("llm-server: --max-memory and --idle-unload need --models FILE")
     replay_only = args.replay_concurrent or args.replay_check or args.replay_report
     if replay_only and not args.replay:
         raise SystemExit(
             "llm-server: --replay-concurrent, --replay-check and --replay-report need --replay FILE"
         )
+
+
+def _serve_models(args: argparse.Namespace) -> int:
+    """The many-model daemon: the registry, then serving until stopped."""
+    from llm_server.blas import check_blas
+    from llm_server.models.registry import RegistryError, check_unique, load_registry
+
+    check_blas()
+    try:
+        entries = load_registry(args.models) if args.models else []
+        if args.models_from_cache:
+            from llm_server.models.registry import cached_entries
+
+            entries += cached_entries(entries)
+            check_unique(entries, "the registry and the Hugging Face cache")
+    except RegistryError as exc:
+        raise SystemExit(f"llm-server: {exc}") from None
+    if not entries:
+        raise SystemExit("llm-server: no models to serve (the Hugging Face cache is empty)")
+    sock, url = _bind(args)
+    from llm_server.models.daemon import run_models_server
+
+    return asyncio.run(run_models_server(args, entries, sock, url))
 
 
 def _bind(args: argparse.Namespace) -> tuple[socket.socket, str]:
@@ -313,6 +371,11 @@ def main(argv: list[str] | None = None) -> None:
     from llm_server.blas import ensure_fast_blas
 
     ensure_fast_blas()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in VERBS:  # llm-server ls | ps | pull | rm | service ...
+        from llm_server.models.commands import run_verb
+
+        sys.exit(run_verb(argv))
     args = build_parser().parse_args(argv)
     validate_args(args)
     logging.basicConfig(
@@ -326,7 +389,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.hosts:
         from llm_server.distributed.launch import launch_hosts
 
-        sys.exit(launch_hosts(argv or sys.argv[1:], args.hosts, args.distributed or "ring"))
+        sys.exit(launch_hosts(argv, args.hosts, args.distributed or "ring"))
+    if args.models or args.models_from_cache:
+        sys.exit(_serve_models(args))
     source = source_or_exit(args.model)  # before any log line: a bad --model is one line on stderr
     check_blas()  # wrong products: one re-exec with the fallback BLAS (Linux), else a warning
     log.info("BLAS: %s", active_blas())

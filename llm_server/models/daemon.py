@@ -62,7 +62,12 @@ def build_manager(args: argparse.Namespace, entries: list[ModelEntry]) -> ModelM
 
     budget = args.max_memory if args.max_memory is not None else default_budget()
     config = ManagerConfig(budget=budget, idle_unload=args.idle_unload, max_waiting=args.max_queued)
-    return ModelManager(entries, config, factory, estimate, lambda s: resolve_model_source(s).path)
+    return ModelManager(entries, config, factory, estimate, resolve_source)
+
+
+def resolve_source(source: str) -> Path:
+    """A registry source as a folder to load; "default" is the embedded default model."""
+    return resolve_model_source(None if source == "default" else source).path
 
 
 def manage(state: AppState, app) -> None:

@@ -130,3 +130,18 @@ def cached_entries(known: list[ModelEntry]) -> list[ModelEntry]:
         for repo in cached_repos()
         if repo.repo_id not in names
     ]
+
+
+def config_dir() -> Path:
+    """The user's config folder for llm-server (macOS: ~/Library/Application Support)."""
+    import os
+    import sys
+
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Application Support" / "llm-server"
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "llm-server"
+
+
+def default_registry_path() -> Path:
+    return config_dir() / "models.toml"
