@@ -1,0 +1,102 @@
+"""The memory budget: LRU eviction of idle unpinned models, pinned models stay, a model too big
+for the budget is refused with its sizes, a corrupt model fails alone."""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+
+from llm_server.models.memory import estimate_size, format_bytes
+from llm_server.models.registry import ModelEntry
+from llm_server.testing.managed import ManagedServer
+
+from .test_on_demand import _complete, _statuses, wait_status
+
+
+def _budget_for_two(tiny_models) -> int:
+    sizes = [estimate_size(p, 1, None).total for p in tiny_models.values()]
+    assert 2 * max(sizes) < 3 * min(sizes)  # a budget exists that holds two, never three
+    return 2 * max(sizes)
+
+
+def test_estimate_counts_weights_kv_rows_and_prefix_cache(tiny_models, make_service):
+    size = estimate_size(tiny_models["alpha"], 1, None)
+    svc = make_service(tiny_models["alpha"])
+    assert size.weights == svc.engine.weight_bytes()
+    assert size.prefix_cache == svc.engine.prefix_cache.stats().max_bytes
+    # 2 layers x (K, V) x 2 kv heads x 16 dims x 1024 positions x 1 row x 4 bytes
+    assert size.kv == 2 * 2 * 2 * 16 * 1024 * 1 * 4
+
+
+def test_lru_eviction_under_a_budget_that_holds_two(tiny_models, entries):
+    with ManagedServer(entries, budget=_budget_for_two(tiny_models)) as srv:
+        _complete(srv.url, "alpha")
+        _complete(srv.url, "beta")
+        _complete(srv.url, "alpha")  # beta is now the least recently used
+        assert _complete(srv.url, "gamma").status_code == 200
+        assert _statuses(srv.url) == {"alpha": "loaded", "beta": "unloaded", "gamma": "loaded"}
+        _complete(srv.url, "beta")  # alpha is the least recently used now
+        assert _statuses(srv.url) == {"alpha": "unloaded", "beta": "loaded", "gamma": "loaded"}
+        memory = httpx.get(f"{srv.url}/v1/models", timeout=30).json()["memory"]
+        assert memory["used"] <= memory["budget"]
+
+
+def test_pinned_model_is_never_evicted(tiny_models):
+    entries = [
+        ModelEntry(id="alpha", source=str(tiny_models["alpha"]), pinned=True),
+        ModelEntry(id="beta", source=str(tiny_models["beta"])),
+        ModelEntry(id="gamma", source=str(tiny_models["gamma"])),
+    ]
+    with ManagedServer(entries, budget=_budget_for_two(tiny_models), idle_unload=0) as srv:
+        wait_status(srv.url, "alpha", "loaded")  # pinned models load at start
+        for name in ("beta", "gamma", "beta", "gamma"):
+            assert _complete(srv.url, name).status_code == 200
+            assert _statuses(srv.url)["alpha"] == "loaded"
+        assert _complete(srv.url, "alpha", keep_alive=0).status_code == 200
+        assert _statuses(srv.url)["alpha"] == "loaded"  # neither idle_unload 0 nor keep_alive 0
+
+
+def test_a_model_too_big_for_the_budget_is_refused_with_sizes(tiny_models, entries):
+    size = estimate_size(tiny_models["beta"], 1, None)
+    budget = size.total - 1
+    with ManagedServer(entries, budget=budget) as srv:
+        response = _complete(srv.url, "beta")
+        assert response.status_code == 500
+        error = response.json()["error"]
+        assert error["code"] == "model_too_large"
+        assert error["message"] == (
+            f"model 'beta' needs {format_bytes(size.total)} ({size.total} bytes: weights "
+            f"{format_bytes(size.weights)}, KV rows {format_bytes(size.kv)}, prefix cache "
+            f"{format_bytes(size.prefix_cache)}) but the memory budget is "
+            f"{format_bytes(budget)} ({budget} bytes); raise --max-memory or lower its "
+            "context_length / concurrent_requests"
+        )
+        assert _statuses(srv.url)["beta"] == "unloaded"
+
+
+def test_corrupt_weights_fail_alone_and_retry_on_the_next_request(tiny_models, tmp_path):
+    broken = shutil.copytree(tiny_models["gamma"], tmp_path / "broken")
+    weights = broken / "model.safetensors"
+    intact = weights.read_bytes()
+    weights.write_bytes(intact[: len(intact) // 2])  # the header survives, the tensors do not
+    entries = [
+        ModelEntry(id="alpha", source=str(tiny_models["alpha"])),
+        ModelEntry(id="broken", source=str(broken)),
+    ]
+    with ManagedServer(entries) as srv:
+        good = _complete(srv.url, "alpha").json()["choices"]
+        failed = _complete(srv.url, "broken")
+        assert failed.status_code == 500
+        error = failed.json()["error"]
+        assert error["code"] == "model_load_failed"
+        assert error["message"].startswith("model 'broken' failed to load: ")
+        models = {m["id"]: m for m in httpx.get(f"{srv.url}/v1/models", timeout=30).json()["data"]}
+        assert models["broken"]["status"] == "unloaded"
+        assert models["broken"]["error"] == error["message"].removeprefix(
+            "model 'broken' failed to load: "
+        )
+        assert _complete(srv.url, "alpha").json()["choices"] == good  # the others serve on
+        weights.write_bytes(intact)  # repaired: the next request retries the load
+        assert _complete(srv.url, "broken").status_code == 200
+        assert _statuses(srv.url)["broken"] == "loaded"
