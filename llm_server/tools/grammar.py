@@ -92,7 +92,9 @@ def tool_grammar(
         rules += extra
         if req.forced:
             rules.append(f'call: "<tool_call>" {body}')
-            answer = 'call ("\\n" call)*' if req.parallel else "call"
+            # generic: no newline between calls; a small model offered one writes calls forever
+            sep = "" if family == "generic" else '"\\n" '
+            answer = f"call ({sep}call)*" if req.parallel else "call"
         else:  # free text, or text up to the first call and then only calls
             rules.append('call_trig[lazy]: TEXT "<tool_call>"')
             more = f'(/[ \\n]*/ "<tool_call>" {body})*' if req.parallel else ""
