@@ -3,7 +3,9 @@
 An adapter: the body becomes a chat request (messages_input), which runs on the one chat path
 (chat_run: plan, admission, generation, output parsing); the answer becomes content blocks
 (messages_output), returned whole or streamed as Anthropic's events. Errors, including 429s
-and the engine's, use Anthropic's error body.
+and the engine's, use Anthropic's error body; a message names its field (the body has no
+`param`), and context errors are in Anthropic's words so clients compact or lower `max_tokens`.
+`max_tokens` is never capped here: a prompt and `max_tokens` that do not fit are a 400.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from llm_server.api.chat_plan import chat_prompt
 from llm_server.api.chat_run import TAIL, Finished, Started, answer_deltas, assemble, start_chat
 from llm_server.api.common import check_model, get_service, read_json, served_id, settle
-from llm_server.api.errors import APIError
+from llm_server.api.errors import APIError, invalid
 from llm_server.api.messages_input import parse_messages_request
 from llm_server.api.messages_output import ContentBlocks, error_body, error_response
 from llm_server.api.responses_output import final_deltas, new_id
@@ -26,7 +28,6 @@ from llm_server.api.streaming import collect_many
 from llm_server.decoding import FinishReason
 from llm_server.scheduler import FinishEvent
 from llm_server.service import ModelService
-from llm_server.tools.output import ChatOutput
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -35,7 +36,35 @@ async def create_message(request: Request) -> Response:
     try:
         return await _create(request)
     except APIError as exc:
-        return error_response(exc.status, exc.message, exc.headers)
+        return error_response(exc.status, _named(exc), exc.headers)
+
+
+def _named(exc: APIError) -> str:
+    """The message, led by the field it is about unless it names it already."""
+    if exc.param and exc.param not in exc.message:
+        return f"{exc.param}: {exc.message}"
+    return exc.message
+
+
+def check_context(service: ModelService, prompt_tokens: int, max_tokens: int) -> None:
+    """400 in Anthropic's words for a prompt, or prompt plus `max_tokens`, over the context."""
+    ctx = service.context_length
+    if prompt_tokens == 0:
+        raise invalid("messages", "'messages' make an empty prompt; send at least one token")
+    if prompt_tokens > ctx:
+        raise APIError(
+            400,
+            f"prompt is too long: {prompt_tokens} tokens > {ctx} maximum",
+            code="context_length_exceeded",
+        )
+    if prompt_tokens + max_tokens > ctx:
+        raise APIError(
+            400,
+            f"input length and `max_tokens` exceed context limit: {prompt_tokens} + "
+            f"{max_tokens} > {ctx}, decrease input length or `max_tokens` and try again",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
 
 
 async def count_tokens(request: Request) -> Response:
@@ -47,7 +76,7 @@ async def count_tokens(request: Request) -> Response:
         check_model(service, chat.model, served_id(request))
         prompt = chat_prompt(service, chat)
     except APIError as exc:
-        return error_response(exc.status, exc.message, exc.headers)
+        return error_response(exc.status, _named(exc), exc.headers)
     return JSONResponse({"input_tokens": len(prompt)})
 
 
@@ -56,6 +85,8 @@ async def _create(request: Request) -> Response:
     body = await read_json(request)
     chat = parse_messages_request(body, service)
     check_model(service, chat.model, served_id(request))
+    # the prompt start_chat plans, measured first: context errors come before admission
+    check_context(service, len(chat_prompt(service, chat)), chat.params.max_tokens)
     started = await start_chat(service, chat)  # 429 before any byte (S3)
     head = {
         "id": new_id("msg"),
@@ -76,9 +107,9 @@ async def _create(request: Request) -> Response:
     blocks = ContentBlocks()
     for delta in final_deltas(answer):
         blocks.feed(delta)
-    blocks.close()
+    blocks.finish(answer.called)
     reason, sequence = _stop_reason(
-        service, chat.params.stop, out.finish, answer, out.token_ids[-TAIL:]
+        service, chat.params.stop, out.finish, blocks, out.token_ids[-TAIL:]
     )
     return JSONResponse(
         {
@@ -86,30 +117,36 @@ async def _create(request: Request) -> Response:
             "content": blocks.blocks,
             "stop_reason": reason,
             "stop_sequence": sequence,
-            "usage": _usage(out.finish),
+            "usage": _final_usage(out.finish),
         }
     )
 
 
-def _usage(fin: FinishEvent) -> dict[str, int]:
-    """Anthropic counts prompt tokens read from the (prefix) cache apart from input_tokens."""
+def _usage(prompt: int, cached: int, output: int) -> dict[str, int]:
+    """Anthropic counts prompt tokens read from the (prefix) cache apart from input_tokens;
+    writing the cache costs nothing extra here, so no token is counted as cache creation."""
     return {
-        "input_tokens": fin.prompt_tokens - fin.cached_tokens,
+        "input_tokens": prompt - cached,
         "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": fin.cached_tokens,
-        "output_tokens": fin.completion_tokens,
+        "cache_read_input_tokens": cached,
+        "output_tokens": output,
     }
+
+
+def _final_usage(fin: FinishEvent) -> dict[str, int]:
+    return _usage(fin.prompt_tokens, fin.cached_tokens, fin.completion_tokens)
 
 
 def _stop_reason(
     service: ModelService,
     stops: tuple[str, ...],
     fin: FinishEvent,
-    answer: ChatOutput,
+    blocks: ContentBlocks,
     tail: Sequence[int],
 ) -> tuple[str, str | None]:
-    """end_turn, max_tokens, tool_use or stop_sequence (with the sequence that matched)."""
-    if answer.called:
+    """end_turn, max_tokens, tool_use or stop_sequence (with the sequence that matched); a
+    call cut by max_tokens is max_tokens (its block was dropped)."""
+    if blocks.tool_uses and not blocks.dropped:
         return "tool_use", None
     if fin.reason == FinishReason.LENGTH:
         return "max_tokens", None
@@ -133,10 +170,11 @@ async def _stream(
     head: dict,
     stops: tuple[str, ...],
 ) -> AsyncIterator[str]:
-    """message_start, ping, the blocks' events, message_delta (stop_reason, usage),
-    message_stop; an `error` event when the model fails."""
-    prompt = len(started.plan.prompt)
-    usage = {"input_tokens": prompt, "output_tokens": 0}
+    """message_start and ping at once, the blocks' events, message_delta (stop_reason, usage),
+    message_stop; an `error` event when the model fails. message_start comes before the prompt
+    is read, so its usage counts the whole prompt as input; message_delta's usage (cumulative,
+    as Anthropic's) splits off the tokens the prefix cache gave (cache_read_input_tokens)."""
+    usage = _usage(len(started.plan.prompt), 0, 0)
     message = {**head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
     yield _event({"type": "message_start", "message": message})
     yield _event({"type": "ping"})
@@ -151,14 +189,14 @@ async def _stream(
             body = error_body(500, "the model failed while generating this message")
             yield _event(body)
             return
-        for event in blocks.close():
+        for event in blocks.finish(delta.answer.called):
             yield _event(event)
-        reason, sequence = _stop_reason(service, stops, delta.event, delta.answer, delta.tail)
+        reason, sequence = _stop_reason(service, stops, delta.event, blocks, delta.tail)
         yield _event(
             {
                 "type": "message_delta",
                 "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                "usage": _usage(delta.event),
+                "usage": _final_usage(delta.event),
             }
         )
         yield _event({"type": "message_stop"})

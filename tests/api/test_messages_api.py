@@ -124,7 +124,7 @@ def test_messages_errors_in_anthropic_format(ant, hermes_server):
         "type": "error",
         "error": {
             "type": "invalid_request_error",
-            "message": "this model does not think (its chat template has no thinking section)",
+            "message": "thinking.budget_tokens must be below max_tokens",
         },
     }
     with pytest.raises(anthropic.NotFoundError):
