@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llm_server.api import messages_input
+from llm_server.api import messages_fields, messages_input
 from llm_server.api.openapi_common import (
     BOOL,
     INT,
@@ -76,7 +76,7 @@ _ANT_MESSAGES = {
         "type": "object",
         "required": ["role", "content"],
         "properties": {
-            "role": {"type": "string", "enum": ["user", "assistant"]},
+            "role": {"type": "string", "enum": ["user", "assistant", "system"]},
             "content": {"oneOf": [STR, {"type": "array", "items": _ANT_BLOCK}]},
         },
     },
@@ -183,13 +183,21 @@ SCHEMAS: dict[str, dict] = {
             "stop_sequences": {
                 "type": "array",
                 "items": {**STR, "minLength": 1},
-                "maxItems": messages_input.MAX_STOP_SEQUENCES,
+                "maxItems": messages_fields.MAX_STOP_SEQUENCES,
             },
             "temperature": number_range(0, messages_input.MAX_TEMPERATURE),
             "top_p": number_range(*PROBABILITY_RANGE),
             "top_k": {"type": "integer", "minimum": 0},
             "stream": BOOL,
             "metadata": OBJ,
+            "context_management": OBJ,
+            "output_config": {
+                "type": "object",
+                "properties": {
+                    "effort": {"type": "string", "enum": list(messages_fields.EFFORTS)},
+                    "format": OBJ,
+                },
+            },
         },
     },
     "Message": {

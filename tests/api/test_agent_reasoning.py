@@ -78,8 +78,8 @@ def test_thinking_blocks(ant, think_server, monkeypatch):
     kw = dict(
         model="default",
         messages=ASK,
-        max_tokens=2048,
-        thinking={"type": "enabled", "budget_tokens": 1024},
+        max_tokens=512,  # prompt + max_tokens fit the 1,024 positions (no cap on /v1/messages)
+        thinking={"type": "enabled", "budget_tokens": 256},
         extra_body=GREEDY,
     )
     m = ant.messages.create(**kw)
