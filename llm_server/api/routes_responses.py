@@ -136,8 +136,10 @@ def _finished(
 
 def _keep(store: ResponseStore, req: ResponsesRequest, response: dict, items: OutputItems) -> None:
     """Store the response and the conversation through its answer (when `store`)."""
-    if req.store:
-        store.put(response, req.history + (items.reply(),))
+    if req.store:  # an answer with nothing left in it (a cut call alone) adds no turn
+        reply = items.reply()
+        empty = not (reply["content"] or reply.get("tool_calls") or reply.get("reasoning_content"))
+        store.put(response, req.history + (() if empty else (reply,)))
 
 
 def _event(seq: int, event: dict) -> str:
