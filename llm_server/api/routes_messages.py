@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from llm_server.api.chat_plan import chat_prompt
 from llm_server.api.chat_run import TAIL, Finished, Started, answer_deltas, assemble, start_chat
 from llm_server.api.common import check_model, get_service, read_json, served_id, settle
-from llm_server.api.errors import APIError, invalid
+from llm_server.api.errors import APIError, invalid, note_refusal
 from llm_server.api.messages_input import parse_messages_request
 from llm_server.api.messages_output import ContentBlocks, error_body, error_response
 from llm_server.api.responses_output import final_deltas, new_id
@@ -36,6 +36,7 @@ async def create_message(request: Request) -> Response:
     try:
         return await _create(request)
     except APIError as exc:
+        note_refusal(request, exc)  # the field for the 4xx log line
         return error_response(exc.status, _named(exc), exc.headers)
 
 
@@ -76,6 +77,7 @@ async def count_tokens(request: Request) -> Response:
         check_model(service, chat.model, served_id(request))
         prompt = chat_prompt(service, chat)
     except APIError as exc:
+        note_refusal(request, exc)
         return error_response(exc.status, _named(exc), exc.headers)
     return JSONResponse({"input_tokens": len(prompt)})
 
@@ -85,9 +87,11 @@ async def _create(request: Request) -> Response:
     body = await read_json(request)
     chat = parse_messages_request(body, service)
     check_model(service, chat.model, served_id(request))
-    # the prompt start_chat plans, measured first: context errors come before admission
-    check_context(service, len(chat_prompt(service, chat)), chat.params.max_tokens)
-    started = await start_chat(service, chat)  # 429 before any byte (S3)
+    started = await start_chat(  # context errors, then a 429, before any byte (S3)
+        service,
+        chat,
+        check_length=lambda n: check_context(service, n, chat.params.max_tokens),
+    )
     head = {
         "id": new_id("msg"),
         "type": "message",
