@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import gc
 import itertools
 import logging
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -245,12 +247,10 @@ class ModelManager:
         return slot.task
 
     async def _unload(self, slot: ModelSlot) -> None:
-        service, slot.service = slot.service, None
-        if service is not None:
-            await asyncio.to_thread(_close, service)
-        del service
+        held = [slot.service] if slot.service is not None else []
+        slot.service = None
+        await asyncio.to_thread(_close_and_release, held)
         slot.status, slot.size, slot.expires = Status.UNLOADED, None, None
-        await asyncio.to_thread(release_memory)
         log.info("unloaded %s (%s in use)", slot.entry.id, format_bytes(self.used()))
 
     # -- background ------------------------------------------------------------------
@@ -297,8 +297,17 @@ def _close(service: ModelService) -> None:
     service.close(CLOSE_TIMEOUT_S)
 
 
+def _close_and_release(held: list[ModelService]) -> None:
+    """Close the service in `held` (emptied: no reference survives the call), then return
+    its memory."""
+    if held:
+        _close(held.pop())
+    release_memory()
+
+
 def release_memory() -> None:
-    """Return freed arrays to the system: collect cycles, empty MLX's buffer cache."""
+    """Return freed arrays to the system: collect cycles, empty MLX's buffer cache, and on
+    glibc trim the malloc arenas (freed weights stay resident in them otherwise)."""
     gc.collect()
     try:
         import mlx.core as mx
@@ -306,6 +315,9 @@ def release_memory() -> None:
         mx.clear_cache()
     except (ImportError, AttributeError):
         pass
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _reason(exc: BaseException) -> str:

@@ -100,3 +100,24 @@ def test_corrupt_weights_fail_alone_and_retry_on_the_next_request(tiny_models, t
         weights.write_bytes(intact)  # repaired: the next request retries the load
         assert _complete(srv.url, "broken").status_code == 200
         assert _statuses(srv.url)["broken"] == "loaded"
+
+
+def test_unloading_frees_the_model(tiny_models, entries):
+    import gc
+    import weakref
+
+    import mlx.core as mx
+
+    with ManagedServer(entries) as srv:
+        _complete(srv.url, "alpha")
+        before = mx.get_active_memory()
+        _complete(srv.url, "beta")
+        service = weakref.ref(srv.manager.slots["beta"].service)
+        engine = weakref.ref(service().engine)
+        weights = engine().weight_bytes()
+        assert mx.get_active_memory() - before >= weights
+        gone = httpx.post(f"{srv.url}/v1/models/beta/unload", timeout=60)
+        assert gone.json()["status"] == "unloaded"
+        gc.collect()
+        assert service() is None and engine() is None
+        assert mx.get_active_memory() <= before

@@ -52,7 +52,11 @@ def test_concurrent_requests_each_equal_a_single_model_server(tiny_models, entri
         assert set(_statuses(srv.url).values()) == {"loaded"}
         chat = httpx.post(
             f"{srv.url}/v1/chat/completions",
-            json={"model": "beta", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+            json={
+                "model": "beta",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 3,
+            },
             timeout=60,
         )
         assert chat.status_code == 200 and chat.json()["model"] == "beta"
@@ -81,7 +85,9 @@ def test_alias_and_absent_model_and_tokenize(tiny_models):
         assert by_alias.status_code == 200 and by_alias.json()["model"] == "alpha"
         by_default = _complete(srv.url, None)  # no model: the registry's first entry
         assert by_default.json()["choices"] == by_alias.json()["choices"]
-        tok = httpx.post(f"{srv.url}/tokenize", json={"model": "beta", "prompt": PROMPT}, timeout=60)
+        tok = httpx.post(
+            f"{srv.url}/tokenize", json={"model": "beta", "prompt": PROMPT}, timeout=60
+        )
         assert tok.status_code == 200 and tok.json()["count"] > 0
         assert _statuses(srv.url) == {"alpha": "loaded", "beta": "loaded"}
 
