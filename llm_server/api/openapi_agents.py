@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llm_server.api import messages_fields, messages_input
+from llm_server.api import messages_fields, messages_input, responses_input
 from llm_server.api.openapi_common import (
     BOOL,
     INT,
@@ -23,20 +23,28 @@ _TEXT_PART = {
         "text": STR,
     },
 }
+_CALL_FIELDS = {"call_id": STR, "name": STR, "namespace": STR, "arguments": STR, "input": STR}
 _INPUT_ITEM = {
     "type": "object",
-    "description": "a message (role + content), function_call, function_call_output or "
-    "reasoning item",
+    "description": "a message (role + content), a function_call or custom_tool_call (as this "
+    "server returned it, `incomplete` ones included), its output, or a reasoning item",
     "properties": {
         "type": {
             "type": "string",
-            "enum": ["message", "function_call", "function_call_output", "reasoning"],
+            "enum": [
+                "message",
+                "function_call",
+                "function_call_output",
+                "custom_tool_call",
+                "custom_tool_call_output",
+                "reasoning",
+            ],
         },
+        "id": STR,
+        "status": STR,
         "role": {"type": "string", "enum": ["user", "assistant", "system", "developer"]},
         "content": {"oneOf": [STR, {"type": "array", "items": _TEXT_PART}]},
-        "call_id": STR,
-        "name": STR,
-        "arguments": STR,
+        **_CALL_FIELDS,
         "output": STR,
     },
 }
@@ -45,15 +53,24 @@ _OUTPUT_ITEM = {
     "required": ["id", "type"],
     "properties": {
         "id": STR,
-        "type": {"type": "string", "enum": ["message", "function_call", "reasoning"]},
-        "status": STR,
+        "type": {
+            "type": "string",
+            "enum": ["message", "function_call", "custom_tool_call", "reasoning"],
+        },
+        "status": {"type": "string", "enum": ["in_progress", "completed", "incomplete"]},
         "role": STR,
         "content": {"type": "array", "items": OBJ},
         "summary": {"type": "array", "items": OBJ},
-        "call_id": STR,
-        "name": STR,
-        "arguments": STR,
+        **_CALL_FIELDS,
     },
+}
+_RESPONSES_TOOL = {
+    "type": "object",
+    "required": ["type"],
+    "description": "function, custom (free-form text input) or namespace (a group of function "
+    "and custom tools); hosted tools (web_search, file_search, code_interpreter, ...) are "
+    "accepted and left out of the prompt (header x-llm-server-dropped-tools)",
+    "properties": {"type": STR, "name": STR, "description": STR, "parameters": OBJ},
 }
 _ANT_BLOCK = {
     "type": "object",
@@ -131,12 +148,31 @@ SCHEMAS: dict[str, dict] = {
             "max_output_tokens": nullable({"type": "integer", "minimum": 1}),
             "temperature": nullable(number_range(*TEMPERATURE_RANGE)),
             "top_p": nullable(number_range(*PROBABILITY_RANGE)),
-            "tools": nullable({"type": "array", "items": OBJ}),
+            "tools": nullable({"type": "array", "items": _RESPONSES_TOOL}),
             "tool_choice": nullable(
                 {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]}, OBJ]}
             ),
             "parallel_tool_calls": nullable(BOOL),
-            "text": nullable({"type": "object", "properties": {"format": OBJ}}),
+            "text": nullable(
+                {
+                    "type": "object",
+                    "properties": {
+                        "format": OBJ,
+                        "verbosity": {"type": "string", "enum": list(responses_input.VERBOSITY)},
+                    },
+                }
+            ),
+            "include": nullable(
+                {
+                    "type": "array",
+                    "items": {"type": "string", "enum": list(responses_input.INCLUDE_OK)},
+                }
+            ),
+            "service_tier": nullable(
+                {"type": "string", "enum": list(responses_input.SERVICE_TIERS)}
+            ),
+            "prompt_cache_key": nullable(STR),
+            "client_metadata": nullable(OBJ),
             "reasoning": nullable(
                 {
                     "type": "object",
