@@ -58,8 +58,8 @@ class DrainingServer(uvicorn.Server):
         while not _idle(self.state):
             if time.monotonic() > deadline:
                 log.warning("drain timeout (%gs): cancelling running requests", self.drain_timeout)
-                if self.state.service is not None:
-                    self.state.service.scheduler.abort()
+                for service in self.state.services():
+                    service.scheduler.abort()
                 break
             await asyncio.sleep(DRAIN_POLL_S)
         self.should_exit = True  # uvicorn now lets each connection finish its response
@@ -67,7 +67,8 @@ class DrainingServer(uvicorn.Server):
 
 def _idle(state: AppState) -> bool:
     """No generation running or queued and no scoring pending."""
-    svc = state.service
-    if svc is None or not svc.ready:
-        return True
-    return svc.scheduler.idle() and not svc.scorer.pending()
+    return all(
+        svc.scheduler.idle() and not svc.scorer.pending()
+        for svc in state.services()
+        if svc.ready
+    )

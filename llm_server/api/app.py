@@ -24,8 +24,8 @@ from llm_server.api.routes_chat import chat_completions
 from llm_server.api.routes_completions import completions
 from llm_server.api.routes_embeddings import embeddings
 from llm_server.api.routes_info import detokenize, health, list_models, tokenize, tokenizer_info
-from llm_server.api.security import APIKeyMiddleware, resolve_api_key
 from llm_server.api.routes_models import model_action
+from llm_server.api.security import APIKeyMiddleware, resolve_api_key
 from llm_server.api.state import AppState, scoped_service
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,8 @@ ROUTES = [
     Route("/v1/completions", _needs_lm_head(completions), methods=["POST"]),
     Route("/v1/embeddings", embeddings, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
-    Route("/v1/models/{rest:path}", model_action, methods=["GET", "POST"]),
+    # GET /v1/models/{id}, POST .../load and .../unload (ids may hold a slash: hub ids)
+    Route("/v1/models/{rest:path}", model_action, methods=["GET", "POST"], include_in_schema=False),
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics_endpoint, methods=["GET"]),
     Route("/tokenize", tokenize, methods=["POST"]),
@@ -143,9 +144,7 @@ def create_app(
     if state.manager is not None:  # innermost: a request's model loads after the key check
         from llm_server.models.router import ModelRouter
 
-        middleware.append(
-            Middleware(ModelRouter, manager=state.manager, max_body_bytes=max_body_bytes)
-        )
+        middleware.append(Middleware(ModelRouter, state=state, max_body_bytes=max_body_bytes))
     app = Starlette(
         routes=ROUTES,
         middleware=middleware,

@@ -39,6 +39,12 @@ class AppState:
             for listener in self._listeners:
                 listener(service)
 
+    def services(self) -> list[ModelService]:
+        """Every service that may hold requests: the one, or each model loaded (or loading)."""
+        if self.manager is not None:
+            return [s.service for s in self.manager.slots.values() if s.service is not None]
+        return [self._service] if self._service is not None else []
+
     def on_service(self, listener: Callable[[ModelService], None]) -> None:
         """Call `listener(service)` now if a service is set, and whenever one is set later."""
         self._listeners.append(listener)

@@ -15,8 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llm_server.api import messages_output as anthropic
 from llm_server.api.errors import APIError
-from llm_server.api.state import MODEL_ID_KEY, SERVICE_KEY
-from llm_server.models.manager import ModelManager
+from llm_server.api.state import MODEL_ID_KEY, SERVICE_KEY, AppState
 from llm_server.models.slots import ModelError
 
 # the routes that serve a model named in the request (body `model`, or `?model=` on a GET)
@@ -40,13 +39,17 @@ _UNITS = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 class ModelRouter:
     """Hold the request's model for the request's lifetime (loading it first if needed)."""
 
-    def __init__(self, app: ASGIApp, manager: ModelManager, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, state: AppState, max_body_bytes: int) -> None:
         self.app = app
-        self.manager = manager
+        self.state = state
+        self.manager = state.manager
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] not in MODEL_ROUTES:
+            await self.app(scope, receive, send)
+            return
+        if self.state.draining:  # load nothing more; the route answers 503
             await self.app(scope, receive, send)
             return
         body, receive = await _buffer(receive, self.max_body_bytes)
