@@ -343,15 +343,24 @@ def test_bad_history_call_is_400(client):
     assert err.value.body["param"] == "messages[1].tool_calls[0].function.arguments"
 
 
-def test_a_template_without_tool_syntax_refuses_tools(server):
+def test_a_template_without_tool_syntax_gets_the_generic_format(server):
+    """The plain ChatML template shows no call syntax: tools are described in a system block
+    and a forced call comes back as a call (was a 400 naming `tools`)."""
     c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    with pytest.raises(openai.BadRequestError) as err:
-        c.chat.completions.create(model="default", messages=ASK, tools=TOOLS, max_tokens=2)
-    assert err.value.body["param"] == "tools"
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = c.chat.completions.create(
+        model="default", messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=MAX, temperature=0
+    )
+    assert r.choices[0].finish_reason == "tool_calls"
+    (call,) = r.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_SCHEMA)
+    plain = c.chat.completions.create(model="default", messages=ASK, max_tokens=1)
+    assert r.usage.prompt_tokens > plain.usage.prompt_tokens  # the tools block is in the prompt
     r = c.chat.completions.create(
         model="default", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=2
     )
     assert r.choices[0].message.tool_calls is None
+    assert r.usage.prompt_tokens == plain.usage.prompt_tokens  # 'none': nothing to call
 
 
 def test_tokenize_counts_the_prompt_a_tools_request_sends(client, hermes_server):
