@@ -77,9 +77,13 @@ def _check_fields(body: dict) -> None:
 
 
 def parse_responses(
-    body: dict, service: ModelService, previous: tuple[dict[str, Any], ...] = ()
+    body: dict,
+    service: ModelService,
+    previous: tuple[dict[str, Any], ...] = (),
+    previous_cut: frozenset[str] = frozenset(),
 ) -> ResponsesRequest:
-    """`body` (with the stored conversation `previous`) as a ResponsesRequest, or a 400."""
+    """`body` (with the stored conversation `previous`) as a ResponsesRequest, or a 400.
+    `previous_cut`: the ids of calls the previous response left incomplete (not stored)."""
     _check_fields(body)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -88,7 +92,7 @@ def parse_responses(
     if raw is None or raw == "" or raw == []:
         raise invalid("input", "'input' is required: a string or an array of input items")
     known = {c["id"] for m in previous for c in m.get("tool_calls", ())}
-    new, reasoning = input_messages(raw, known)
+    new, reasoning = input_messages(raw, known, previous_cut)
     for i, text in reasoning.items():
         new[i]["reasoning_content"] = text
     history = previous + tuple(new)

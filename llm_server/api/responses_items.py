@@ -25,12 +25,12 @@ OUTPUTS = ("function_call_output", "custom_tool_call_output")
 class _Conversation:
     """The chat messages built so far, and the call ids an output may answer."""
 
-    def __init__(self, known_calls: set[str]) -> None:
+    def __init__(self, known_calls: set[str], cut: frozenset[str]) -> None:
         self.out: list[dict[str, Any]] = []
         self.reasoning: dict[int, str] = {}
         self.pending = ""  # reasoning waiting for the assistant message it belongs to
         self.calls = set(known_calls)
-        self.cut: set[str] = set()  # incomplete calls left out of the prompt
+        self.cut = set(cut)  # incomplete calls left out of the prompt
 
     def assistant(self) -> dict[str, Any]:
         """The assistant message a call joins (a new one after any other message)."""
@@ -50,15 +50,18 @@ class _Conversation:
             self._attach()
 
 
-def input_messages(raw: Any, known_calls: set[str]) -> tuple[list[dict[str, Any]], dict[int, str]]:
+def input_messages(
+    raw: Any, known_calls: set[str], cut: frozenset[str] = frozenset()
+) -> tuple[list[dict[str, Any]], dict[int, str]]:
     """Chat messages for `input`, and the reasoning text of assistant messages by index.
 
-    `known_calls`: call ids of earlier turns an output item may answer."""
+    `known_calls`: call ids of earlier turns an output item may answer; `cut`: those of
+    earlier calls left incomplete (their outputs are left out too)."""
     if isinstance(raw, str):
         return [{"role": "user", "content": raw}], {}
     if not isinstance(raw, list):
         raise invalid("input", "'input' must be a string or an array of input items")
-    conv = _Conversation(known_calls)
+    conv = _Conversation(known_calls, cut)
     for i, item in enumerate(raw):
         param = f"input[{i}]"
         if not isinstance(item, dict):

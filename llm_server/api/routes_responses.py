@@ -20,7 +20,7 @@ from llm_server.api.chat_run import Finished, Started, answer_deltas, start_chat
 from llm_server.api.common import check_model, get_service, read_json, served_id, settle
 from llm_server.api.errors import APIError, invalid
 from llm_server.api.responses_input import ResponsesRequest, parse_responses, unknown_response
-from llm_server.api.responses_output import OutputItems, new_id
+from llm_server.api.responses_output import CALL_ITEMS, OutputItems, new_id
 from llm_server.api.responses_store import ResponseStore
 from llm_server.api.streaming import Collected, collect_many
 from llm_server.decoding import FinishReason
@@ -44,6 +44,7 @@ async def create_response(request: Request) -> Response:
     body = await read_json(request)
     store = response_store(request)
     previous: tuple[dict[str, Any], ...] = ()
+    cut: frozenset[str] = frozenset()
     prev_id = body.get("previous_response_id")
     if prev_id is not None:
         if not isinstance(prev_id, str):
@@ -52,7 +53,12 @@ async def create_response(request: Request) -> Response:
         if stored is None:
             raise unknown_response(prev_id, "previous_response_id")
         previous = stored.messages
-    req = parse_responses(body, service, previous)
+        cut = frozenset(
+            o["call_id"]
+            for o in stored.response["output"]
+            if o["type"] in CALL_ITEMS and o["status"] == "incomplete"
+        )
+    req = parse_responses(body, service, previous, cut)
     check_model(service, req.chat.model, served_id(request))
     try:
         started = await start_chat(service, req.chat, "input")  # 429 before any byte (S3)

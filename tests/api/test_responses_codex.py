@@ -266,7 +266,12 @@ def test_cut_call_is_incomplete_and_accepted_back(codex_server, oai):
     chained = oai.responses.create(
         model="default", previous_response_id=cut.id, input=[go_on], **again
     )
+    answered = {"type": "function_call_output", "call_id": call.call_id, "output": "no JSON"}
+    chained_answer = oai.responses.create(
+        model="default", previous_response_id=cut.id, input=[answered, go_on], **again
+    )
     assert sent.usage.input_tokens == plain.usage.input_tokens == chained.usage.input_tokens
+    assert chained_answer.usage.input_tokens == plain.usage.input_tokens
 
 
 def test_codex_cut_call_with_its_output_is_accepted(codex_server):
