@@ -152,3 +152,38 @@ def test_a_malformed_call_the_model_ended_is_text():
     out.feed(text)
     out.finish()
     assert out.error and not out.called and out.content == text
+
+
+# Gemma-style: no system turn, user/assistant must alternate
+NO_SYSTEM_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+    "<turn>{{ m.role }}\n{{ m.content }}</turn>\n{% endfor %}<turn>model\n"
+)
+
+
+def test_a_template_without_a_system_turn_gets_the_tools_in_the_first_user_turn(tiny_model_path):
+    from types import SimpleNamespace
+
+    from llm_server.api.chat_plan import render_prompt
+    from llm_server.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny_model_path, chat_template=NO_SYSTEM_TEMPLATE)
+    syntax = model_syntax(tok.template_source, {}, None)
+    assert syntax.tool_parser == "generic"
+    service = SimpleNamespace(tokenizer=tok, syntax=syntax)
+    history = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
+        {"role": "tool", "content": "sunny"},
+    ]
+    text = tok.decode(render_prompt(service, history, AUTO), skip_special_tokens=False)
+    assert text.startswith("<turn>user\n# Tools\n") and "\n\nWeather?</turn>" in text
+    assert f"<turn>assistant\n{CALL}</turn>" in text
+    assert "<turn>user\n<tool_response>\nsunny\n</tool_response></turn>" in text
