@@ -23,7 +23,7 @@ HOST    ?= 127.0.0.1
 PORT    ?= 8080
 PYTEST_ARGS ?=
 
-.PHONY: install install-dev print-python serve test lint format bench clean
+.PHONY: install install-dev print-python serve test test-mac-dry-run lint format bench clean
 
 install: $(STAMP)
 
@@ -61,6 +61,10 @@ serve: install
 
 test: install-dev
 	$(PY) -m llm_server.blas $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# what `make test` skips on a Mac (the linux_cpu tests), listed here with the reason
+test-mac-dry-run: install-dev
+	LLM_SERVER_PRETEND_PLATFORM=darwin $(PY) -m pytest -q -rs -m linux_cpu $(PYTEST_ARGS)
 
 lint: install-dev
 	$(VENV)/bin/ruff check llm_server converters replay tests

@@ -3,12 +3,64 @@
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+# Tests of the Linux CPU path's own mechanisms: the native decode ops and skinny products (built
+# on Linux only), BLIS's bit patterns, and defaults that hold on the CPU only (compiled decode,
+# fused layers with a rope table, quantized checkpoints dequantized at load). They carry the
+# `linux_cpu` marker and skip elsewhere (a Mac: Metal or Accelerate). The exactness promises
+# themselves (batched == alone, speculation on == off) are NOT here: on a Mac they are what a
+# run should show. `LLM_SERVER_PRETEND_PLATFORM=darwin pytest --collect-only -q -m linux_cpu`
+# (make test-mac-dry-run) lists what a Mac skips. Entries: path, or path::test-name pattern.
+LINUX_CPU = (
+    "tests/test_blas.py",
+    "tests/test_skinny.py",
+    "tests/test_native_jit.py",
+    "tests/test_decode_ops.py",
+    "tests/engines/test_compiled_step.py",
+    "tests/engines/test_fused_decode.py",
+    "tests/engines/test_decode_attention.py",
+    "tests/engines/test_mixed_forward.py::test_a_chunk_in_the_forward_of_seven_decoding_rows*",
+    "tests/benchmark/test_step.py",
+    "tests/api/test_quantized_serving.py::test_dequantized_*",
+    "tests/api/test_quantized_serving.py::test_kept_quantized_with_a_warning_*",
+    "tests/test_float32_check.py::test_a_failing_check_on_linux_*",
+    "tests/test_float32_check.py::test_no_check_re_execs_*",
+)
+PRETEND_ENV = "LLM_SERVER_PRETEND_PLATFORM"  # e.g. darwin: skip as that platform would
+
+
+def _linux_cpu() -> str | None:
+    """None on Linux with MLX on the CPU, else why the linux_cpu tests skip here."""
+    platform = os.environ.get(PRETEND_ENV) or sys.platform
+    if not platform.startswith("linux"):
+        return f"asserts the Linux CPU path (BLIS/skinny arithmetic, CPU defaults); {platform}"
+    import mlx.core as mx
+
+    if mx.default_device() != mx.cpu:
+        return "asserts the Linux CPU path; MLX runs on the GPU here"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = Path(__file__).parents[1]
+    why = None
+    for item in items:
+        path = item.path.relative_to(root).as_posix()
+        name = f"{path}::{item.name}"
+        if any(fnmatch.fnmatchcase(name, e) or path == e for e in LINUX_CPU):
+            item.add_marker(pytest.mark.linux_cpu)
+            why = why or _linux_cpu() or "-"
+            if why != "-":
+                item.add_marker(pytest.mark.skip(reason=why))
+
 
 from llm_server.testing.tiny import TinySpec, build_tiny_checkpoint  # noqa: E402
 

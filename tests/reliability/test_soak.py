@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import random
 import threading
 from collections import Counter
@@ -38,11 +39,10 @@ TOPICS = ["the capital of France", "a cat", "batching", "hello world", "seven ei
 
 
 def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
+    """This process's RSS through the one memory reader (/proc on Linux, psutil or ps on macOS)."""
+    from llm_server.benchmark.memory import sample
+
+    return sample(os.getpid()).rss_bytes / (1 << 20)
 
 
 def _requests(rng: random.Random) -> list[tuple[str, str, dict]]:
