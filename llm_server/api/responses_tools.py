@@ -188,19 +188,17 @@ def chat_tool_choice(choice: Any, tmap: ToolMap) -> Any:
 
 
 def custom_input(arguments: str) -> str:
-    """A custom tool's input from the arguments the model wrote (`{"input": "..."}`); the
-    readable part when the arguments were cut off."""
-    for tail in ("", '"}', "}"):
+    """A custom tool's input from the arguments the model wrote (`{"input": "..."}`): the
+    string so far when they were cut off; the arguments themselves when whole but otherwise."""
+    for tail in ("", '"}', "}"):  # whole, then cut inside the string, then after it
         try:
             value = json.loads(arguments + tail)
         except json.JSONDecodeError:
             continue
-        if isinstance(value, dict) and isinstance(value.get("input"), str):
-            return value["input"]
-        if isinstance(value, dict) and len(value) == 1:  # another key: its value
-            (only,) = value.values()
-            return only if isinstance(only, str) else json.dumps(only, ensure_ascii=False)
-        return arguments if not tail else ""
+        text = value.get("input") if isinstance(value, dict) else None
+        if isinstance(text, str):
+            return text
+        return "" if tail else arguments
     return ""
 
 

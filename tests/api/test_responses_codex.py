@@ -18,6 +18,7 @@ import jsonschema
 import openai
 import pytest
 
+from llm_server.api.responses_tools import ToolMap, chat_tools, custom_input
 from llm_server.testing.tiny import HERMES_TEMPLATE, TinySpec, build_tiny_checkpoint
 from tests.api.helpers import WEATHER_SCHEMA
 
@@ -128,6 +129,7 @@ def test_codex_tools_reach_the_prompt(codex_server, oai):
     description first), the custom tool as one string `input` with its grammar shown, and
     nothing for web_search."""
     body = codex_body(stream=False, max_output_tokens=1, temperature=0)
+    body |= {"reasoning": {"effort": "xhigh", "summary": "auto"}, "service_tier": "priority"}
     r = httpx.post(codex_server.url + "/v1/responses", json=body, timeout=60)
     assert r.status_code == 200, r.text
     custom = {"type": "object", "properties": {"input": {"type": "string", "description":
@@ -303,3 +305,24 @@ def test_bad_tools_name_the_field(codex_server, tools, param):
     body = {"model": "default", "input": "hi", "tools": tools, "max_output_tokens": 2}
     r = httpx.post(codex_server.url + "/v1/responses", json=body, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_custom_input_and_field_names():
+    """A custom call's input is the string the model wrote, also when cut inside it; errors
+    about a flattened tool name its Responses field."""
+    assert custom_input('{"input": "*** Begin Patch"}') == "*** Begin Patch"
+    assert custom_input('{"input": "*** Beg') == "*** Beg"
+    assert custom_input('{"input": "x"') == "x"
+    assert custom_input('{"inp') == "" and custom_input("") == ""
+    assert custom_input('{"patch": "x"}') == '{"patch": "x"}'
+    tools, tmap = chat_tools(CODEX_TOOLS)
+    assert [t["function"]["name"] for t in tools] == [
+        "exec_command",
+        "multi_agent_v1__spawn_agent",
+        "multi_agent_v1__close_agent",
+        "apply_patch",
+    ]
+    assert tmap.dropped == ["web_search"]
+    assert tmap.param("tools[2].function.parameters") == "tools[1].tools[1].parameters"
+    assert tmap.param("tools[3].function.name") == "tools[2].name"
+    assert ToolMap().param("tools[0].function.name") == "tools[0].function.name"
