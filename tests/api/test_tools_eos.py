@@ -1,7 +1,8 @@
 """Forced calls on a checkpoint whose generation_config.json lists several EOS ids (special and
 text tokens, as the one that cut Qwen Code's call): complete and schema-valid 20 times out of 20
-through chat, Responses and Messages, streamed and not, sampled at temperature 1.0; a call cut
-by the token limit is reported as cut on each API."""
+through chat, Responses and Messages, streamed and not, sampled at temperature 1.0, with a
+Hermes template and with the generic format; a call cut by the token limit is reported as cut
+on each API."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from llm_server.testing.tiny import HERMES_TEMPLATE, build_tiny_checkpoint
+from llm_server.testing.tiny import CHATML_TEMPLATE, HERMES_TEMPLATE, build_tiny_checkpoint
 from tests.api.helpers import WEATHER_SCHEMA
 from tests.test_tool_eos import write_eos_list
 
@@ -28,16 +29,19 @@ ANT_TOOLS = [{"name": "get_weather", "description": "Weather", "input_schema": W
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def eos_server(tmp_path_factory):
+@pytest.fixture(scope="module", params=["hermes", "generic"])
+def eos_server(request, tmp_path_factory):
+    """A Hermes template, and plain ChatML (the generic format)."""
     from llm_server.testing.live import serving
 
+    template = HERMES_TEMPLATE if request.param == "hermes" else CHATML_TEMPLATE
     path = build_tiny_checkpoint(
-        tmp_path_factory.mktemp("eos") / "tiny-eos", chat_template=HERMES_TEMPLATE
+        tmp_path_factory.mktemp("eos") / "tiny-eos", chat_template=template
     )
     write_eos_list(path, path / "tokenizer.json")
     with serving(path, concurrent=8) as srv:
         assert len(srv.service.tokenizer.eos_token_ids) == 6
+        assert srv.service.syntax.tool_parser == request.param
         yield srv
 
 
