@@ -221,9 +221,20 @@ def _result(block: dict, param: str) -> str:
     if content is None:
         content = ""
     if isinstance(content, list):
-        content = "".join(_text_block(b, f"{param}.content[{k}]") for k, b in enumerate(content))
+        content = "".join(_result_part(b, f"{param}.content[{k}]") for k, b in enumerate(content))
     if not isinstance(content, str):
         raise invalid(f"{param}.content", "tool_result content must be a string or text blocks")
     if block.get("is_error"):
         return f"Error: {content}"
     return content
+
+
+def _result_part(block: Any, param: str) -> str:
+    """A tool_result's block as text. Claude Code's tool search answers with `tool_reference`
+    blocks and its Read tool with images; refusing them would refuse every later turn too."""
+    kind = block.get("type") if isinstance(block, dict) else None
+    if kind == "tool_reference":
+        return f"Tool available: {block.get('tool_name')}\n"
+    if kind in ("image", "document"):
+        return f"[{kind} omitted: this model reads text only]\n"
+    return _text_block(block, param)

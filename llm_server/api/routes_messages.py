@@ -30,6 +30,7 @@ from llm_server.scheduler import FinishEvent
 from llm_server.service import ModelService
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+CONTEXT_ERROR = "context_length_exceeded"
 
 
 async def create_message(request: Request) -> Response:
@@ -41,8 +42,9 @@ async def create_message(request: Request) -> Response:
 
 
 def _named(exc: APIError) -> str:
-    """The message, led by the field it is about unless it names it already."""
-    if exc.param and exc.param not in exc.message:
+    """The message, led by the field it is about unless it names it already (context errors
+    keep Anthropic's exact words: clients parse them)."""
+    if exc.param and exc.param not in exc.message and exc.code != CONTEXT_ERROR:
         return f"{exc.param}: {exc.message}"
     return exc.message
 
@@ -56,7 +58,8 @@ def check_context(service: ModelService, prompt_tokens: int, max_tokens: int) ->
         raise APIError(
             400,
             f"prompt is too long: {prompt_tokens} tokens > {ctx} maximum",
-            code="context_length_exceeded",
+            param="messages",
+            code=CONTEXT_ERROR,
         )
     if prompt_tokens + max_tokens > ctx:
         raise APIError(
@@ -64,7 +67,7 @@ def check_context(service: ModelService, prompt_tokens: int, max_tokens: int) ->
             f"input length and `max_tokens` exceed context limit: {prompt_tokens} + "
             f"{max_tokens} > {ctx}, decrease input length or `max_tokens` and try again",
             param="max_tokens",
-            code="context_length_exceeded",
+            code=CONTEXT_ERROR,
         )
 
 

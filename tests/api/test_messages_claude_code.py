@@ -268,3 +268,35 @@ def test_structured_output_config(ant):
     )
     assert m.stop_reason == "end_turn"
     assert isinstance(json.loads(m.content[0].text)["n"], int)
+
+
+def test_tool_search_and_image_results_read_as_text(hermes_server):
+    """Claude Code's tool search answers with `tool_reference` blocks (the tool itself sent with
+    `defer_loading`) and Read with image blocks: both read as text, never a 400 that every
+    later turn of the conversation would repeat."""
+    use = {"type": "tool_use", "id": "toolu_1", "name": "ToolSearch", "input": {"query": "grep"}}
+    blocks = [
+        {"type": "tool_reference", "tool_name": "Grep"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}},
+        {"type": "text", "text": "done"},
+    ]
+    text = "Tool available: Grep\n[image omitted: this model reads text only]\ndone"
+
+    def body(content) -> dict:
+        result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": content}
+        return {
+            "model": "default",
+            "max_tokens": 4,
+            "tools": [BASH, {**BASH, "name": "Grep", "defer_loading": True}],
+            "messages": [
+                {"role": "user", "content": "Find it."},
+                {"role": "assistant", "content": [use]},
+                {"role": "user", "content": [{**result, "cache_control": CACHE}]},
+            ],
+            **GREEDY,
+        }
+
+    r = _post(hermes_server, body(blocks))
+    assert r.status_code == 200, r.text
+    counted = [_post(hermes_server, body(c), "/v1/messages/count_tokens") for c in (blocks, text)]
+    assert counted[0].json() == counted[1].json()
