@@ -86,13 +86,13 @@ def parse_messages_request(
         "reasoning_effort": effort,
         "response_format": response_format,
     }
-    chat = parse_translated(messages, fields, service, _renamed)
+    chat = parse_translated(messages, fields, service, messages_param)
     if len(body.get("stop_sequences") or ()) > CHAT_MAX_STOPS:  # parse_chat saw the first few
         chat = replace(chat, params=replace(chat.params, stop=tuple(body["stop_sequences"])))
     return replace(chat, thinking_budget=budget)
 
 
-def _renamed(param: str | None) -> str | None:
+def messages_param(param: str | None) -> str | None:
     if param is None:
         return None
     if param.startswith("tools[") and ".function" in param:

@@ -21,7 +21,7 @@ from llm_server.api.chat_plan import chat_prompt
 from llm_server.api.chat_run import TAIL, Finished, Started, answer_deltas, assemble, start_chat
 from llm_server.api.common import check_model, get_service, read_json, served_id, settle
 from llm_server.api.errors import APIError, invalid, note_refusal
-from llm_server.api.messages_input import parse_messages_request
+from llm_server.api.messages_input import messages_param, parse_messages_request
 from llm_server.api.messages_output import ContentBlocks, error_body, error_response
 from llm_server.api.responses_output import final_deltas, new_id
 from llm_server.api.streaming import collect_many
@@ -37,8 +37,9 @@ async def create_message(request: Request) -> Response:
     try:
         return await _create(request)
     except APIError as exc:
+        message = _named(exc)
         note_refusal(request, exc)  # the field for the 4xx log line
-        return error_response(exc.status, _named(exc), exc.headers)
+        return error_response(exc.status, message, exc.headers)
 
 
 def _named(exc: APIError) -> str:
@@ -80,8 +81,9 @@ async def count_tokens(request: Request) -> Response:
         check_model(service, chat.model, served_id(request))
         prompt = chat_prompt(service, chat)
     except APIError as exc:
+        message = _named(exc)
         note_refusal(request, exc)
-        return error_response(exc.status, _named(exc), exc.headers)
+        return error_response(exc.status, message, exc.headers)
     return JSONResponse({"input_tokens": len(prompt)})
 
 
@@ -90,11 +92,13 @@ async def _create(request: Request) -> Response:
     body = await read_json(request)
     chat = parse_messages_request(body, service)
     check_model(service, chat.model, served_id(request))
-    started = await start_chat(  # context errors, then a 429, before any byte (S3)
-        service,
-        chat,
-        check_length=lambda n: check_context(service, n, chat.params.max_tokens),
-    )
+    try:  # context errors, then a 429, before any byte (S3)
+        started = await start_chat(
+            service, chat, check_length=lambda n: check_context(service, n, chat.params.max_tokens)
+        )
+    except APIError as exc:  # planning names chat fields (response_format: output_config.format)
+        exc.param = messages_param(exc.param)
+        raise
     head = {
         "id": new_id("msg"),
         "type": "message",

@@ -243,10 +243,12 @@ BAD = [
                    {"role": "user", "content": "x"}]}, "messages[0].content[0].type: "),
     ({"tools": [{"name": "f", "input_schema": 3}]}, "tools[0].input_schema: "),
     ({"top_p": 7}, "top_p"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
+      "tools": [BASH]}, "output_config.format: "),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("extra", "words"), BAD, ids=[next(iter(e)) for e, _ in BAD])
+@pytest.mark.parametrize(("extra", "words"), BAD, ids=[w.split(":")[0] for _, w in BAD])
 def test_each_400_names_its_field(hermes_server, extra, words):
     body = {"model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
     r = _post(hermes_server, {**body, **extra})
