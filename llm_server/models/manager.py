@@ -228,6 +228,10 @@ class ModelManager:
                 for s in self.slots.values()
                 if s is not slot and s.status is Status.LOADED and s.idle() and not s.entry.pinned
             ]
+            freeing = [s.task for s in self.slots.values() if s.status is Status.UNLOADING]
+            if not victims and freeing:  # an unload under way returns its bytes first
+                await asyncio.wait([t for t in freeing if t is not None])
+                continue
             if not victims:
                 busy = [s for s in self.slots.values() if s.counted]
                 held = ", ".join(f"{s.entry.id} {format_bytes(s.counted)}" for s in busy)

@@ -72,6 +72,7 @@ class ManagedServer:
         self._thread = threading.Thread(target=asyncio.run, args=(self._serve(),), daemon=True)
 
     async def _serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
         self.manager.start()
         try:
             await self.server.serve(sockets=[self._sock])
@@ -86,6 +87,10 @@ class ManagedServer:
                 raise TimeoutError("uvicorn did not start")
             time.sleep(0.01)
         return self
+
+    def call(self, coro):
+        """Run `coro` on the server's event loop (where the manager lives); its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(120)
 
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True

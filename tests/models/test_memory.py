@@ -121,3 +121,29 @@ def test_unloading_frees_the_model(tiny_models, entries):
         gc.collect()
         assert service() is None and engine() is None
         assert mx.get_active_memory() <= before
+
+
+async def _hold(manager, name):
+    return await manager.acquire(name)
+
+
+async def _let_go(manager, slot):
+    manager.release(slot)
+
+
+def test_a_model_serving_requests_is_never_unloaded(tiny_models, entries):
+    with ManagedServer(entries, budget=_budget_for_two(tiny_models)) as srv:
+        held = srv.call(_hold(srv.manager, "alpha"))  # a request running on alpha
+        _complete(srv.url, "beta")  # alpha is now the least recently used, but busy
+        assert _complete(srv.url, "gamma").status_code == 200
+        assert _statuses(srv.url) == {"alpha": "loaded", "beta": "unloaded", "gamma": "loaded"}
+        busy = httpx.post(f"{srv.url}/v1/models/alpha/unload", timeout=60)
+        assert busy.status_code == 409 and busy.json()["error"]["code"] == "model_busy"
+        also = srv.call(_hold(srv.manager, "gamma"))
+        full = _complete(srv.url, "beta")  # both loaded models serve: no room
+        assert full.status_code == 503 and full.headers["Retry-After"] == "5"
+        assert full.json()["error"]["code"] == "insufficient_memory"
+        srv.call(_let_go(srv.manager, held))
+        srv.call(_let_go(srv.manager, also))
+        assert _complete(srv.url, "beta").status_code == 200  # alpha, now idle and LRU, went
+        assert _statuses(srv.url) == {"alpha": "unloaded", "beta": "loaded", "gamma": "loaded"}
