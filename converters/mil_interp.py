@@ -3,6 +3,10 @@
 Covers exactly the ops `coreml_export` emits (after coremltools' default passes). Each op computes
 in float32 and rounds its result to the dtype the program declares for it, so fp16 storage of
 activations and KV states is reproduced; accumulation is fp32 (as on Apple GPUs/ANE).
+`exact_products=True` accumulates matmul/linear in float64 and rounds to float32 instead: each
+element is then the same whatever the shape it is computed in, where numpy's BLAS sums in an
+order that depends on the rows (one fp16 rounding flip moves a log-prob by ~2e-3), so a test can
+tell padding logic from summation order.
 """
 
 from __future__ import annotations
@@ -79,6 +83,21 @@ def _linear(x, weight, bias=None):
     return out if bias is None else out + _f32(bias)
 
 
+def _matmul_exact(x, y, transpose_x=False, transpose_y=False):
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    out = (np.swapaxes(x, -1, -2) if transpose_x else x) @ (
+        np.swapaxes(y, -1, -2) if transpose_y else y
+    )
+    return out.astype(np.float32)
+
+
+def _linear_exact(x, weight, bias=None):
+    out = (np.asarray(x, np.float64) @ np.asarray(weight, np.float64).T).astype(np.float32)
+    return out if bias is None else out + _f32(bias)
+
+
+_EXACT: dict[str, Callable[..., np.ndarray]] = {"matmul": _matmul_exact, "linear": _linear_exact}
+
 _OPS: dict[str, Callable[..., np.ndarray]] = {
     "add": lambda x, y: _f32(x) + _f32(y),
     "sub": lambda x, y: _f32(x) - _f32(y),
@@ -115,7 +134,8 @@ _OPS: dict[str, Callable[..., np.ndarray]] = {
 class MilInterpreter:
     """A stateful numpy runner for one package: `predict` carries the KV states across calls."""
 
-    def __init__(self, package_path: str | Path):
+    def __init__(self, package_path: str | Path, exact_products: bool = False):
+        self.ops = {**_OPS, **_EXACT} if exact_products else _OPS
         program = load_program(package_path)
         self.function = program.functions["main"]
         self.state: dict[str, np.ndarray] = {}
@@ -155,9 +175,9 @@ class MilInterpreter:
             elif op.op_type == "coreml_update_state":
                 result = value(op.inputs["value"])
                 self.state[op.inputs["state"].name] = result
-            elif op.op_type in _OPS:
+            elif op.op_type in self.ops:
                 args = {k: value(v) for k, v in op.inputs.items()}
-                result = _OPS[op.op_type](**args)
+                result = self.ops[op.op_type](**args)
             else:
                 raise NotImplementedError(f"MIL op {op.op_type!r} is not interpreted")
             dtype = types.nptype_from_builtin(out.dtype)

@@ -9,11 +9,14 @@ through inputs (see converters/coreml_export.py):
   the rest with MASK_HIDDEN (finite, so a fully hidden row yields finite garbage, not NaN).
 `RowDriver` holds that logic in numpy with the forward passed in, so the numpy MIL interpreter
 exercises it on Linux; `CoreMLEngine` plugs in `MLModel.predict` with a state from `make_state`.
+Given another object with MLModel's face (llm_server/testing/coreml_interp.py: the interpreter),
+the same serving code runs on Linux: the tests serve an export through it.
 """
 
 from __future__ import annotations
 
 import json
+import platform
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -100,8 +103,15 @@ class RowDriver:
         n, q = tokens.shape
         if n > self.rows or self.score_cursor + q > self.context_length:
             raise ValueError(f"scoring chunk {tokens.shape} does not fit the graph")
-        slots = {r: (list(tokens[r]), self.score_cursor) for r in range(n)}
-        logits = self._run("score", slots, next(s for s in self.q_sizes if s >= q))[:n, :q]
+        # the chunk in the graph's sizes: a context under 128 (its largest q size) can be handed
+        # a chunk that no one size holds (context 100: 100 positions, sizes up to 64)
+        parts, done = [], 0
+        for take, size in self._chunks(q):
+            start = self.score_cursor + done
+            slots = {r: (list(tokens[r, done : done + take]), start) for r in range(n)}
+            parts.append(self._run("score", slots, size)[:n, :take])
+            done += take
+        logits = np.concatenate(parts, axis=1)
         self.score_cursor += q
         return reduce_logprobs(log_softmax(np.array(logits, dtype=np.float32)), targets, top_k)
 
@@ -113,6 +123,30 @@ def _package_of(model_path: Path) -> Path:
     if not packages:
         raise FileNotFoundError(f"{model_path}: no .mlpackage found")
     return packages[0]
+
+
+def require_macos_15(system: str | None = None, release: str | None = None) -> None:
+    """Raise one clear error unless this is macOS 15 or later (the export's KV cache is a Core ML
+    state, an iOS 18 / macOS 15 feature: an older Core ML cannot load the graph)."""
+    system = sys.platform if system is None else system
+    if system != "darwin":
+        raise RuntimeError("the Core ML engine runs only on macOS 15+; use --backend mlx here")
+    release = platform.mac_ver()[0] if release is None else release
+    try:
+        major = int(release.split(".")[0])
+    except ValueError:
+        return  # an unreadable version: let Core ML decide
+    if major < 15:
+        raise RuntimeError(
+            f"the Core ML engine needs macOS 15 or later (stateful KV cache); this is macOS "
+            f"{release}: use --backend mlx, or serve the MLX export of the same model"
+        )
+
+
+def _load(package: Path):
+    import coremltools as ct
+
+    return ct.models.MLModel(str(package), compute_units=ct.ComputeUnit.ALL)
 
 
 class CoreMLEngine:
@@ -131,13 +165,13 @@ class CoreMLEngine:
     def thread_exit(self) -> None:
         """Nothing is held per thread."""
 
-    def __init__(self, model_path: str | Path) -> None:
-        if sys.platform != "darwin":
-            raise RuntimeError("the Core ML engine runs only on macOS 15+; use --backend mlx here")
-        import coremltools as ct
-
+    def __init__(self, model_path: str | Path, model=None) -> None:
+        """`model`: an object with MLModel's `user_defined_metadata`, `make_state()` and
+        `predict(inputs, state=)` (default: the package loaded by Core ML, macOS 15+)."""
+        if model is None:
+            require_macos_15()  # first: on Linux or an old macOS this is the one error
         package = _package_of(Path(model_path))
-        self.model = ct.models.MLModel(str(package), compute_units=ct.ComputeUnit.ALL)
+        self.model = _load(package) if model is None else model
         manifest = json.loads(self.model.user_defined_metadata["llm_manifest"])
         self.rows = int(manifest["rows"])
         self.context_length = int(manifest["context_length"])
