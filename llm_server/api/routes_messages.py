@@ -37,9 +37,14 @@ async def create_message(request: Request) -> Response:
     try:
         return await _create(request)
     except APIError as exc:
-        message = _named(exc)
-        note_refusal(request, exc)  # the field for the 4xx log line
-        return error_response(exc.status, message, exc.headers)
+        return _refused(request, exc)
+
+
+def _refused(request: Request, exc: APIError) -> Response:
+    """Anthropic's error body for `exc`; the field goes to the 4xx log line too."""
+    message = _named(exc)
+    note_refusal(request, exc)
+    return error_response(exc.status, message, exc.headers)
 
 
 def _named(exc: APIError) -> str:
@@ -81,9 +86,7 @@ async def count_tokens(request: Request) -> Response:
         check_model(service, chat.model, served_id(request))
         prompt = chat_prompt(service, chat)
     except APIError as exc:
-        message = _named(exc)
-        note_refusal(request, exc)
-        return error_response(exc.status, message, exc.headers)
+        return _refused(request, exc)
     return JSONResponse({"input_tokens": len(prompt)})
 
 
