@@ -133,9 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--dtype",
-        default="float32",
+        default=None,
         choices=["float32", "float16", "bfloat16"],
-        help="compute dtype (float32 on CPU; default float32)",
+        help="compute dtype (default: float32 on the CPU; on Metal the checkpoint's own "
+        "bfloat16/float16, half the memory of float32)",
     )
     p.add_argument(
         "--backend",

@@ -61,6 +61,9 @@ def test_cli_flags(cli_server):
     )
     auth = {"Authorization": "Bearer cli-key"}
     assert httpx.get(url + "/v1/models", headers=auth).status_code == 200
+    health = httpx.get(url + "/health").json()
+    assert health["dtype"] == "float32"  # no --dtype: float32 on the CPU
+    assert health["float32_precision"] == "full"  # MLX_ENABLE_TF32=0 unless the user set it
     big = {"messages": [{"role": "user", "content": "x" * 2000}]}
     err = assert_openai_error(httpx.post(url + "/v1/chat/completions", json=big, headers=auth), 413)
     assert "1024" in err["message"]
@@ -98,3 +101,58 @@ def test_every_flag_is_in_the_readme_flag_table():
     ]
     assert len(flags) > 30
     assert [f for f in flags if not re.search(rf"`{re.escape(f)}[` ]", table)] == []
+
+
+def _half_checkpoint(src, dst, torch_dtype):
+    """A copy of the tiny checkpoint whose config names `torch_dtype` (None: no such key)."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    if torch_dtype:
+        config["torch_dtype"] = torch_dtype
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_dtype_default_is_float32_on_the_cpu_and_the_checkpoints_own_on_metal(
+    tiny_model_path, tmp_path
+):
+    import json
+    import struct
+
+    from llm_server.cli import build_parser
+    from llm_server.engines.dtypes import default_dtype
+
+    assert build_parser().parse_args([]).dtype is None  # resolved by device at load
+    assert build_parser().parse_args(["--dtype", "float16"]).dtype == "float16"
+    bf16 = _half_checkpoint(tiny_model_path, tmp_path / "bf16", "bfloat16")
+    assert default_dtype(bf16, on_cpu=True) == "float32"
+    assert default_dtype(bf16, on_cpu=False) == "bfloat16"
+    assert default_dtype(tiny_model_path, on_cpu=False) == "float32"  # a float32 checkpoint
+    # no dtype in config.json: the first safetensors header's tensor dtype decides
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text("{}")
+    header = json.dumps({"w": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]}}).encode()
+    (bare / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+    assert default_dtype(bare, on_cpu=False) == "float16"
+    assert default_dtype(tmp_path / "x.gguf", on_cpu=False) == "float32"
+
+
+def test_the_engine_resolves_no_dtype_by_device(tiny_model_path, tmp_path, monkeypatch):
+    """MLXEngine(dtype=None), what the CLI passes without --dtype: float32 here (the CPU); with
+    the device taken for Metal, the bf16 checkpoint's weights stay bfloat16; --dtype wins."""
+    import mlx.core as mx
+
+    from llm_server.engines import dtypes, mlx_engine
+
+    bf16 = _half_checkpoint(tiny_model_path, tmp_path / "bf16", "bfloat16")
+    assert mlx_engine.MLXEngine(bf16).dtype == "float32"
+    monkeypatch.setattr(mlx_engine, "default_dtype", lambda p: dtypes.default_dtype(p, False))
+    engine = mlx_engine.MLXEngine(bf16)
+    assert engine.dtype == "bfloat16"
+    assert engine.model.model.embed_tokens.weight.dtype == mx.bfloat16
+    assert mlx_engine.MLXEngine(bf16, dtype="float32").dtype == "float32"

@@ -18,6 +18,8 @@ import pytest
 
 from llm_server import blas
 
+TF32 = "MLX_ENABLE_TF32"  # dropped from the children's env: the entry point must set it
+
 FORCE_WRONG = (
     "import os, sys\n"
     "from llm_server import blas\n"
@@ -27,7 +29,7 @@ FORCE_WRONG = (
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
-    drop = ("LD_PRELOAD", "BLIS_NUM_THREADS", "GLIBC_TUNABLES", "LLM_SERVER_BLAS_REEXEC")
+    drop = ("LD_PRELOAD", "BLIS_NUM_THREADS", "GLIBC_TUNABLES", "LLM_SERVER_BLAS_REEXEC", TF32)
     return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
 
 

@@ -22,6 +22,7 @@ from llm_server import blas
 from llm_server.engines import cpu_kernels, quantized
 from llm_server.engines.bare_checkpoint import model_classes
 from llm_server.engines.base import EngineError
+from llm_server.engines.dtypes import default_dtype
 from llm_server.engines.fused_decode import FusedForward
 from llm_server.engines.layout import (
     GROUPED_SCORE_MODULES,
@@ -64,7 +65,7 @@ class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
         model_path: str | Path,
         rows: int = 1,
         context_length: int | None = None,
-        dtype: str = "float32",
+        dtype: str | None = None,  # None: float32 on the CPU, the checkpoint's own on Metal
         prefix_cache_bytes: int | None = None,
         padded_shapes: bool = False,
         fused_decode: bool = True,
@@ -106,6 +107,7 @@ class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
             raise ValueError(f"rows must be >= 1, got {rows}")
         if rows > 1 and not supports_batching(path):
             rows = 1  # an export with one row or no attn_mask (the scheduler warns, S1)
+        dtype = dtype or default_dtype(path)  # engines/dtypes.py
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         config = json.loads((path / "config.json").read_text())
