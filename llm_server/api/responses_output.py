@@ -56,6 +56,7 @@ class OutputItems:
         self._open: dict[str, Any] | None = None
         self._args: dict[str, str] = {}  # a custom call's raw arguments by item id
         self._held = ""  # text after a call, until the answer ends
+        self._cut = False  # the open call was cut by the token limit (set by finish)
 
     def feed(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
         """Events for one chat delta."""
@@ -109,10 +110,8 @@ class OutputItems:
         call the limit cut, `answer.open_call`, is incomplete whatever its arguments)."""
         if answer.error is not None:
             self._held = ""
-        events = self._release()
-        if answer.open_call and self._open is not None and self._open["type"] in CALL_ITEMS:
-            self._open["cut"] = True
-        return events + self.close(status)
+        self._cut = answer.open_call
+        return self._release() + self.close(status)
 
     def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         self.items.append(item)
@@ -167,7 +166,7 @@ class OutputItems:
         index = len(self.items) - 1
         where = {"item_id": item["id"], "output_index": index}
         events: list[dict[str, Any]] = []
-        cut = item.pop("cut", False)
+        cut, self._cut = self._cut and item["type"] in CALL_ITEMS, False
         if item["type"] == "function_call":
             whole = json_object(item["arguments"]) and not cut
             item["status"] = "completed" if whole else "incomplete"
