@@ -342,7 +342,7 @@ def _serve_models(args: argparse.Namespace) -> int:
     if not entries:
         raise SystemExit("llm-server: no models to serve (the Hugging Face cache is empty)")
     sock, url = _bind(args)
-    from llm_server.models.daemon import run_models_server
+    from llm_server.server import run_models_server
 
     return asyncio.run(run_models_server(args, entries, sock, url))
 

@@ -195,6 +195,60 @@ async def run_server(
     return 0 if state.service is not None and state.service.ready else 1
 
 
+async def run_models_server(
+    args: argparse.Namespace, entries: list, sock: socket.socket, url: str
+) -> int:
+    """Serve the registry `entries` (models.registry.ModelEntry) until stopped."""
+    from llm_server.models.daemon import build_manager, manage
+    from llm_server.models.memory import format_bytes
+
+    manager = build_manager(args, entries, service_from_args)
+    state = AppState(None, manager.default_id, manager=manager)
+    request_log = open_request_log(args.log_requests)
+    app = create_app(
+        state,
+        api_key=args.api_key,
+        cors_origins=args.cors_origin,
+        max_body_bytes=args.max_body_size,
+        request_log=request_log,
+    )
+    manage(state, app)
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=30,
+        http="h11",
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+    )
+    server = DrainingServer(config, state, drain_timeout=args.drain_timeout)
+
+    async def start() -> None:
+        manager.start()
+        pinned = [s.task for s in manager.slots.values() if s.task is not None]
+        await asyncio.gather(*pinned, return_exceptions=True)
+        log.info(
+            "serving %d models (%s pinned) within %s",
+            len(manager.slots),
+            sum(e.pinned for e in entries),
+            format_bytes(manager.config.budget),
+        )
+        print(f"llm-server ready on {url}", flush=True)
+
+    starter = asyncio.create_task(start())
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        state.draining = True
+        starter.cancel()
+        await manager.close()
+        if request_log is not None:
+            await asyncio.to_thread(request_log.close)
+        with contextlib.suppress(OSError):
+            sock.close()
+    return 0
+
+
 def open_request_log(path: str | None) -> RequestRecorder | None:
     """The --log-requests recorder (appending), or None; exits with a message if unwritable."""
     if not path:
