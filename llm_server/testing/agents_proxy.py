@@ -183,3 +183,77 @@ class RecordingProxy:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def answer_text(ex: Exchange) -> str:
+    """The text an answer carried (chat, Responses or Messages; streamed or not)."""
+    parts = []
+    for ev in ex.events():
+        kind = ev.get("type", "")
+        if kind == "response.output_text.delta":
+            parts.append(ev.get("delta", ""))
+        elif kind == "content_block_delta" and ev["delta"].get("type") == "text_delta":
+            parts.append(ev["delta"]["text"])
+        elif ev.get("object") == "chat.completion.chunk":
+            parts += [(c.get("delta") or {}).get("content") or "" for c in ev["choices"]]
+        elif ev.get("object") == "chat.completion":
+            parts += [c["message"].get("content") or "" for c in ev["choices"]]
+        elif ev.get("object") == "response":
+            for item in ev.get("output", []):
+                parts += [c.get("text", "") for c in item.get("content") or []]
+        elif kind == "message":
+            parts += [b.get("text", "") for b in ev.get("content", []) if b["type"] == "text"]
+    return "".join(parts)
+
+
+def prompt_usage(ex: Exchange) -> tuple[int, int]:
+    """(prompt tokens, of which cached) that an answer reported."""
+    for ev in reversed(ex.events()):
+        usage = ev.get("usage") or (ev.get("response") or {}).get("usage")
+        if not usage and ev.get("type") == "message_start":
+            usage = ev["message"]["usage"]
+        if not usage:
+            continue
+        if "prompt_tokens" in usage:
+            return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+        if "cache_read_input_tokens" in usage and "input_tokens" in usage:
+            read = usage["cache_read_input_tokens"] or 0
+            made = usage.get("cache_creation_input_tokens") or 0
+            return usage["input_tokens"] + read + made, read
+        if "input_tokens_details" in usage:
+            return usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"]
+    raise ValueError(f"no usage in the answer to {ex.path}")
+
+
+def call_ids(ex: Exchange) -> list[str]:
+    """The ids of the tool calls an answer made."""
+    ids = []
+    for ev in ex.events():
+        item = ev.get("item") or {}
+        if ev.get("type") == "response.output_item.done" and item.get("type") == "function_call":
+            ids.append(item["call_id"])
+        block = ev.get("content_block") or {}
+        if ev.get("type") == "content_block_start" and block.get("type") == "tool_use":
+            ids.append(block["id"])
+        for choice in ev.get("choices", []):
+            for call in (choice.get("delta") or choice.get("message") or {}).get(
+                "tool_calls"
+            ) or []:
+                if call.get("id"):
+                    ids.append(call["id"])
+    return ids
+
+
+def tool_results(ex: Exchange) -> list[str]:
+    """The call ids whose results a request sends back."""
+    body = ex.body or {}
+    out = []
+    for item in body.get("input") if isinstance(body.get("input"), list) else []:
+        if item.get("type") == "function_call_output":
+            out.append(item["call_id"])
+    for msg in body.get("messages") or []:
+        if msg.get("role") == "tool":
+            out.append(msg.get("tool_call_id"))
+        if isinstance(msg.get("content"), list):
+            out += [b["tool_use_id"] for b in msg["content"] if b.get("type") == "tool_result"]
+    return out
