@@ -53,9 +53,17 @@ def _served(package: Path):
     return serving(package, concurrent=ROWS, engine_factory=lambda: interpreted_engine(package))
 
 
-def test_four_concurrent_greedy_requests_equal_the_mlx_engine(exports):
+def test_four_concurrent_greedy_requests_equal_the_mlx_engine(exports, monkeypatch):
     """4 rows decoded together (Core ML: fp16 through the interpreter; MLX: float32) give the
-    same tokens; a stop sequence ends its row, whose release leaves the next request exact."""
+    same tokens; a stop sequence ends its row, whose release leaves the next request exact.
+    The steps go through `run_by_primitives` (the engine has no mixed forward)."""
+    steps = []
+    primitives = coreml_engine.run_by_primitives
+    monkeypatch.setattr(
+        coreml_engine,
+        "run_by_primitives",
+        lambda e, plan: steps.append(plan) or primitives(e, plan),
+    )
     with serving(exports["src"], concurrent=ROWS) as srv:
         want = _complete_all(srv.url, [_greedy(p) for p in PROMPTS])
         stop = want[1]["text"][2:4]  # inside the second answer
@@ -67,6 +75,7 @@ def test_four_concurrent_greedy_requests_equal_the_mlx_engine(exports):
         again = _complete_all(srv.url, [_greedy(p) for p in PROMPTS])
         engine = srv.service.engine
         assert srv.service.engine.name == "coreml" and engine.model.calls  # the interpreter ran
+        assert steps and {q for _, q in engine.model.calls} <= {1, 16}  # decode, prefill chunks
         assert [engine.cursor(r) for r in range(ROWS)] == [0] * ROWS  # every row released
         assert httpx.get(srv.url + "/health").json()["engine"] == "coreml"
     tokens = [c["logprobs"]["tokens"] for c in want]
