@@ -136,9 +136,18 @@ def test_graph_without_attn_mask_does_not_batch(tmp_path):
     assert not supports_batching(tmp_path / "plain.mlpackage")
 
 
-@pytest.mark.skipif(
-    sys.platform != "darwin", reason="Core ML models run only on macOS (MLModel.predict)"
-)
+def _coreml_unavailable() -> str | None:
+    """Why MLModel.predict cannot run the export here (not macOS 15+), or None."""
+    from llm_server.engines.coreml_engine import require_macos_15
+
+    try:
+        require_macos_15()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.skipif(_coreml_unavailable() is not None, reason=str(_coreml_unavailable()))
 def test_coreml_engine_matches_interpreter(exported):
     from llm_server.engines.coreml_engine import CoreMLEngine
 
