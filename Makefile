@@ -23,7 +23,7 @@ HOST    ?= 127.0.0.1
 PORT    ?= 8080
 PYTEST_ARGS ?=
 
-.PHONY: install install-dev print-python serve test test-mac-dry-run lint format bench clean
+.PHONY: install install-dev print-python serve test test-agents test-mac-dry-run lint format bench clean
 
 install: $(STAMP)
 
@@ -61,6 +61,16 @@ serve: install
 
 test: install-dev
 	$(PY) -m llm_server.blas $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# the real coding agents (tests/agents): pinned npm versions into ~/.cache/llm-server/agents,
+# run against a live server; node and npm from Debian where missing (README "Coding agents")
+test-agents: install-dev
+	@command -v npm >/dev/null 2>&1 || { echo "installing nodejs and npm (Debian)"; \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+			$$SUDO apt-get install -y -qq nodejs npm; }
+	$(PY) -m llm_server.testing.agents_install
+	LLM_SERVER_AGENT_TESTS=1 $(PY) -m llm_server.blas $(PY) -m pytest -q tests/agents $(PYTEST_ARGS)
 
 # what `make test` skips on a Mac (the linux_cpu tests), listed here with the reason
 test-mac-dry-run: install-dev
