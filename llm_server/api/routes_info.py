@@ -7,6 +7,7 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from llm_server.api.chat_plan import render_prompt
 from llm_server.api.chat_tools import parse_template_kwargs, parse_tools
 from llm_server.api.common import check_model, get_service, read_json, served_id
 from llm_server.api.errors import invalid
@@ -14,7 +15,6 @@ from llm_server.api.routes_models import list_managed, managed_health
 from llm_server.api.schemas import parse_messages
 from llm_server.api.state import AppState
 from llm_server.blas import active_blas, float32_precision
-from llm_server.tokenizer import ChatTemplateError
 
 
 async def list_models(request: Request) -> Response:
@@ -93,12 +93,9 @@ async def tokenize(request: Request) -> Response:
         raise invalid("add_special_tokens", "'add_special_tokens' must be a boolean")
     tok = service.tokenizer
     if "messages" in body:
-        try:
-            tools = [t.template_dict() for t in parse_tools(body).tools] or None
-            kwargs = parse_template_kwargs(body)
-            ids = tok.apply_chat_template(list(parse_messages(body)), tools, kwargs)
-        except ChatTemplateError as exc:
-            raise invalid("messages", str(exc)) from None
+        # the prompt chat sends (tools in the generic format where the template shows none)
+        kwargs = parse_template_kwargs(body)
+        ids = render_prompt(service, list(parse_messages(body)), parse_tools(body), kwargs)
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
