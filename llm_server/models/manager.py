@@ -26,6 +26,7 @@ from llm_server.models.slots import (
     InsufficientMemory,
     ModelBusy,
     ModelError,
+    ModelInUse,
     ModelLoadFailed,
     ModelNotFound,
     ModelSlot,
@@ -158,18 +159,15 @@ class ModelManager:
                 await asyncio.shield(slot.task)
         if slot.status is Status.LOADED:
             if not slot.idle():
-                err = ModelError(f"model {slot.entry.id!r} has {slot.active} running requests")
-                err.status, err.code = 409, "model_busy"
-                raise err
+                raise ModelInUse(f"model {slot.entry.id!r} has {slot.active} running requests")
             await asyncio.shield(self._start_unload(slot))
         return slot
 
     async def _load(self, slot: ModelSlot) -> None:
+        slot.status = Status.LOADING  # queued behind other loads, or loading
         async with self._lock:
-            if slot.status is Status.LOADED:
-                return
             entry = slot.entry
-            slot.status, slot.error = Status.LOADING, None
+            slot.error = None
             started = time.monotonic()
             try:
                 service = await self._load_locked(slot)

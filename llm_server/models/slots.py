@@ -108,5 +108,9 @@ class InsufficientMemory(ModelError):
     status, code, retry_after = 503, "insufficient_memory", 5
 
 
+class ModelInUse(ModelError):
+    status, code = 409, "model_busy"
+
+
 class ModelBusy(ModelError):
     status, code, retry_after = 429, "queue_full", 1
