@@ -356,6 +356,9 @@ def test_a_template_without_tool_syntax_gets_the_generic_format(server):
     jsonschema.validate(json.loads(call.function.arguments), WEATHER_SCHEMA)
     plain = c.chat.completions.create(model="default", messages=ASK, max_tokens=1)
     assert r.usage.prompt_tokens > plain.usage.prompt_tokens  # the tools block is in the prompt
+    body = {"messages": ASK, "tools": TOOLS, "tool_choice": named}
+    counted = httpx.post(server.url + "/tokenize", json=body, timeout=30).json()["count"]
+    assert counted == r.usage.prompt_tokens  # /tokenize shows the same block
     r = c.chat.completions.create(
         model="default", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=2
     )
