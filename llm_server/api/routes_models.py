@@ -70,6 +70,15 @@ def managed_health(state: AppState, manager: ModelManager) -> Response:
                     "last_error": stats.last_error,
                 }
             )
+            cache = svc.prefix_cache_stats()
+            if cache is not None:
+                entry["prefix_cache"] = {
+                    "hits": cache.hits,
+                    "hit_tokens": cache.hit_tokens,
+                    "entries": cache.entries,
+                    "bytes": cache.bytes,
+                    "max_bytes": cache.max_bytes,
+                }
         models[model_id] = entry
     ready = not state.draining
     body = {

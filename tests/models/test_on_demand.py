@@ -34,22 +34,28 @@ def wait_status(url: str, model: str, status: str, timeout: float = 60) -> None:
         time.sleep(0.05)
 
 
-def test_concurrent_requests_each_equal_a_single_model_server(tiny_models, entries, live_server):
+def test_concurrent_requests_each_equal_a_single_model_server(
+    tiny_models, entries, live_server, default_model_path
+):
+    models = {**tiny_models, "smol": default_model_path}  # and the embedded default
     single = {}
-    for name, path in tiny_models.items():
+    for name, path in models.items():
         srv = live_server(path)
         single[name] = _complete(srv.url, None).json()["choices"][0]["text"]
-    assert len(set(single.values())) == 3  # three different models
+    assert len(set(single.values())) == 4  # four different models
+    entries = [*entries, ModelEntry(id="smol", source=str(default_model_path))]
     with ManagedServer(entries) as srv:
         assert set(_statuses(srv.url).values()) == {"unloaded"}
-        names = [*tiny_models] * 2
-        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        names = [*models] * 2
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda n: _complete(srv.url, n), names))
         for name, response in zip(names, answers, strict=True):
             assert response.status_code == 200, response.text
             assert response.json()["model"] == name
             assert response.json()["choices"][0]["text"] == single[name]
         assert set(_statuses(srv.url).values()) == {"loaded"}
+        health = httpx.get(f"{srv.url}/health", timeout=30).json()["models"]
+        assert all(h["prefix_cache"]["max_bytes"] > 0 for h in health.values())  # one each
         chat = httpx.post(
             f"{srv.url}/v1/chat/completions",
             json={
