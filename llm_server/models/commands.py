@@ -57,12 +57,16 @@ def ls(args: argparse.Namespace) -> int:
     from llm_server.models.hub import cached_repos
 
     registry = Path(args.models).expanduser() if args.models else default_registry_path()
+    cached = cached_repos()
+    sizes = {repo.repo_id: format_bytes(repo.size) for repo in cached}
     rows = [("NAME", "WHERE", "SIZE")]
     if args.models or registry.is_file():
         for entry in load_registry(registry):
-            rows.append((entry.id, f"registry: {entry.source}", _disk(entry.source)))
-    for repo in cached_repos():
-        rows.append((repo.repo_id, "hf cache", format_bytes(repo.size)))
+            hub = entry.source.split("@", 1)[0]  # a hub id's size: its cache folder's
+            size = sizes.get(hub) or _disk(entry.source)
+            rows.append((entry.id, f"registry: {entry.source}", size))
+    for repo in cached:
+        rows.append((repo.repo_id, "hf cache", sizes[repo.repo_id]))
     _table(rows)
     return 0
 

@@ -153,3 +153,19 @@ def test_models_flag_errors_are_one_line(tmp_path):
     assert "does not combine with --model" in both.stderr
     alone = _cli(_env(tmp_path), "--max-memory", "1G")
     assert alone.stderr == "llm-server: --max-memory and --idle-unload need --models FILE\n"
+
+
+def test_ls_lists_the_registry_with_sizes(tmp_path, tiny_models):
+    registry = tmp_path / "models.toml"
+    registry.write_text(
+        f'[[models]]\nid = "alpha"\nsource = "{tiny_models["alpha"]}"\n'
+        '[[models]]\nid = "later"\nsource = "acme/not-pulled"\n'
+    )
+    done = _cli(_env(tmp_path, HF_HUB_OFFLINE="1"), "ls", "--models", str(registry))
+    assert done.returncode == 0, done.stderr
+    size = format_bytes(sum(f.stat().st_size for f in tiny_models["alpha"].iterdir()))
+    assert [line.split() for line in done.stdout.splitlines()] == [
+        ["NAME", "WHERE", "SIZE"],
+        ["alpha", "registry:", str(tiny_models["alpha"]), size],
+        ["later", "registry:", "acme/not-pulled", "-"],
+    ]
