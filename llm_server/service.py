@@ -94,7 +94,7 @@ class ModelService:
         # what a request that omits temperature/top_p gets (the checkpoint's generation_config)
         self.sampling_defaults = load_sampling_defaults(config.model_path)
         self.syntax = model_syntax(
-            self.tokenizer.template_source, self.tokenizer.hf.get_vocab(), config.tool_parser
+            self.tokenizer.template_source, _TokenLookup(self.tokenizer.hf), config.tool_parser
         )
         self.scheduler = BatchScheduler(
             engine_factory,
@@ -243,6 +243,21 @@ class ModelService:
         if self.embedder is not None:
             self.embedder.close()
         return closed
+
+
+class _TokenLookup:
+    """`token in vocab` without building the vocabulary dict: get_vocab() on a 50k-token
+    tokenizer holds the GIL for ~0.2 s, a stall of every other model's decode thread while a
+    model loads beside them."""
+
+    def __init__(self, hf) -> None:
+        self._hf = hf
+
+    def __contains__(self, token: object) -> bool:
+        backend = getattr(self._hf, "backend_tokenizer", None)
+        if backend is None or not isinstance(token, str):
+            return token in self._hf.get_vocab()
+        return backend.token_to_id(token) is not None
 
 
 def _emitter(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Event]) -> Callable:
