@@ -145,3 +145,41 @@ def test_idle_ttl_unloads_and_the_next_request_reloads(tiny_models):
         wait_status(srv.url, "alpha", "unloaded")
         assert _statuses(srv.url)["beta"] == "loaded"  # no TTL: stays
         assert _complete(srv.url, "alpha").json()["choices"] == first
+
+
+def test_every_api_serves_the_model_it_names(entries):
+    with ManagedServer(entries) as srv:
+        emb = httpx.post(
+            f"{srv.url}/v1/embeddings", json={"model": "beta", "input": "hi"}, timeout=60
+        )
+        assert emb.status_code == 200 and emb.json()["model"] == "beta"
+        resp = httpx.post(
+            f"{srv.url}/v1/responses",
+            json={"model": "gamma", "input": "hi", "max_output_tokens": 3},
+            timeout=60,
+        )
+        assert resp.status_code == 200 and resp.json()["model"] == "gamma"
+        msg = httpx.post(
+            f"{srv.url}/v1/messages",
+            json={
+                "model": "alpha",
+                "max_tokens": 3,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+            timeout=60,
+        )
+        assert msg.status_code == 200 and msg.json()["model"] == "alpha"
+        info = httpx.get(f"{srv.url}/tokenizer_info", params={"model": "beta"}, timeout=60)
+        assert info.status_code == 200 and info.json()["name_or_path"] == "beta"
+        missing = httpx.post(
+            f"{srv.url}/v1/messages",
+            json={
+                "model": "nope",
+                "max_tokens": 3,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+            timeout=60,
+        )
+        assert missing.status_code == 404
+        assert missing.json()["type"] == "error"  # Anthropic's error shape on /v1/messages
+        assert set(_statuses(srv.url).values()) == {"loaded"}
