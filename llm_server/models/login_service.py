@@ -103,13 +103,15 @@ def install(paths: ServicePaths, registry: Path, port: int, start: bool) -> Path
     if paths.macos:
         with paths.unit_file.open("wb") as f:
             plistlib.dump(launchd_plist(argv, paths), f)
-        if start:
+        if start:  # a reinstall replaces the running agent
+            _run(["launchctl", "bootout", f"gui/{os.getuid()}/{LABEL}"], check=False)
             _run(["launchctl", "bootstrap", f"gui/{os.getuid()}", str(paths.unit_file)])
     else:
         paths.unit_file.write_text(systemd_unit(argv))
         if start:
             _run(["systemctl", "--user", "daemon-reload"])
-            _run(["systemctl", "--user", "enable", "--now", UNIT])
+            _run(["systemctl", "--user", "enable", UNIT])
+            _run(["systemctl", "--user", "restart", UNIT])  # a reinstall runs the new unit
     return paths.unit_file
 
 
@@ -157,7 +159,10 @@ def _run(cmd: list[str], check: bool = True) -> None:
             f"llm-server service: {cmd[0]} not found; start the service yourself", file=sys.stderr
         )
         return
-    subprocess.run(cmd, check=check)
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    if check and done.returncode != 0:
+        reason = (done.stderr or done.stdout).strip().splitlines()
+        raise OSError(f"{' '.join(cmd)} failed: {reason[-1] if reason else done.returncode}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import plistlib
 import shutil
 import subprocess
@@ -98,3 +99,42 @@ def test_service_verb_installs_into_home(tmp_path):
     assert stat.stdout == f"installed, not answering on http://127.0.0.1:8183 ({unit})\n"
     gone = _cli(env, "service", "uninstall", "--no-start")
     assert gone.stdout == f"removed {unit}\n" and not unit.exists()
+
+
+def _fake_systemctl(tmp_path, code: int) -> dict[str, str]:
+    """A systemctl on PATH that records its arguments and exits `code`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "systemctl.log"
+    script = bin_dir / "systemctl"
+    script.write_text(
+        f'#!/bin/sh\necho "$@" >> {log}\n'
+        f'[ {code} -eq 0 ] || {{ echo "Failed to connect to bus" >&2; exit {code}; }}\n'
+    )
+    script.chmod(0o755)
+    return _env(tmp_path, PATH=f"{bin_dir}:{os.environ['PATH']}")
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="the Linux layout")
+def test_install_enables_and_restarts_the_user_unit(tmp_path):
+    env = _fake_systemctl(tmp_path, 0)
+    done = _cli(env, "service", "install")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "systemctl.log").read_text().splitlines() == [
+        "--user daemon-reload",
+        "--user enable llm-server.service",
+        "--user restart llm-server.service",
+    ]
+    assert _cli(env, "service", "uninstall").returncode == 0
+    assert (tmp_path / "systemctl.log").read_text().splitlines()[-1] == (
+        "--user disable --now llm-server.service"
+    )
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="the Linux layout")
+def test_install_without_a_user_manager_is_one_line(tmp_path):
+    done = _cli(_fake_systemctl(tmp_path, 1), "service", "install")
+    assert done.returncode == 1
+    assert done.stderr == (
+        "llm-server service: systemctl --user daemon-reload failed: Failed to connect to bus\n"
+    )
