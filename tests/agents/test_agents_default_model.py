@@ -1,0 +1,42 @@
+"""The embedded SmolLM2 (8,192 positions, no tool syntax in its template) behind an agent.
+
+Of the four agents only opencode's prompt fits 8,192 positions (about 7,700 tokens with its
+ten tools); Codex's (~9,200), Claude Code's (~12,400) and Qwen Code's (~14,300) are refused
+in each API's own words, which the agents print.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llm_server.testing.agents_proxy import RecordingProxy, answer_text, prompt_usage
+from llm_server.testing.agents_run import run_agent
+from llm_server.testing.live import serving
+
+
+@pytest.fixture(scope="module")
+def default_server(default_model_path: Path):
+    with serving(default_model_path, concurrent=1) as srv:
+        yield srv
+
+
+def test_opencode_on_the_default_model(default_server, tmp_path: Path) -> None:
+    with RecordingProxy(default_server.url) as proxy:
+        run = run_agent("opencode", proxy.url, "default", "Say hello.", tmp_path)
+    assert run.returncode == 0, run.describe()
+    calls = proxy.model_calls()
+    assert [ex.status for ex in calls] == [200] * len(calls), run.describe()
+    main = max(calls, key=lambda ex: len(ex.body.get("tools") or []))
+    assert len(main.body["tools"]) >= 5  # its tools, shown in the generic tool format
+    assert prompt_usage(main)[0] <= 8192
+    answer = answer_text(main).strip()
+    assert answer and answer in run.stdout, run.describe()
+
+
+def test_codex_prompt_does_not_fit_the_default_model(default_server, tmp_path: Path) -> None:
+    with RecordingProxy(default_server.url) as proxy:
+        run = run_agent("codex", proxy.url, "default", "Say hello.", tmp_path)
+    assert [ex.status for ex in proxy.model_calls()][:1] == [400]
+    assert "ran out of room in the model's context window" in run.stdout + run.stderr
