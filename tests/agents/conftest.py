@@ -22,7 +22,7 @@ FORCED_TOOL = {
     "codex": "exec_command",
     "claude-code": "Read",
     "qwen-code": "glob",
-    "opencode": "glob",
+    "opencode": "read",  # its glob needs a ripgrep it downloads
 }
 STEP_TOKENS = 2048  # the agents' 10-20k-token prompts in fewer, larger forwards
 
