@@ -12,17 +12,20 @@ random model's calls are valid by construction.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
 import pytest
 
+from llm_server.api.responses_input import parse_responses
 from llm_server.api.responses_tools import ToolMap, chat_tools, custom_input
 from llm_server.testing.tiny import HERMES_TEMPLATE, TinySpec, build_tiny_checkpoint
 from tests.api.helpers import WEATHER_SCHEMA
 
 CONTEXT = 2048  # Codex-shaped tools take ~1,200 of the tiny tokenizer's tokens
+RECORDED = Path(__file__).parents[1] / "data" / "agents" / "codex_0.171.0_first_request.json"
 
 EXEC = {
     "type": "object",
@@ -100,7 +103,10 @@ def events_of(resp: httpx.Response) -> list[dict]:
 
 def stream(url: str, body: dict) -> tuple[httpx.Response, list[dict]]:
     with httpx.stream("POST", url + "/v1/responses", json=body, timeout=120) as r:
-        return r, events_of(r) if r.status_code == 200 else []
+        if r.status_code != 200:
+            r.read()
+            return r, []
+        return r, events_of(r)
 
 
 def test_codex_first_request(codex_server):
@@ -326,3 +332,24 @@ def test_custom_input_and_field_names():
     assert tmap.param("tools[2].function.parameters") == "tools[1].tools[1].parameters"
     assert tmap.param("tools[3].function.name") == "tools[2].name"
     assert ToolMap().param("tools[0].function.name") == "tools[0].function.name"
+
+
+def test_recorded_codex_request_is_accepted_whole(codex_server):
+    """Codex 0.171.0's first request as recorded (tests/data/agents): every field and tool is
+    accepted; its ~9,900-token prompt is over this model's context, which is the one 400 (the
+    error code Codex turns into its own "ran out of room" message), before any stream byte."""
+    body = json.loads(RECORDED.read_text())["body"] | {"model": "default"}
+    req = parse_responses(body, codex_server.service)
+    names = [t.name for t in req.chat.tools.tools]
+    assert "exec_command" in names and "multi_agent_v1__spawn_agent" in names
+    assert req.tools.target("multi_agent_v1__wait_agent").namespace == "multi_agent_v1"
+    assert req.tools.dropped == ["web_search"] and req.store is False
+    assert req.chat.params.max_tokens == CONTEXT and req.echo["max_output_tokens"] is None
+    assert [m["role"] for m in req.chat.messages] == ["system", "system", "user", "user"]
+    r, _ = stream(codex_server.url, body)
+    error = r.json()["error"] if r.status_code == 400 else r.read()
+    assert (r.status_code, error["code"], error["param"]) == (
+        400,
+        "context_length_exceeded",
+        "input",
+    )
