@@ -39,25 +39,28 @@ def response_store(request: Request) -> ResponseStore:
     return state.responses
 
 
+def _previous(
+    store: ResponseStore, prev_id: Any
+) -> tuple[tuple[dict[str, Any], ...], frozenset[str]]:
+    """The stored conversation `previous_response_id` continues, and the ids of the calls its
+    response left incomplete (not in that conversation; an output for one is left out too)."""
+    if prev_id is None:
+        return (), frozenset()
+    if not isinstance(prev_id, str):
+        raise invalid("previous_response_id", "'previous_response_id' must be a string")
+    stored = store.get(prev_id)
+    if stored is None:
+        raise unknown_response(prev_id, "previous_response_id")
+    output = stored.response["output"]
+    cut = {o["call_id"] for o in output if o["type"] in CALL_ITEMS and o["status"] == "incomplete"}
+    return stored.messages, frozenset(cut)
+
+
 async def create_response(request: Request) -> Response:
     service = get_service(request)
     body = await read_json(request)
     store = response_store(request)
-    previous: tuple[dict[str, Any], ...] = ()
-    cut: frozenset[str] = frozenset()
-    prev_id = body.get("previous_response_id")
-    if prev_id is not None:
-        if not isinstance(prev_id, str):
-            raise invalid("previous_response_id", "'previous_response_id' must be a string")
-        stored = store.get(prev_id)
-        if stored is None:
-            raise unknown_response(prev_id, "previous_response_id")
-        previous = stored.messages
-        cut = frozenset(
-            o["call_id"]
-            for o in stored.response["output"]
-            if o["type"] in CALL_ITEMS and o["status"] == "incomplete"
-        )
+    previous, cut = _previous(store, body.get("previous_response_id"))
     req = parse_responses(body, service, previous, cut)
     check_model(service, req.chat.model, served_id(request))
     try:
