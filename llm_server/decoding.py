@@ -297,14 +297,17 @@ class StopMatcher:
     text: str = ""
     emitted: int = 0
     matched: bool = field(default=False)
+    floor: int = 0  # a match starts here or later (the text before was pushed unarmed)
 
-    def push(self, delta: str) -> str:
-        """Add `delta`; return the text now safe to emit."""
+    def push(self, delta: str, armed: bool = True) -> str:
+        """Add `delta`; return the text now safe to emit. Unarmed (a grammar that does not
+        accept yet), no stop sequence matches in the text so far."""
         self.text += delta
-        if not self.stops:
+        if not self.stops or not armed:
             out, self.emitted = self.text[self.emitted :], len(self.text)
+            self.floor = len(self.text) if self.stops else 0
             return out
-        start = max(0, self.emitted - max(len(s) for s in self.stops))
+        start = max(self.floor, self.emitted - max(len(s) for s in self.stops))
         hits = [i for s in self.stops if (i := self.text.find(s, start)) >= 0]
         if hits:
             cut = min(hits)
@@ -387,7 +390,9 @@ class Decoder:
         done_by_constraint = self.constraint is not None and self.constraint.advance(token)
         if ends:  # EOS ends the answer; it is not part of it
             return StepOutput(token, self._flush(), None, FinishReason.STOP)
-        text = self.stops.push(self.detok.add(token))
+        # likewise a stop sequence: none cuts a call (or a schema) its grammar has not accepted
+        armed = not self.params.stop or self.constraint is None or self.constraint.accepting()
+        text = self.stops.push(self.detok.add(token), armed)
         if self.stops.matched:
             return StepOutput(token, text, lp, FinishReason.STOP)
         if done_by_constraint:

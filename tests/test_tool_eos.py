@@ -51,11 +51,17 @@ def tok(tmp_path_factory) -> Tokenizer:
     return Tokenizer(path)
 
 
-def _decode(tok: Tokenizer, req: ToolRequest, favoured: list[int], max_tokens: int = 200):
+def _decode(
+    tok: Tokenizer,
+    req: ToolRequest,
+    favoured: list[int],
+    max_tokens: int = 200,
+    stop: tuple[str, ...] = (),
+):
     """Greedy decoding under `req`'s grammar with logits that rank `favoured` first."""
     constraint = build_lark_constraint(tool_grammar("hermes", req, {}, False), tok, tok.vocab_size)
     dec = Decoder(
-        SamplingParams(max_tokens, temperature=0.0),
+        SamplingParams(max_tokens, temperature=0.0, stop=stop),
         tok.eos_token_ids,
         tok.decoder_keeping(frozenset()),
         constraint,
@@ -103,3 +109,18 @@ def test_the_limit_cuts_a_forced_call_as_length(tok):
     out.feed(text)
     out.finish(cut=True)
     assert out.open_call and not out.called and out.content == ""
+
+
+def test_stop_sequences_wait_for_the_grammar(tok):
+    """A stop sequence inside a forced call does not cut it; before any call (auto) it does."""
+    stop = ('"', ",", "}", "<tool")
+    text, finish = _decode(tok, FORCED, sorted(tok.eos_token_ids), stop=stop)
+    assert finish == FinishReason.STOP
+    out = ChatOutput(PARSERS["hermes"]((CITY,)), None, 1)
+    out.feed(text)
+    out.finish()
+    assert out.called and text.endswith("</tool_call>"), text
+    auto = ToolRequest((CITY,), ToolChoice(ChoiceMode.AUTO))
+    first = tok.encode("Hello", False)[0]
+    text, finish = _decode(tok, auto, [first], stop=(tok.decode([first]),))
+    assert (text, finish) == ("", FinishReason.STOP)
