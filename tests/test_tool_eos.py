@@ -1,5 +1,6 @@
 """A call ends when its grammar says so: on a checkpoint whose generation_config.json lists
-text tokens as EOS ids, a forced call's grammar takes them as text until it accepts."""
+text tokens as EOS ids, a forced call's grammar takes them as text until it accepts; stop
+sequences wait for it too; a token limit cuts it as `length`."""
 
 from __future__ import annotations
 
