@@ -20,6 +20,7 @@ import numpy as np
 
 from llm_server import blas
 from llm_server.engines import cpu_kernels, quantized
+from llm_server.engines.kernels import resolve as resolve_kernels
 from llm_server.engines.bare_checkpoint import model_classes
 from llm_server.engines.base import EngineError
 from llm_server.engines.dtypes import default_dtype
@@ -39,7 +40,7 @@ from llm_server.engines.layout import (
 from llm_server.engines.mlx_decode import DecodeRunner
 from llm_server.engines.mlx_sessions import SessionRunner
 from llm_server.engines.mlx_steps import StepRunner
-from llm_server.engines.prefix_cache import PrefixCache
+from llm_server.engines.prefix_cache import PrefixCache, default_bound, kv_token_bytes
 from llm_server.engines.probe import supports_batching
 from llm_server.engines.row_cache import ForwardPlan, RowStore, row_mask
 from llm_server.engines.row_state import StateStore
@@ -75,8 +76,10 @@ class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
         group=None,
         parallel: str = "tensor",
         score_rows: int = SCORE_ROWS,
+        kernels: str | None = None,
     ) -> None:
-        """`prefix_cache_bytes`: bound of the prompt prefix cache (None: an eighth of the weights, at least 64 MiB; 0: off).
+        """`prefix_cache_bytes`: bound of the prompt prefix cache (None: prefix_cache.default_bound,
+        two 20k-token conversations' KV within an eighth of the memory; 0: off).
 
         `padded_shapes`: have the scorer pad scoring shapes to buckets (C4). MLX runs any shape
         without a compile, so by default it gets exact shapes and computes no padding.
@@ -97,6 +100,8 @@ class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
         chunks then ride in the step plans' forwards (8: each a prompt, up to 128 positions a
         forward when nothing else runs). 0, and always on a model whose rows cannot hold them
         (recurrent state, serial, sharded, heads only mlx-lm can run): the separate session.
+        `kernels`: "linux_cpu" or "generic" (engines/kernels.py; None: LLM_SERVER_KERNELS, else
+        linux_cpu on the CPU and generic elsewhere), chosen here once for every forward.
         """
         from mlx_lm.utils import load_model
 
@@ -107,6 +112,7 @@ class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
             raise ValueError(f"rows must be >= 1, got {rows}")
         if rows > 1 and not supports_batching(path):
             rows = 1  # an export with one row or no attn_mask (the scheduler warns, S1)
+        self.kernels = resolve_kernels(kernels)
         dtype = dtype or default_dtype(path)  # engines/dtypes.py
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -117,7 +123,6 @@ class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
         self.model, self.config = load_model(path, lazy=True, get_model_classes=model_classes)
         self.stage = None  # this rank's layers when split pipeline-parallel (a pipeline.Stage)
         if group is not None and group.size() > 1:
-            from llm_server.distributed import checkpoint_bytes
             from llm_server.distributed.pipeline import split_model
 
             if parallel == "pipeline":
@@ -133,12 +138,13 @@ class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
                 self.model.shard(group)  # while lazy: each rank materialises its slices only
             # the prefix cache evicts by bytes: every rank must count the same (the heads split
             # evenly, a pipeline stage counts the whole model's layers), from the same bound
-            if prefix_cache_bytes is None:
-                prefix_cache_bytes = max(checkpoint_bytes(path) // 8, 64 << 20)
+            if prefix_cache_bytes is None:  # from the config: every rank computes the same
+                prefix_cache_bytes = default_bound(kv_token_bytes(text, _DTYPES[dtype].size))
             fused_decode, pipeline, score_rows = False, False, 0
         self.has_lm_head = getattr(self.model, "has_lm_head", True)
-        self.quantized = quantized.prepare(self.model, keep_quantized)  # float32 on the CPU
-        cpu_kernels.install(self.model)  # numpy softmax/SiLU for big tensors on the CPU
+        cpu = self.kernels.linux_cpu
+        self.quantized = quantized.prepare(self.model, keep_quantized, cpu)  # linux_cpu: float32
+        cpu_kernels.install(self.model, cpu)  # linux_cpu: numpy softmax/SiLU for big tensors
         self.model.set_dtype(_DTYPES[dtype])
         max_pos = int(text.get("max_position_embeddings") or 2048)
         self.context_length = min(context_length or max_pos, max_pos)
@@ -156,24 +162,26 @@ class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
         # time: stacking loaded weights instead left ~280 MB of freed (but resident) heap.
         fusable = fused_decode and self._plain_head and self._layout.plain
         fusable = fusable and self.serial_reason is None
-        self._fused = FusedForward.build(self.model, self.context_length) if fusable else None
+        self._fused = (
+            FusedForward.build(self.model, self.context_length, self.kernels) if fusable else None
+        )
         if compiled_decode is None:
-            compiled_decode = cpu_kernels.on_cpu()
+            compiled_decode = cpu
         if compiled_decode and self._fused is not None:
             self._fused.enable_compiled()
         mx.eval(self.model.parameters())
         mx.clear_cache()  # the buffers freed while stacking
-        if self._fused is None and self._plain_head:  # the fused forward splits its own products
+        if self._fused is None and self._plain_head and cpu:  # the fused one splits its own
             cpu_kernels.split_linears(self.model)  # 1-2 row decode products use both cores
         self.model_path = path
-        self._pipeline = (not cpu_kernels.on_cpu()) if pipeline is None else pipeline
+        self._pipeline = (not cpu) if pipeline is None else pipeline
         self.padded_shapes = padded_shapes
         self.dtype = dtype
         self.vocab_size = int(text["vocab_size"])
         self.num_layers = len(self._layout.leaves)  # caches of the model's cache list
         self._split_steps = 0  # split decode steps in flight (BLIS held to one thread meanwhile)
         if prefix_cache_bytes is None:
-            prefix_cache_bytes = max(self.weight_bytes() // 8, 64 << 20)
+            prefix_cache_bytes = default_bound(kv_token_bytes(text, _DTYPES[dtype].size))
         self._prefix_cache_bytes = prefix_cache_bytes
         self._score_rows = max(score_rows, 0)
         self._init_rows(rows)
@@ -242,7 +250,9 @@ class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
             mx.clear_cache()
 
     def thread_exit(self) -> None:
-        """The thread driving the engine ends: free its CPU streams (see cpu_kernels)."""
+        """The thread driving the engine ends: free its CPU streams (see cpu_kernels); the
+        prefix cache's entries go to its disk tier, if it has one."""
+        self.prefix_cache.persist()
         cpu_kernels.release_streams()
 
     def cached_tokens(self, row: int) -> int:
@@ -286,15 +296,15 @@ class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
         self._states.clear_row(row)
         if self.serial_reason is not None:
             self._serial_cache = make_cache(self.model)
-        entry, reused = self.prefix_cache.match(tokens)
         source, shared = self._live_prefix(row, tokens)
+        entry, reused = self.prefix_cache.match(tokens, floor=shared)
         if shared > reused:  # a running row holds more of this prompt than the cache
             keys, values = self._store.read_row(source, shared)
             self._store.write_prefix(row, keys, values, shared)
-            self.prefix_cache.note_hit(shared)
             reused = shared
         elif entry is not None:
             self._store.write_prefix(row, entry.keys, entry.values, reused)
+        self.prefix_cache.record(reused)
         self._row_tokens[row] = tokens[:reused]
         self.row_cached[row] = reused
         return reused
@@ -338,7 +348,7 @@ class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
         116 -> 94 ms (BLIS forks both cores for every product, tiny attention products too);
         from a few hundred positions BLIS's own threading wins again.
         """
-        if self._fused is None or not cpu_kernels.on_cpu() or self.dtype != "float32":
+        if self._fused is None or not self.kernels.linux_cpu or self.dtype != "float32":
             return False
         if skinny.loaded():
             return False  # the skinny library threads the products itself (blas.py)
@@ -361,7 +371,8 @@ class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
             plan = self._forward_plan(rows, starts, ids.shape[1])
             views = row_views(self._layout, self._store, self._states, plan)
             hidden = self.model.model(ids, cache=views)[0]
-            return cpu_kernels.lm_head(self.model, hidden).astype(mx.float32)
+            head = cpu_kernels.lm_head(self.model, hidden, self.kernels.linux_cpu)
+            return head.astype(mx.float32)
         if self._serial_cache is not None:  # one row on mlx-lm's own caches
             return last_logits(self.model, self._inner, ids, self._serial_cache).astype(mx.float32)
         plan = self._forward_plan(rows, starts, ids.shape[1])
@@ -370,7 +381,7 @@ class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
             logits = self._fused.logits(ids, views, split=split)
         elif self._plain_head:
             hidden = self.model.model(ids, cache=views)[:, -1, :]
-            logits = cpu_kernels.lm_head(self.model, hidden)
+            logits = cpu_kernels.lm_head(self.model, hidden, self.kernels.linux_cpu)
         else:  # the model's own head: soft-capping, scaled or tied embeddings...
             logits = last_logits(self.model, self._inner, ids, views)
         return logits.astype(mx.float32)

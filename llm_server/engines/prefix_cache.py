@@ -1,17 +1,56 @@
 """Prompt prefix cache: KV of token prefixes the engine already computed, bounded in bytes.
 
-Entries are token sequences with their keys/values for every layer ([positions, heads, dim]).
-A new prompt reuses the longest prefix it shares with any entry; the least recently used
-entries are evicted so the total never exceeds the byte bound.
+Entries are token sequences with their keys/values for every layer ([heads, positions, dim]).
+A new prompt reuses the longest prefix it shares with any entry (in memory, else on the disk
+tier, prefix_disk.py, when one is attached).
+
+Eviction is size- and frequency-aware (GDSF-like, not LRU): an entry's priority is the cache's
+clock plus (1 + hits, at most `MAX_FREQUENCY`) times the prefill work one reuse saves per byte
+held, which grows with the reused length (attention's share of a prefill grows with it). The
+lowest priority is evicted and the clock rises to it, so entries that are no longer hit age
+out. A conversation's long shared prefix that is being hit thus outlives any number of short
+unrelated prompts. An entry that extends another (a conversation's next turn), or that shares
+all but a short tail of it, replaces it and inherits its hits: one copy per conversation.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import os
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
+
+MIN_BYTES = 64 << 20  # the default bound is at least this
+AGENT_TOKENS = 2 * 20_480  # the default bound holds two 20k-token agent conversations...
+MEMORY_FRACTION = 8  # ...but at most an eighth of the machine's memory
+ATTENTION_TOKENS = (
+    2048  # prefix length at which attention costs a prefill about what the products do
+)
+MAX_FREQUENCY = 8  # hits counted in a priority (more would pin an abandoned entry for ages)
+SHORT_TAIL = 64  # a new entry sharing all but this many tokens of an old one replaces it
+
+
+def kv_token_bytes(config: dict, width: int) -> int:
+    """Bytes of keys and values one position takes in every layer (from a config.json)."""
+    heads = int(config.get("num_attention_heads") or 1)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or int(config.get("hidden_size") or 0) // heads)
+    return int(config.get("num_hidden_layers") or 0) * 2 * kv_heads * head_dim * width
+
+
+def default_bound(token_bytes: int, memory: int | None = None) -> int:
+    """The default byte bound: `AGENT_TOKENS` positions, at most an eighth of `memory` (the
+    machine's), at least `MIN_BYTES`. SmolLM2-135M in float32 (46,080 bytes a position):
+    1.9 GB, 40,960 tokens."""
+    if memory is None:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(min(AGENT_TOKENS * token_bytes, memory // MEMORY_FRACTION), MIN_BYTES)
+
+
+def reuse_value(reused: int, held: int) -> float:
+    """Prefill work saved per byte held when `reused` of an entry's `held` tokens are reused."""
+    return reused / max(held, 1) * (1 + reused / ATTENTION_TOKENS)
 
 
 @dataclass
@@ -20,6 +59,9 @@ class PrefixEntry:
     keys: list[mx.array]  # per layer [kv_heads, n, dim]
     values: list[mx.array]
     nbytes: int
+    hits: int = 0
+    value: float = 1.0  # reuse_value of its last hit (of a full reuse until hit)
+    priority: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -30,10 +72,24 @@ class PrefixCacheStats:
     entries: int
     bytes: int
     max_bytes: int
+    misses: int = 0
+    disk_reads: int = 0  # entries loaded back from the disk tier
+    disk_read_bytes: int = 0
+    disk_writes: int = 0  # entries written to the disk tier
+    disk_write_bytes: int = 0
+    disk_bytes: int = 0  # bytes the disk tier holds now
+    disk_entries: int = 0
+    disk_corrupt: int = 0  # files skipped for a bad checksum, header or fingerprint
+
+
+def _shared(a: np.ndarray, b: np.ndarray, n: int) -> int:
+    """Length of the common prefix of a[:n] and b[:n]."""
+    same = a[:n] == b[:n]
+    return n if same.all() else int(np.argmin(same))
 
 
 class PrefixCache:
-    """LRU of prompt prefixes; `match` finds reusable KV, `insert` stores a row's history."""
+    """Prompt prefixes by priority; `match` finds reusable KV, `insert` stores a row's history."""
 
     def __init__(
         self, max_bytes: int, min_tokens: int = 4, layers: tuple[int, int] = (1, 1)
@@ -46,78 +102,136 @@ class PrefixCache:
         self.max_bytes = max_bytes
         self._counted, self._held = layers
         self.min_tokens = min_tokens  # shorter matches are not worth a copy
-        self._entries: OrderedDict[int, PrefixEntry] = OrderedDict()
+        self._entries: dict[int, PrefixEntry] = {}
         self._next_id = 0
+        self._clock = 0.0
         self.bytes = 0
         self.hits = 0
         self.hit_tokens = 0
-        self.lookups = 0
+        self.misses = 0
+        self.disk = None  # a prefix_disk.DiskTier: evicted entries go there, hits come back
 
     @property
     def enabled(self) -> bool:
         return self.max_bytes > 0
 
-    def match(self, tokens: list[int]) -> tuple[PrefixEntry | None, int]:
-        """The entry sharing the longest prefix with `tokens`, and that length (< len(tokens))."""
-        if not self.enabled or not self._entries:
+    @property
+    def lookups(self) -> int:
+        return self.hits + self.misses
+
+    def attach_disk(self, disk) -> None:
+        self.disk = disk
+
+    def match(self, tokens: list[int], floor: int = 0) -> tuple[PrefixEntry | None, int]:
+        """The entry sharing the longest prefix with `tokens` (all but the last token), and
+        that length; (None, 0) unless it is longer than `floor` (what a running row holds) and
+        at least `min_tokens`. Looks on the disk tier when memory holds less."""
+        if not self.enabled:
             return None, 0
-        self.lookups += 1
         query = np.asarray(tokens, dtype=np.int32)
-        best, best_len, best_id = None, 0, None
-        for eid, entry in self._entries.items():
+        best, best_len = None, max(floor, self.min_tokens - 1)
+        for entry in self._entries.values():
             n = min(len(entry.tokens), len(query) - 1)  # keep one token to compute logits from
-            if n <= best_len:
-                continue
-            same = entry.tokens[:n] == query[:n]
-            length = n if same.all() else int(np.argmin(same))
-            if length > best_len:
-                best, best_len, best_id = entry, length, eid
-        if best is None or best_len < self.min_tokens:
+            if n > best_len and (length := _shared(entry.tokens, query, n)) > best_len:
+                best, best_len = entry, length
+        if self.disk is not None:
+            loaded = self.disk.load_longest(query[:-1], best_len)
+            if loaded is not None:
+                arr, keys, values = loaded
+                added = self._add(arr, [mx.array(k) for k in keys], [mx.array(v) for v in values])
+                if added is not None:
+                    best, best_len = added, _shared(arr, query, min(len(arr), len(query) - 1))
+        if best is None:
             return None, 0
-        self._entries.move_to_end(best_id)
-        self.hits += 1
-        self.hit_tokens += best_len
+        best.hits += 1
+        best.value = reuse_value(best_len, len(best.tokens))
+        self._touch(best)
         return best, best_len
+
+    def record(self, reused: int) -> None:
+        """Count one prefill in the stats: a hit of `reused` tokens (from an entry or a
+        running row), or a miss."""
+        if not self.enabled:
+            return
+        if reused:
+            self.hits += 1
+            self.hit_tokens += reused
+        else:
+            self.misses += 1
 
     def note_hit(self, tokens: int) -> None:
         """Count a prefix of `tokens` reused from elsewhere (a running row) in the stats."""
-        self.hits += 1
-        self.hit_tokens += tokens
+        self.record(tokens)
 
     def insert(self, tokens: list[int], keys: list[mx.array], values: list[mx.array]) -> None:
-        """Store KV for `tokens` (copies); drops entries it extends; evicts LRU to fit."""
+        """Store KV for `tokens` (copies); replaces the entries it extends or nearly covers;
+        evicts by priority to fit."""
         if not self.enabled or len(tokens) < self.min_tokens:
             return
         arr = np.asarray(tokens, dtype=np.int32)
+        hits = 0
         for eid, entry in list(self._entries.items()):
             n = len(entry.tokens)
-            if n >= len(arr) and np.array_equal(entry.tokens[: len(arr)], arr):
-                self._entries.move_to_end(eid)  # already covered by a longer entry
+            shared = _shared(entry.tokens, arr, min(n, len(arr)))
+            if shared == len(arr):
+                self._touch(entry)  # already covered by a longer (or the same) entry
                 return
-            if n < len(arr) and np.array_equal(arr[:n], entry.tokens):
-                self._drop(eid)  # the new entry covers this one
-        nbytes = sum(k.nbytes + v.nbytes for k, v in zip(keys, values, strict=True))
-        nbytes = nbytes * self._counted // self._held  # exact: a stage's layers are alike
-        if nbytes > self.max_bytes:
-            return
-        while self.bytes + nbytes > self.max_bytes:
-            self._drop(next(iter(self._entries)))
+            if shared >= self.min_tokens and n - shared <= SHORT_TAIL and shared >= n // 2:
+                hits = max(hits, entry.hits)  # the new entry covers this one (up to a tail)
+                self._drop(eid, spill=shared < n)
         keys = [mx.array(k) for k in keys]
         values = [mx.array(v) for v in values]
         mx.eval(keys, values)  # own copies: the row may be overwritten right after
-        self._entries[self._next_id] = PrefixEntry(arr, keys, values, nbytes)
+        self._add(arr, keys, values, hits)
+
+    def _add(
+        self, arr: np.ndarray, keys: list[mx.array], values: list[mx.array], hits: int = 0
+    ) -> PrefixEntry | None:
+        nbytes = sum(k.nbytes + v.nbytes for k, v in zip(keys, values, strict=True))
+        nbytes = nbytes * self._counted // self._held  # exact: a stage's layers are alike
+        if nbytes > self.max_bytes:
+            return None
+        while self.bytes + nbytes > self.max_bytes:
+            victim = min(self._entries, key=lambda i: (self._entries[i].priority, i))
+            self._clock = max(self._clock, self._entries[victim].priority)
+            self._drop(victim, spill=True)
+        entry = PrefixEntry(arr, keys, values, nbytes, hits)
+        self._touch(entry)
+        self._entries[self._next_id] = entry
         self._next_id += 1
         self.bytes += nbytes
+        return entry
+
+    def _touch(self, entry: PrefixEntry) -> None:
+        entry.priority = self._clock + min(1 + entry.hits, MAX_FREQUENCY) * entry.value
 
     def clear(self) -> None:
         for eid in list(self._entries):
             self._drop(eid)
 
-    def _drop(self, eid: int) -> None:
+    def persist(self) -> None:
+        """Write every resident entry to the disk tier and wait for the writes (shutdown)."""
+        if self.disk is None:
+            return
+        for entry in self._entries.values():
+            self.disk.put(entry.tokens, entry.keys, entry.values)
+        self.disk.close()
+
+    def _drop(self, eid: int, spill: bool = False) -> None:
         entry = self._entries.pop(eid)
         self.bytes -= entry.nbytes
+        if spill and self.disk is not None:
+            self.disk.put(entry.tokens, entry.keys, entry.values)
 
     def stats(self) -> PrefixCacheStats:
+        disk = self.disk.stats() if self.disk is not None else {}
         return PrefixCacheStats(
-            self.hits, self.hit_tokens, self.lookups, len(self._entries), self.bytes, self.max_bytes
+            self.hits,
+            self.hit_tokens,
+            self.lookups,
+            len(self._entries),
+            self.bytes,
+            self.max_bytes,
+            self.misses,
+            **disk,
         )

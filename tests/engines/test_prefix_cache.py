@@ -1,11 +1,14 @@
-"""Prompt prefix cache: same output with it on or off, bounded bytes, cached_tokens reported."""
+"""Prompt prefix cache: same output with it on or off, bounded bytes, cached_tokens reported,
+a conversation's long prefix kept over many short unrelated prompts."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
 from llm_server.engines import mlx_engine
+from llm_server.engines.prefix_cache import PrefixCache, default_bound, kv_token_bytes
 from llm_server.tokenizer import Tokenizer
 from tests.scheduler.helpers import make_request, start_scheduler
 
@@ -142,3 +145,69 @@ def test_http_reports_cached_tokens_and_cache_stats(tiny_model_path, live_server
     assert health["prefix_cache"]["hits"] == 1 and health["prefix_cache"]["hit_tokens"] == cached
     assert 0 < health["prefix_cache"]["bytes"] <= health["prefix_cache"]["max_bytes"]
     assert "llm_server_prefix_cache_hit_tokens" in metrics
+
+
+def _kv(n: int) -> tuple[list[mx.array], list[mx.array]]:
+    """KV of `n` positions for a 2-layer cache: 2 heads x 4 dims of float32 (128 bytes a position)."""
+    return [mx.zeros((2, n, 4)) for _ in range(2)], [mx.ones((2, n, 4)) for _ in range(2)]
+
+
+def test_short_unrelated_prompts_never_evict_a_long_prefix_being_hit():
+    cache = PrefixCache(2400 * 128)  # the long prefix plus ten short entries
+    rng = np.random.default_rng(3)
+    long = [int(t) for t in rng.integers(1000, 3000, 2000)]
+    cache.insert(long, *_kv(2000))
+    assert cache.match(long + [5, 6])[1] == 2000  # the conversation's second turn
+    for i in range(300):  # far more short prompts than fit, the long one hit every 25th
+        # (LRU evicts it after ten: 25 evictions between hits)
+        short = [int(t) for t in rng.integers(3, 900, 40)]
+        assert cache.match(short)[1] < 40  # unrelated: nothing (or a few tokens) to reuse
+        cache.insert(short, *_kv(40))
+        assert cache.bytes <= cache.max_bytes
+        if i % 25 == 24:
+            entry, reused = cache.match(long + [5, 6])
+            assert reused == 2000 and entry.tokens.tolist() == long, i
+    assert cache.stats().entries > 2  # shorts were kept too, up to the bound
+
+
+def test_an_abandoned_long_prefix_ages_out():
+    cache = PrefixCache(1200 * 128)
+    rng = np.random.default_rng(4)
+    long = [int(t) for t in rng.integers(1000, 2000, 800)]
+    cache.insert(long, *_kv(800))
+    cache.match(long + [5])  # hit once, then never again
+    for _ in range(400):
+        cache.insert([int(t) for t in rng.integers(3, 900, 40)], *_kv(40))
+    assert cache.match(long + [5]) == (None, 0)  # the clock caught up with it
+    assert cache.bytes <= cache.max_bytes
+
+
+def test_next_turn_replaces_the_entry_it_extends_and_keeps_its_hits():
+    cache = PrefixCache(10_000 * 128)
+    turn1 = list(range(10, 310))
+    cache.insert(turn1, *_kv(300))
+    cache.match(turn1 + [1])
+    # the next turn resends turn 1 but its last few tokens differ (the answer re-rendered)
+    turn2 = turn1[:-5] + list(range(500, 700))
+    cache.insert(turn2, *_kv(len(turn2)))
+    stats = cache.stats()
+    assert stats.entries == 1 and stats.bytes == len(turn2) * 128
+    entry, reused = cache.match(turn2 + [1])
+    assert reused == len(turn2) and entry.hits == 2  # turn 1's hit carried over
+    other = list(range(10, 60)) + list(range(900, 1300))  # shares 50 of 495: a new entry
+    cache.insert(other, *_kv(len(other)))
+    assert cache.stats().entries == 2
+
+
+def test_default_bound_holds_two_agent_conversations_within_an_eighth_of_memory():
+    smollm2 = {
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "hidden_size": 576,
+    }
+    per_token = kv_token_bytes(smollm2, 4)
+    assert per_token == 46_080
+    assert default_bound(per_token, memory=64 << 30) == 40_960 * 46_080  # 1.9 GB
+    assert default_bound(per_token, memory=8 << 30) == 1 << 30  # an eighth of 8 GiB
+    assert default_bound(512, memory=8 << 30) == 64 << 20  # a tiny model: the floor
