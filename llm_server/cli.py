@@ -149,8 +149,32 @@ def build_parser() -> argparse.ArgumentParser:
         type=_size,
         default=None,
         metavar="BYTES",
-        help="bound of the prompt prefix cache, e.g. 512M or 2G (default: an eighth of the "
-        "model's weight bytes; 0 turns it off)",
+        help="bound of the prompt prefix cache, e.g. 512M or 2G (default: the KV of 40,960 "
+        "positions, two 20k-token agent conversations, at most an eighth of the memory, at "
+        "least 64M; 0 turns it off)",
+    )
+    p.add_argument(
+        "--prefix-cache-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="keep prefix cache entries evicted from memory, and at shutdown the resident ones, "
+        "in DIR (per model, dtype and kernel set); they are read back on a hit, after restarts too",
+    )
+    p.add_argument(
+        "--prefix-cache-disk-bytes",
+        type=_size,
+        default=None,
+        metavar="BYTES",
+        help="bound of --prefix-cache-dir, e.g. 8G (default: 16G, at most half the free space)",
+    )
+    p.add_argument(
+        "--warm-prompts",
+        type=_warm_prompts,
+        default=None,
+        metavar="FILE",
+        help="JSON/JSONL of prompts or chat bodies ({'messages': [...], 'tools': [...]}) "
+        "prefilled into the prefix cache at start",
     )
     p.add_argument(
         "--keep-quantized",
@@ -278,6 +302,16 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"not a size: {text!r} (use e.g. 512M, 2G or bytes)"
         ) from None
+
+
+def _warm_prompts(path: str) -> list:
+    """--warm-prompts FILE -> its items (see warm_prompts.py)."""
+    from llm_server.warm_prompts import load_warm_prompts
+
+    try:
+        return load_warm_prompts(path)
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _template(path: str) -> str:

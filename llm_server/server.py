@@ -18,6 +18,7 @@ from llm_server.model_source import pick_backend
 from llm_server.scheduler.batch import DEFAULT_SPEC_TOKENS, DEFAULT_SPECULATIVE, DEFAULT_STEP_TOKENS
 from llm_server.service import ModelService, ServiceConfig
 from llm_server.shutdown import DrainingServer
+from llm_server.warm_prompts import prepare_engine, warm_tokens
 
 log = logging.getLogger("llm_server")
 
@@ -49,8 +50,14 @@ def make_service(
     group_timeout: float = 20.0,
     parallel: str = "tensor",
     aliases: tuple[str, ...] = (),
+    prefix_cache_dir: Path | None = None,
+    prefix_cache_disk_bytes: int | None = None,
+    warm_prompts: list | None = None,
 ) -> ModelService:
-    """A started (loading) service for `model_path`; the engine loads on the scheduler thread."""
+    """A started (loading) service for `model_path`; the engine loads on the scheduler thread.
+
+    `prefix_cache_dir`/`prefix_cache_disk_bytes`: the prefix cache's disk tier; `warm_prompts`:
+    items of a --warm-prompts file, prefilled into the prefix cache during the load."""
     rows = concurrent  # the engine may serve fewer; BatchScheduler.load decides (S1)
     chosen = pick_backend(model_path, backend)
 
@@ -73,6 +80,7 @@ def make_service(
             parallel=parallel,
         )
         if group is None:
+            prepare_engine(engine, prefix_cache_dir, prefix_cache_disk_bytes, warm)
             return engine
         from llm_server.distributed.launch import wrap
 
@@ -96,7 +104,9 @@ def make_service(
         speculative=speculative,
         spec_tokens=spec_tokens,
     )
-    service = ModelService(config, engine_factory or factory).start()
+    service = ModelService(config, engine_factory or factory)
+    warm = warm_tokens(service, warm_prompts or [])  # bad items fail here, before the load
+    service.start()
     if group is not None:
         from llm_server.distributed.launch import attach
 
@@ -136,6 +146,9 @@ def service_from_args(
         group_timeout=args.distributed_timeout,
         parallel="pipeline" if args.pipeline else "tensor",
         aliases=aliases,
+        prefix_cache_dir=getattr(args, "prefix_cache_dir", None),
+        prefix_cache_disk_bytes=getattr(args, "prefix_cache_disk_bytes", None),
+        warm_prompts=getattr(args, "warm_prompts", None),
     )
 
 

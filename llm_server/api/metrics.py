@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
@@ -55,8 +55,47 @@ class _SchedulerCollector(Collector):
                 "prompt tokens reused from the prefix cache since start",
                 cache.hit_tokens,
             )
+            values["llm_server_prefix_cache_disk_bytes"] = (
+                "bytes the prefix cache's disk tier holds (--prefix-cache-dir)",
+                cache.disk_bytes,
+            )
+            values["llm_server_prefix_cache_disk_entries"] = (
+                "entries on the prefix cache's disk tier",
+                cache.disk_entries,
+            )
         for name, (doc, value) in values.items():
             yield GaugeMetricFamily(name, doc, value=value)
+        if cache is not None:
+            yield from _prefix_counters(cache)
+
+
+def _prefix_counters(cache) -> Iterator[CounterMetricFamily]:
+    """The prefix cache's monotonic counts (exposed with the `_total` suffix)."""
+    counts = {
+        "llm_server_prefix_cache_misses": ("prefills that reused no prefix", cache.misses),
+        "llm_server_prefix_cache_disk_reads": (
+            "prefix cache entries read back from the disk tier",
+            cache.disk_reads,
+        ),
+        "llm_server_prefix_cache_disk_read_bytes": (
+            "bytes read from the prefix cache's disk tier",
+            cache.disk_read_bytes,
+        ),
+        "llm_server_prefix_cache_disk_writes": (
+            "prefix cache entries written to the disk tier",
+            cache.disk_writes,
+        ),
+        "llm_server_prefix_cache_disk_write_bytes": (
+            "bytes written to the prefix cache's disk tier",
+            cache.disk_write_bytes,
+        ),
+        "llm_server_prefix_cache_disk_corrupt": (
+            "prefix cache files skipped for a bad checksum, header or size",
+            cache.disk_corrupt,
+        ),
+    }
+    for name, (doc, value) in counts.items():
+        yield CounterMetricFamily(name, doc, value=value)
 
 
 class Metrics:

@@ -1,0 +1,313 @@
+"""Disk tier of the prefix cache (`--prefix-cache-dir`): entries evicted from memory, and every
+resident entry at shutdown, kept as files that survive restarts, bounded in bytes.
+
+Files live in DIR/<fingerprint>/, the fingerprint covering the checkpoint (config and weight
+files' names, sizes and times), the dtype, the kernel set and the MLX version: an entry written
+by another model or build is never read (its folder is only deleted, oldest first, to stay
+under the bound). One file an entry: magic, a JSON header (fingerprint, shapes, dtype, CRC-32
+of everything after it), the token ids, then each layer's keys and values. The token ids of
+every file are indexed in memory at start; the KV is read on a match, and a file whose
+checksum, header or size is wrong is skipped with one warning, deleted, and never served.
+Writes run on a background thread (the scheduler thread only hands over the arrays).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import shutil
+import struct
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from llm_server import fingerprint as fp
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"LLMPKV1\n"
+SUFFIX = ".kv"
+DEFAULT_DISK_BYTES = 16 << 30  # at most half the free space of the folder's disk at start
+_NP = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  # bf16 as its bits
+
+
+def engine_fingerprint(engine) -> str:
+    """What the KV depends on: checkpoint, dtype, kernel set, MLX version."""
+    path = Path(engine.model_path)
+    files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".safetensors"))
+    ident = hashlib.sha256()
+    for p in files:
+        st = p.stat()
+        ident.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    ident.update((path / "config.json").read_bytes())
+    kernels = getattr(engine, "kernels", "default")
+    desc = fp.descriptor(ident.hexdigest(), "mlx", engine.dtype, 0)
+    desc += f";kernels={kernels};fused={getattr(engine, '_fused', None) is not None}"
+    desc += f";quantized={getattr(engine, 'quantized', False)};mlx={mx.__version__}"
+    return "kv_" + hashlib.sha256(desc.encode()).hexdigest()[:16]
+
+
+def default_disk_bytes(root: Path) -> int:
+    root.mkdir(parents=True, exist_ok=True)
+    return min(DEFAULT_DISK_BYTES, shutil.disk_usage(root).free // 2)
+
+
+@dataclass
+class _Indexed:
+    tokens: np.ndarray
+    nbytes: int
+    used: float
+
+
+class CorruptEntry(ValueError):
+    pass
+
+
+def _to_numpy(a: mx.array) -> np.ndarray:
+    if a.dtype == mx.bfloat16:
+        a = mx.view(a, mx.uint16)
+    return np.asarray(a)
+
+
+def _from_numpy(a: np.ndarray, dtype: str) -> mx.array:
+    out = mx.array(a)
+    return mx.view(out, mx.bfloat16) if dtype == "bfloat16" else out
+
+
+def _dtype_name(a: mx.array) -> str:
+    return str(a.dtype).removeprefix("mlx.core.")
+
+
+class DiskTier:
+    """Prefix cache entries on disk under one fingerprint; thread-safe index, one writer."""
+
+    def __init__(self, root: Path, max_bytes: int, fingerprint: str, min_tokens: int = 4) -> None:
+        self.root = Path(root)
+        self.dir = self.root / fingerprint
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.fingerprint = fingerprint
+        self.max_bytes = max_bytes
+        self.min_tokens = min_tokens
+        self._lock = threading.Lock()
+        self._index: dict[str, _Indexed] = {}
+        self._queue: queue.Queue = queue.Queue()
+        self._writer: threading.Thread | None = None
+        self.reads = self.read_bytes = self.writes = self.write_bytes = self.corrupt = 0
+        self._scan()
+
+    # -- index ---------------------------------------------------------------------
+
+    def _scan(self) -> None:
+        for tmp in self.dir.glob("*.tmp"):
+            tmp.unlink(missing_ok=True)  # a write cut short
+        for path in sorted(self.dir.glob("*" + SUFFIX)):
+            try:
+                with path.open("rb") as f:
+                    header, tokens = self._read_head(f)
+                st = path.stat()
+                if st.st_size != header["size"]:
+                    raise CorruptEntry(f"{st.st_size} bytes, the header says {header['size']}")
+            except (OSError, ValueError) as exc:
+                self._skip(path, exc)
+                continue
+            self._index[path.stem] = _Indexed(tokens, st.st_size, st.st_mtime)
+        with self._lock:
+            self._evict()
+
+    def _read_head(self, f) -> tuple[dict, np.ndarray]:
+        if f.read(len(MAGIC)) != MAGIC:
+            raise CorruptEntry("not a prefix cache file")
+        (length,) = struct.unpack("<Q", f.read(8))
+        if length > 1 << 20:
+            raise CorruptEntry("header too long")
+        header = json.loads(f.read(length))
+        if header.get("fingerprint") != self.fingerprint:
+            raise CorruptEntry("written by another model, dtype or kernel set")
+        tokens = np.frombuffer(f.read(4 * int(header["tokens"])), dtype=np.int32)
+        if len(tokens) != header["tokens"]:
+            raise CorruptEntry("truncated")
+        return header, tokens
+
+    def _skip(self, path: Path, exc: Exception) -> None:
+        self.corrupt += 1
+        log.warning("prefix cache file %s skipped and deleted (%s)", path, exc)
+        path.unlink(missing_ok=True)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            held = sum(e.nbytes for e in self._index.values())
+            entries = len(self._index)
+        return {
+            "disk_reads": self.reads,
+            "disk_read_bytes": self.read_bytes,
+            "disk_writes": self.writes,
+            "disk_write_bytes": self.write_bytes,
+            "disk_bytes": held,
+            "disk_entries": entries,
+            "disk_corrupt": self.corrupt,
+        }
+
+    # -- reads ---------------------------------------------------------------------
+
+    def load_longest(self, query: np.ndarray, floor: int):
+        """(tokens, keys, values) of the file sharing the longest prefix with `query`, longer
+        than `floor` and at least `min_tokens`; None when no valid file does."""
+        with self._lock:
+            found = []
+            for key, entry in self._index.items():
+                n = min(len(entry.tokens), len(query))
+                if n <= max(floor, self.min_tokens - 1):
+                    continue
+                same = entry.tokens[:n] == query[:n]
+                length = n if same.all() else int(np.argmin(same))
+                if length > floor and length >= self.min_tokens:
+                    found.append((length, key))
+        for _, key in sorted(found, reverse=True):
+            loaded = self._load(key)
+            if loaded is not None:
+                return loaded
+        return None
+
+    def _load(self, key: str):
+        path = self.dir / (key + SUFFIX)
+        try:
+            data = path.read_bytes()
+            head_end = len(MAGIC) + 8 + struct.unpack_from("<Q", data, len(MAGIC))[0]
+            header = json.loads(data[len(MAGIC) + 8 : head_end])
+            if header.get("fingerprint") != self.fingerprint or len(data) != header["size"]:
+                raise CorruptEntry("truncated or from another fingerprint")
+            body = memoryview(data)[head_end:]
+            if zlib.crc32(body) != header["crc32"]:
+                raise CorruptEntry("checksum mismatch")
+            n = int(header["tokens"])
+            tokens = np.frombuffer(body[: 4 * n], dtype=np.int32).copy()
+            keys, values, at = [], [], 4 * n
+            for shape_k, shape_v in header["layers"]:
+                for shape, out in ((shape_k, keys), (shape_v, values)):
+                    dt = np.dtype(_NP[header["dtype"]])
+                    size = int(np.prod(shape)) * dt.itemsize
+                    arr = np.frombuffer(body[at : at + size], dtype=dt).reshape(shape)
+                    out.append(_from_numpy(arr, header["dtype"]))
+                    at += size
+        except (OSError, ValueError, KeyError, struct.error) as exc:
+            with self._lock:
+                self._index.pop(key, None)
+            self._skip(path, exc)
+            return None
+        with self._lock:
+            if key in self._index:
+                self._index[key].used = time.time()
+        self.reads += 1
+        self.read_bytes += len(data)
+        return tokens, keys, values
+
+    # -- writes --------------------------------------------------------------------
+
+    def put(self, tokens: np.ndarray, keys: list[mx.array], values: list[mx.array]) -> None:
+        """Queue an entry for writing (skipped when the same tokens are on disk already)."""
+        key = hashlib.blake2b(tokens.tobytes(), digest_size=16).hexdigest()
+        with self._lock:
+            if key in self._index:
+                self._index[key].used = time.time()
+                return
+        dtype = _dtype_name(keys[0]) if keys else "float32"
+        item = (key, tokens, [_to_numpy(k) for k in keys], [_to_numpy(v) for v in values], dtype)
+        if self._writer is None or not self._writer.is_alive():
+            self._writer = threading.Thread(
+                target=self._write_loop, name="prefix-disk", daemon=True
+            )
+            self._writer.start()
+        self._queue.put(item)
+
+    def close(self) -> None:
+        """Finish the queued writes."""
+        if self._writer is not None and self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+
+    def flush(self) -> None:
+        self._queue.join()
+
+    def _write_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                self._write(*item)
+            except OSError as exc:
+                log.warning("prefix cache: could not write to %s (%s)", self.dir, exc)
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _write(self, key, tokens, keys, values, dtype) -> None:
+        parts = [tokens.astype(np.int32).tobytes()]
+        for k, v in zip(keys, values, strict=True):
+            parts += [np.ascontiguousarray(k).tobytes(), np.ascontiguousarray(v).tobytes()]
+        crc = 0
+        for part in parts:
+            crc = zlib.crc32(part, crc)
+        header = {
+            "fingerprint": self.fingerprint,
+            "tokens": len(tokens),
+            "dtype": dtype,
+            "layers": [[list(k.shape), list(v.shape)] for k, v in zip(keys, values, strict=True)],
+            "crc32": crc,
+            "size": 0,
+        }
+        body = sum(len(p) for p in parts)
+        head = json.dumps(header).encode()
+        # the size field's digits change the header's length: settle it in two passes
+        for _ in range(2):
+            header["size"] = len(MAGIC) + 8 + len(head) + body
+            head = json.dumps(header).encode()
+        if header["size"] > self.max_bytes:
+            return
+        path = self.dir / (key + SUFFIX)
+        tmp = path.with_suffix(".tmp")
+        with tmp.open("wb") as f:
+            f.write(MAGIC + struct.pack("<Q", len(head)) + head)
+            for part in parts:
+                f.write(part)
+        os.replace(tmp, path)
+        with self._lock:
+            for other, entry in list(self._index.items()):  # entries this one extends
+                n = len(entry.tokens)
+                if n < len(tokens) and np.array_equal(entry.tokens, tokens[:n]):
+                    self._remove(other)
+            self._index[key] = _Indexed(tokens.copy(), header["size"], time.time())
+            self._evict()
+        self.writes += 1
+        self.write_bytes += header["size"]
+
+    def _remove(self, key: str) -> None:
+        self._index.pop(key, None)
+        (self.dir / (key + SUFFIX)).unlink(missing_ok=True)
+
+    def _evict(self) -> None:
+        """Delete files until the folder (and other fingerprints' folders) fit the bound:
+        other fingerprints' first, then the least recently used (lock held)."""
+        held = sum(e.nbytes for e in self._index.values())
+        stale = sorted(
+            (p.stat().st_mtime, p)
+            for d in self.root.iterdir()
+            if d.is_dir() and d != self.dir
+            for p in d.glob("*" + SUFFIX)
+        )
+        total = held + sum(p.stat().st_size for _, p in stale)
+        for _, p in stale:
+            if total <= self.max_bytes:
+                return
+            total -= p.stat().st_size
+            p.unlink(missing_ok=True)
+        for key in sorted(self._index, key=lambda k: self._index[k].used):
+            if total <= self.max_bytes:
+                return
+            total -= self._index[key].nbytes
+            self._remove(key)
