@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from llm_server.engines.prefix_cache import PrefixCache
 from llm_server.engines.prefix_disk import DiskTier, engine_fingerprint
 from llm_server.testing.live import serving
 from llm_server.warm_prompts import load_warm_prompts
@@ -169,3 +170,20 @@ def test_bad_warm_prompts_file_names_the_item(tmp_path: Path):
     path.write_text(json.dumps(["ok", {"content": "no messages"}]))
     with pytest.raises(ValueError, match="item 1"):
         load_warm_prompts(path)
+
+
+def test_entries_evicted_from_memory_are_read_back_from_disk(tmp_path):
+    cache = PrefixCache(300 * 128)  # one 200-token entry at a time (128 bytes a position)
+    cache.attach_disk(DiskTier(tmp_path, 1 << 20, "kv_a"))
+    first, second = list(range(10, 210)), list(range(1000, 1200))
+    cache.insert(first, *_kv(200, 1.5))
+    cache.insert(second, *_kv(200))  # evicts `first` to disk
+    cache.disk.flush()
+    assert cache.stats().entries == 1 and cache.stats().disk_entries == 1
+    entry, reused = cache.match(first + [7])
+    assert reused == 200 and entry.tokens.tolist() == first
+    assert np.array_equal(np.asarray(entry.keys[0]), np.full((2, 200, 4), 1.5, np.float32))
+    stats = cache.stats()
+    assert stats.disk_reads == 1 and stats.entries == 1  # `second` went to disk in its place
+    cache.disk.flush()
+    assert cache.stats().disk_entries == 2
