@@ -10,7 +10,7 @@ rounded up to `decode_attention.SPAN` positions) with a per-row mask, so a graph
 tokens of the longest row; the store's capacity (grown in `row_cache.GROW` steps) is part of
 the shape too.
 
-On the CPU the graph's logits equal the eager forward's bit for bit (decode_attention says
+Under the linux_cpu kernel set (engines/kernels.py) the graph's logits equal the eager forward's bit for bit (decode_attention says
 why): the eager decode positions, of a pure decode step or of a mixed one, run the same
 products, the same rotation and the same `decode_attention.attend` over the same span, and
 compiling changes no rounding. So a row's greedy tokens do not depend on whether a step was
@@ -123,6 +123,7 @@ class CompiledSteps:
                     pos,
                     _writer(shape, pos, row_ids),
                     _reader(shape, row_ids),
+                    decoder.kernels.linux_cpu,
                 )
             logits, new_keys, new_values = _body(decoder, attention, ids, keys, values, shape.split)
             return (logits, *new_keys, *new_values)
@@ -161,11 +162,12 @@ def _rotate(x: mx.array, swapped: mx.array, cos2: mx.array, sin2: mx.array) -> m
     return x * cos2 + swapped * sin2
 
 
-def _attention(layer, queries, keys, values, mask) -> mx.array:
-    """queries [B, H, 1, Dh] over keys/values [B, KV, span, Dh] -> [B, H * Dh]: on the CPU the
-    arithmetic every decode position shares (decode_attention), on Metal MLX's fused kernel."""
+def _attention(layer, queries, keys, values, mask, linux_cpu: bool) -> mx.array:
+    """queries [B, H, 1, Dh] over keys/values [B, KV, span, Dh] -> [B, H * Dh]: under the
+    linux_cpu kernel set the arithmetic every decode position shares (decode_attention), under
+    the generic set MLX's fused kernel."""
     b, nh, _, hd = queries.shape
-    if cpu_kernels.on_cpu():
+    if linux_cpu:
         nkv = keys.shape[1]
         grouped = queries.reshape(b, nkv, nh // nkv, hd)
         out = decode_attention.attend_grouped(grouped, keys, values, mask, layer.scale)
@@ -202,8 +204,11 @@ class _GraphAttention:
     into its store array, `read(store)` returns the step's rows of it [B, KV, span, Dh]; mask
     [B, 1, 1, span] bool."""
 
-    def __init__(self, mask, rotation: Rotation | None, pos: mx.array, write, read) -> None:
+    def __init__(
+        self, mask, rotation: Rotation | None, pos: mx.array, write, read, linux_cpu: bool
+    ) -> None:
         self.mask, self.rotation, self.pos, self.write, self.read = mask, rotation, pos, write, read
+        self.linux_cpu = linux_cpu
         if rotation is not None:  # [B, 1, 1, Dh], gathered once per step
             self.cos2 = rotation.cos2[pos][:, None, None]
             self.sin2 = rotation.sin2[pos][:, None, None]
@@ -220,7 +225,9 @@ class _GraphAttention:
         else:
             qk = _rotate(qk, self.rotation.swap(qk), self.cos2, self.sin2)
         keys, values = self.write(keys, qk[:, nh:]), self.write(values, v)
-        out = _attention(layer, qk[:, :nh], self.read(keys), self.read(values), self.mask)
+        out = _attention(
+            layer, qk[:, :nh], self.read(keys), self.read(values), self.mask, self.linux_cpu
+        )
         return out, keys, values
 
 
@@ -243,6 +250,7 @@ def _body(decoder, attention, ids, keys, values, split: bool):
         ops = decoder.ops
         return module(x) if ops is None else ops.rms_norm(x, module.weight, module.eps)
 
+    addmm = decoder.kernels.linux_cpu
     new_keys, new_values = [], []
     for i, layer in enumerate(decoder.layers):
         if decoder.whole_layers and not split:  # (only with the decode ops: _OpsAttention)
@@ -254,9 +262,9 @@ def _body(decoder, attention, ids, keys, values, split: bool):
         out, k, v = attention(layer, qkv, keys[i], values[i])
         new_keys.append(k)
         new_values.append(v)
-        x = layer.o.add_to(x, out, split)
+        x = layer.o.add_to(x, out, split, addmm)
         gate, up = layer.gate_up.pair(norm(layer.norm_post, x), split)
-        x = layer.down.add_to(x, cpu_kernels.silu_mul(gate, up), split)
+        x = layer.down.add_to(x, cpu_kernels.silu_mul(gate, up), split, addmm)
     logits = decoder.lm_head(norm(inner.norm, x), split).astype(mx.float32)
     return logits, new_keys, new_values
 

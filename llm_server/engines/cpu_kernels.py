@@ -9,8 +9,8 @@ would cost more. SwiGLU stays in MLX at any size where MLX builds its fused kern
 CPU (native.jit: exp and sigmoid in 16-float vectors, SiLU·up over [128, 1536] in 161 us
 against numpy's ~290 and no sync). The softmax keeps numpy's in-place form: a long scoring
 chunk's scores are held once, where MLX's graph holds them two or three times (the same speed
-on the serving load). `install()` points mlx-lm's model module at them; it does nothing
-unless MLX runs on the CPU.
+on the serving load). `install()` points mlx-lm's model module at them under the linux_cpu
+kernel set (engines/kernels.py); the engine chooses the set and calls these only under it.
 """
 
 from __future__ import annotations
@@ -27,10 +27,12 @@ from llm_server.engines.layout import output_head
 from llm_server.native import jit, skinny
 
 NUMPY_MIN_ELEMENTS = 32_768  # below this an MLX op beats a round trip through numpy
-_INSTALLED: set[str] = set()
+_INSTALLED: dict[str, bool] = {}  # model module -> whether its patches are on (install)
 
 
 def on_cpu() -> bool:
+    """Whether MLX runs on the CPU: a device fact (streams to release), not a kernel choice;
+    the engines decide by their kernel set (engines/kernels.py)."""
     return mx.default_device() == mx.cpu
 
 
@@ -78,9 +80,9 @@ def silu_mul(gate: mx.array, x: mx.array) -> mx.array:
 
 
 def numpy_silu() -> bool:
-    """Whether a large SiLU goes through numpy: on the CPU, where MLX's kernels are not built
-    for this CPU (native.jit)."""
-    return on_cpu() and not jit.active()
+    """Whether a large SiLU goes through numpy (linux_cpu set): where MLX's kernels are not
+    built for this CPU (native.jit)."""
+    return not jit.active()
 
 
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
@@ -194,7 +196,7 @@ def _split_linear_class():
             return obj
 
         def __call__(self, x: mx.array) -> mx.array:
-            if not split_helps(_rows(x)) or self.weight.dtype != mx.float32 or not on_cpu():
+            if not split_helps(_rows(x)) or self.weight.dtype != mx.float32:
                 return super().__call__(x)
             out = split_matmul(x, self.weight)
             return out + self.bias if "bias" in self else out
@@ -202,22 +204,21 @@ def _split_linear_class():
     return SplitLinear
 
 
-def lm_head(model, hidden: mx.array) -> mx.array:
-    """The output projection, split across streams for a 1-2 row decode step on the CPU."""
+def lm_head(model, hidden: mx.array, split: bool) -> mx.array:
+    """The output projection; `split` (the linux_cpu set): across streams for a 1-2 row
+    decode step."""
     layer, tied = output_head(model)
     weight = getattr(layer, "weight", None)
     plain = not split_helps(_rows(hidden)) or weight is None or weight.dtype != mx.float32
-    if plain or not on_cpu() or (not tied and "bias" in layer):
+    if plain or not split or (not tied and "bias" in layer):
         return layer.as_linear(hidden) if tied else layer(hidden)
     return split_matmul(hidden, weight)
 
 
 def split_linears(model) -> int:
-    """Swap the decoder layers' float nn.Linear modules for SplitLinear (CPU only)."""
+    """Swap the decoder layers' float nn.Linear modules for SplitLinear (linux_cpu set)."""
     import mlx.nn as nn
 
-    if not on_cpu():
-        return 0
     split_linear = _split_linear_class()
     count = 0
     for layer in model.model.layers:
@@ -229,20 +230,27 @@ def split_linears(model) -> int:
     return count
 
 
-def install(model) -> bool:
-    """Route the model module's attention and SwiGLU through these helpers (CPU only)."""
-    if not on_cpu():
-        return False
+def install(model, linux_cpu: bool) -> bool:
+    """Route the model module's attention and SwiGLU through these helpers when `linux_cpu`
+    (the engine's kernel set), else through mlx-lm's own. The module is shared by every model
+    of its family in the process: the engine loaded last decides (one set per process in
+    practice: LLM_SERVER_KERNELS)."""
     module = sys.modules[type(model).__module__]
+    if not linux_cpu:
+        if module.__name__ in _INSTALLED:
+            _INSTALLED[module.__name__] = False
+        return False
     if module.__name__ in _INSTALLED:
+        _INSTALLED[module.__name__] = True
         return True
+    name = module.__name__
     original_sdpa = getattr(module, "scaled_dot_product_attention", None)
     if original_sdpa is not None:
 
         def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
             b, h, length, _ = queries.shape
             big = b * h * length * keys.shape[2] >= NUMPY_MIN_ELEMENTS
-            if not big or sinks is not None or hasattr(cache, "bits") or not on_cpu():
+            if not big or sinks is not None or hasattr(cache, "bits") or not _INSTALLED[name]:
                 return original_sdpa(
                     queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks
                 )
@@ -251,6 +259,6 @@ def install(model) -> bool:
         module.scaled_dot_product_attention = sdpa
     original_swiglu = getattr(module, "swiglu", None)
     if original_swiglu is not None:
-        module.swiglu = lambda gate, x: swiglu(gate, x) if on_cpu() else original_swiglu(gate, x)
-    _INSTALLED.add(module.__name__)
+        module.swiglu = lambda gate, x: (swiglu if _INSTALLED[name] else original_swiglu)(gate, x)
+    _INSTALLED[name] = True
     return True

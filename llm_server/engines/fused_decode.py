@@ -9,11 +9,11 @@ the stacked ones, so the weights are held once and prefill/scoring keep running 
 modules unchanged (`fused_layers`). Every output is the same dot product as in the separate
 products, and the table holds exactly the values the rope module computes.
 
-On the CPU `split=True` puts each product's output halves on two streams: with BLIS held to
+Under the linux_cpu kernel set (engines/kernels.py) `split=True` puts each product's output halves on two streams: with BLIS held to
 one thread per stream (see `blas.threads`) that is faster than BLIS's own threading for the
 skinny products of decoding.
 
-`FusedForward.build(model, positions)` returns None for layers it does not know (quantized
+`FusedForward.build(model, positions, kernels)` returns None for layers it does not know (quantized
 weights, sliding windows, unknown attention extras); the engine then keeps the mlx-lm forward.
 """
 
@@ -44,8 +44,11 @@ class FusedForward:
     """Runs the model over the engine's row views with stacked products: decode steps
     (compiled when `enable_compiled` was called), mixed steps (`forward_groups`) and scoring."""
 
-    def __init__(self, model, layers: list[Layer], lm_head: Linear, table: mx.array | None):
+    def __init__(
+        self, model, layers: list[Layer], lm_head: Linear, table: mx.array | None, kernels
+    ):
         self.model = model
+        self.kernels = kernels  # engines/kernels.py: the engine's KernelSet
         self.layers = layers
         self.lm_head = lm_head
         self.half = layers[0].head_dim // 2
@@ -87,7 +90,7 @@ class FusedForward:
         self.compiled = CompiledSteps(self)
 
     @classmethod
-    def build(cls, model, positions: int) -> FusedForward | None:
+    def build(cls, model, positions: int, kernels) -> FusedForward | None:
         if model_family(model) not in PLAIN_HEAD_MODULES:
             return None  # e.g. granite: llama's layer names, but multipliers this does not apply
         inner = getattr(model, "model", None)
@@ -103,7 +106,7 @@ class FusedForward:
         attn0 = blocks[0].self_attn
         head_dim = attn0.q_proj.weight.shape[0] // attn0.n_heads
         table = None
-        if cpu_kernels.on_cpu():  # Metal's rope kernel is fast; the CPU's recomputes cos/sin
+        if kernels.linux_cpu:  # Metal's rope kernel is fast; the CPU's recomputes cos/sin
             table = rope_table(attn0.rope, head_dim, positions, attn0.q_proj.weight.dtype)
             if table is not None and not all(
                 table_matches(table, b.self_attn.rope) for b in blocks
@@ -130,7 +133,7 @@ class FusedForward:
                     inter=mlp.gate_proj.weight.shape[0],
                 )
             )
-        return cls(model, layers, lm_head, table)
+        return cls(model, layers, lm_head, table, kernels)
 
     def logits(self, ids: mx.array, views: list[RowView], split: bool) -> mx.array:
         """ids [B, q] on the engine's rows -> logits [B, vocab] at each row's last position.
@@ -169,7 +172,8 @@ class FusedForward:
             at = self.table[pos][:, None]  # [B, 1, q, Dh]
             cos_sin = (at[..., : self.half], at[..., self.half :])
         # prompts on the CPU: numpy's SIMD sigmoid for large inputs (cpu_kernels.swiglu)
-        silu_mul = cpu_kernels.swiglu if q > 1 and cpu_kernels.on_cpu() else cpu_kernels.silu_mul
+        cpu = self.kernels.linux_cpu
+        silu_mul = cpu_kernels.swiglu if q > 1 and cpu else cpu_kernels.silu_mul
         exact = q == 1  # a decode step: the arithmetic every decode position shares
         for layer, cache in zip(self.layers, caches, strict=True):
             h = layer.norm_in(x)  # [B, q, dim]
@@ -211,7 +215,7 @@ class FusedForward:
         )  # [1, T, dim]
         tables = [self._cos_sin(starts, ids.shape[1]) for ids, _, starts, _ in groups]
         exact = [ids.shape[1] == 1 or g in every for g, (ids, *_) in enumerate(groups)]
-        silu_mul = self._group_silu(sizes, exact)
+        silu_mul = self._group_silu(sizes, exact, self.kernels.linux_cpu)
         for i, layer in enumerate(self.layers):
             h = layer.norm_in(x)
             outs, off = [], 0
@@ -234,11 +238,12 @@ class FusedForward:
         return self.lm_head(inner.norm(x[0, mx.array(last)]), split)
 
     @staticmethod
-    def _group_silu(sizes: list[int], exact: list[bool]):
+    def _group_silu(sizes: list[int], exact: list[bool], linux_cpu: bool):
         """silu(gate) * up over packed groups: MLX's kernel for the decode positions (`exact`
         groups, which come first in a step), and for the prompt chunks after them numpy's
-        sigmoid (cpu_kernels.swiglu) where MLX's kernels are not built for this CPU."""
-        if sum(sizes) == 1 or not cpu_kernels.numpy_silu():
+        sigmoid (cpu_kernels.swiglu) under the linux_cpu set where MLX's kernels are not built
+        for this CPU."""
+        if sum(sizes) == 1 or not linux_cpu or not cpu_kernels.numpy_silu():
             return cpu_kernels.silu_mul
         lead = 0  # packed positions of the leading exact groups
         for size, is_exact in zip(sizes, exact, strict=True):
@@ -273,8 +278,8 @@ class FusedForward:
         through the decode ops where they apply: prompt chunks too (one primitive per layer
         instead of a round trip through numpy: a 20-token prompt after a cached prefix ~100 ->
         74 ms, 1,000 tokens 6.0 -> 3.5 s, 3,000 tokens 29 -> 17 s on 2 cores). Without them,
-        `exact` (decode positions) takes decode_attention's arithmetic on the CPU, and prompt
-        chunks numpy's or MLX's attention."""
+        `exact` (decode positions) takes decode_attention's arithmetic under the linux_cpu set,
+        and prompt chunks numpy's (linux_cpu) or MLX's attention."""
         hd, nh, nkv = layer.head_dim, layer.heads, layer.kv_heads
         b, q, _ = h.shape
         qkv = layer.qkv(h, split)  # [B, q, (H + 2 KV) * Dh]
@@ -308,16 +313,13 @@ class FusedForward:
         else:  # not compiled: one compile per prompt length would pile up
             queries, keys = rotate_eager(queries, *cos_sin), rotate_eager(keys, *cos_sin)
         keys, values = cache.update_and_fetch(keys, values)
-        if exact and isinstance(cache, RowView) and cpu_kernels.on_cpu():
+        cpu = self.kernels.linux_cpu
+        if exact and isinstance(cache, RowView) and cpu:
             width = decode_attention.span(cache.plan.kv_len, cache.store.capacity)
             keys, values = decode_attention.read(cache, width)
             at = decode_attention.mask(mx.array(starts, dtype=mx.int32), q, width)
             out = decode_attention.attend(queries, keys, values, at, layer.scale)
-        elif (
-            q > 1
-            and cpu_kernels.on_cpu()
-            and b * nh * q * keys.shape[2] >= cpu_kernels.NUMPY_MIN_ELEMENTS
-        ):
+        elif q > 1 and cpu and b * nh * q * keys.shape[2] >= cpu_kernels.NUMPY_MIN_ELEMENTS:
             out = cpu_kernels.attention(queries, keys, values, layer.scale, mask)
         else:
             out = mx.fast.scaled_dot_product_attention(

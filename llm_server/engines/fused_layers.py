@@ -48,10 +48,11 @@ class Linear:
         out = cpu_kernels.split_matmul_halves(x, self.halves) if split else x @ self.wt
         return out if self.bias is None else out + self.bias
 
-    def add_to(self, x: mx.array, a: mx.array, split: bool) -> mx.array:
-        """x + self(a). On the CPU one addmm: the product writes onto a copy of x, each output
-        s + x as in the separate add (alpha = beta = 1, so the same rounding), one op fewer."""
-        if split or self.bias is not None or not cpu_kernels.on_cpu():
+    def add_to(self, x: mx.array, a: mx.array, split: bool, addmm: bool) -> mx.array:
+        """x + self(a). With `addmm` (the linux_cpu kernel set) one addmm: the product writes
+        onto a copy of x, each output s + x as in the separate add (alpha = beta = 1, so the
+        same rounding), one op fewer."""
+        if split or self.bias is not None or not addmm:
             return x + self(a, split)
         return mx.addmm(x, a, self.wt)
 

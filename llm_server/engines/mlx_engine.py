@@ -20,11 +20,11 @@ import numpy as np
 
 from llm_server import blas
 from llm_server.engines import cpu_kernels, quantized
-from llm_server.engines.kernels import resolve as resolve_kernels
 from llm_server.engines.bare_checkpoint import model_classes
 from llm_server.engines.base import EngineError
 from llm_server.engines.dtypes import default_dtype
 from llm_server.engines.fused_decode import FusedForward
+from llm_server.engines.kernels import resolve as resolve_kernels
 from llm_server.engines.layout import (
     GROUPED_SCORE_MODULES,
     KV,

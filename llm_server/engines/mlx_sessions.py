@@ -54,7 +54,7 @@ class SessionRunner:
                     )
                 else:
                     logits = self.model(ids, cache=self._score_cache)
-                if cpu_kernels.on_cpu():
+                if self.kernels.linux_cpu:
                     result = reduce_logprobs(cpu_kernels.log_softmax(logits), targets, top_k)
                 else:
                     result = reduce_logits_mlx(logits, targets, top_k)

@@ -18,7 +18,6 @@ import mlx.core as mx
 import numpy as np
 
 from llm_server import blas
-from llm_server.engines import cpu_kernels
 from llm_server.engines.base import EngineError
 from llm_server.engines.layout import row_views
 from llm_server.engines.score_reduce import log_softmax, reduce_logits_mlx, reduce_logprobs
@@ -172,7 +171,7 @@ class StepRunner:
         at = len(logits) - n
         targets = np.concatenate([np.asarray(c.targets(), np.int32) for c in chunks])[None]
         k = min(max(c.top_k for c in chunks), self.vocab_size)
-        if cpu_kernels.on_cpu():
+        if self.kernels.linux_cpu:
             result = reduce_logprobs(log_softmax(np.array(logits[at:])[None]), targets, k)
         else:
             result = reduce_logits_mlx(mx.array(logits[at:])[None], targets, k)

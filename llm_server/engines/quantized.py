@@ -15,8 +15,6 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
-from llm_server.engines import cpu_kernels
-
 log = logging.getLogger(__name__)
 
 # Share of the memory available at load that the float32 weights may take.
@@ -68,8 +66,9 @@ def describe(modules: list[tuple[str, nn.Module]]) -> str:
     return f"{'/'.join(map(str, bits))}-bit {'/'.join(modes)}, {group_text}"
 
 
-def prepare(model: nn.Module, keep_quantized: bool = False) -> bool:
-    """Dequantize `model`'s quantized layers to float32 in place where that is the fast choice.
+def prepare(model: nn.Module, keep_quantized: bool, linux_cpu: bool) -> bool:
+    """Dequantize `model`'s quantized layers to float32 in place where that is the fast choice
+    (the linux_cpu kernel set: MLX's CPU quantized products are slow; engines/kernels.py).
 
     Returns whether quantized layers remain (then the engine runs mlx-lm's forward for them).
     Call it on the freshly (lazily) loaded model, before any other weight transformation.
@@ -80,8 +79,8 @@ def prepare(model: nn.Module, keep_quantized: bool = False) -> bool:
     if not modules:
         return False
     kind = describe(modules)
-    if keep_quantized or not cpu_kernels.on_cpu():
-        why = "--keep-quantized" if keep_quantized else "Metal has fast quantized kernels"
+    if keep_quantized or not linux_cpu:
+        why = "--keep-quantized" if keep_quantized else "the generic kernel set: Metal's are fast"
         log.info("serving %d quantized layers (%s) quantized (%s)", len(modules), kind, why)
         return True
     need, have = float32_bytes(modules), available_memory()

@@ -76,7 +76,7 @@ def test_stacked_weights_are_held_once(tiny_model_path):
 def test_quantized_layers_keep_the_mlx_lm_forward(tiny_llama_path):
     engine = MLXEngine(tiny_llama_path, rows=1, fused_decode=False)
     nn.quantize(engine.model, group_size=32, bits=8)
-    assert FusedForward.build(engine.model, 64) is None
+    assert FusedForward.build(engine.model, 64, engine.kernels) is None
 
 
 def test_rope_table_reproduces_scaled_rope_and_refuses_others():

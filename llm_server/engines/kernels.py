@@ -1,0 +1,65 @@
+"""The kernel set an engine runs: chosen once, when the engine loads.
+
+- `linux_cpu`: the Linux-CPU workshop. Decode steps compiled with the CPU's decode attention
+  (decode_attention, the native decode ops where they built), a rotary cos/sin table, products
+  split over two CPU streams or run by the skinny library, numpy's softmax/SiLU/log-softmax for
+  large tensors (cpu_kernels), quantized checkpoints dequantized to float32, no pipelining.
+- `generic`: plain MLX ops, what Metal (and any other device) runs: mlx-lm's rope and
+  `mx.fast.scaled_dot_product_attention`, eager decode steps, MLX's log-softmax, pipelined
+  greedy steps, quantized layers kept quantized.
+
+The default is `linux_cpu` where MLX runs on the CPU and `generic` elsewhere; the environment
+variable LLM_SERVER_KERNELS (or `MLXEngine(kernels=...)`) overrides it, so the generic set (every
+branch a Mac takes) runs on this machine's CPU too (`make test` runs the engine suite under
+both). `linux_cpu` needs MLX on the CPU. Exactness is promised per set: under `linux_cpu` a row's
+logits do not depend on batching, mixing or compiling, bit for bit (S10); the generic set keeps
+that promise on Metal's terms, which the tests on the CPU check to a stated tolerance where MLX's
+fused attention rounds differently per shape.
+
+The native decode ops and the skinny library stay optional inside `linux_cpu`, as before: where
+they did not build, the same set runs the MLX-op forms of the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+ENV = "LLM_SERVER_KERNELS"
+LINUX_CPU = "linux_cpu"
+GENERIC = "generic"
+NAMES = (LINUX_CPU, GENERIC)
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """Which kernels an engine's forwards use (see the module docstring)."""
+
+    name: str
+
+    @property
+    def linux_cpu(self) -> bool:
+        """The Linux-CPU set: numpy paths, split products, the CPU decode attention, the table."""
+        return self.name == LINUX_CPU
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def default_name() -> str:
+    """The set this process runs when nothing is asked for: linux_cpu on the CPU."""
+    return LINUX_CPU if mx.default_device() == mx.cpu else GENERIC
+
+
+def resolve(choice: str | None = None, env: dict[str, str] | None = None) -> KernelSet:
+    """The kernel set for `choice` (None: LLM_SERVER_KERNELS, else the default)."""
+    env = os.environ if env is None else env
+    name = (choice or env.get(ENV) or "").strip().lower() or default_name()
+    if name not in NAMES:
+        source = "kernels" if choice else ENV
+        raise ValueError(f"{source} must be one of {', '.join(NAMES)}, got {name!r}")
+    if name == LINUX_CPU and mx.default_device() != mx.cpu:
+        raise ValueError("the linux_cpu kernel set needs MLX on the CPU")
+    return KernelSet(name)
