@@ -41,6 +41,8 @@ async def health(request: Request) -> Response:
                 "ready": not st.draining,
                 "engine": svc.engine.name,
                 "dtype": svc.engine.dtype,
+                # the engine's kernel set (engines/kernels.py): linux_cpu or generic
+                "kernels": getattr(getattr(svc.engine, "kernels", None), "name", None),
                 "batching": svc.batching,
                 "concurrent_requests": stats.rows,
                 "rows_busy": stats.rows_busy,
