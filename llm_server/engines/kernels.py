@@ -26,6 +26,10 @@ import os
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
+
+from llm_server.engines.base import ScoreChunkResult
+from llm_server.engines.score_reduce import log_softmax, reduce_logits_mlx, reduce_logprobs
 
 ENV = "LLM_SERVER_KERNELS"
 LINUX_CPU = "linux_cpu"
@@ -46,6 +50,20 @@ class KernelSet:
 
     def __str__(self) -> str:
         return self.name
+
+    def reduce_scores(
+        self, logits: mx.array | np.ndarray, targets: np.ndarray, top_k: int
+    ) -> ScoreChunkResult:
+        """Scoring positions' logits [N, q, vocab] -> log-probs of the targets, top-k, greedy
+        ids (C3): linux_cpu in numpy (SIMD exp, in place on a float32 copy), generic with MLX's
+        ops on the device before anything leaves it."""
+        if self.linux_cpu:
+            if isinstance(logits, mx.array):
+                z = np.array(logits.astype(mx.float32))
+            else:
+                z = np.array(logits, dtype=np.float32)
+            return reduce_logprobs(log_softmax(z), targets, top_k)
+        return reduce_logits_mlx(mx.array(logits), targets, top_k)
 
 
 def default_name() -> str:

@@ -14,10 +14,8 @@ import mlx.core as mx
 import numpy as np
 
 from llm_server import blas
-from llm_server.engines import cpu_kernels
 from llm_server.engines.base import EmbeddingsUnsupported, EngineError, ScoreChunkResult
 from llm_server.engines.layout import make_cache
-from llm_server.engines.score_reduce import reduce_logits_mlx, reduce_logprobs
 
 
 class SessionRunner:
@@ -54,10 +52,7 @@ class SessionRunner:
                     )
                 else:
                     logits = self.model(ids, cache=self._score_cache)
-                if self.kernels.linux_cpu:
-                    result = reduce_logprobs(cpu_kernels.log_softmax(logits), targets, top_k)
-                else:
-                    result = reduce_logits_mlx(logits, targets, top_k)
+                result = self.kernels.reduce_scores(logits, targets, top_k)
             except Exception as exc:  # noqa: BLE001
                 raise EngineError(f"scoring forward failed: {exc}") from exc
         self._score_offset += q

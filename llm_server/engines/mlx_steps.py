@@ -20,7 +20,6 @@ import numpy as np
 from llm_server import blas
 from llm_server.engines.base import EngineError
 from llm_server.engines.layout import row_views
-from llm_server.engines.score_reduce import log_softmax, reduce_logits_mlx, reduce_logprobs
 from llm_server.engines.step import (
     DecodeRow,
     PrefillChunk,
@@ -171,10 +170,7 @@ class StepRunner:
         at = len(logits) - n
         targets = np.concatenate([np.asarray(c.targets(), np.int32) for c in chunks])[None]
         k = min(max(c.top_k for c in chunks), self.vocab_size)
-        if self.kernels.linux_cpu:
-            result = reduce_logprobs(log_softmax(np.array(logits[at:])[None]), targets, k)
-        else:
-            result = reduce_logits_mlx(mx.array(logits[at:])[None], targets, k)
+        result = self.kernels.reduce_scores(logits[at:][None], targets, k)
         out, off = {}, 0
         for c in chunks:
             part = slice(off, off + c.tokens)
