@@ -112,3 +112,18 @@ def test_health_reports_the_engines_set(tiny_model_path, live_server, monkeypatc
     srv = live_server(tiny_model_path)
     health = httpx.get(f"{srv.url}/health").json()
     assert health["kernels"] == "generic" and health["ready"] is True
+
+
+def test_generic_compiled_steps_equal_its_eager_steps(tmp_path):
+    """The generic set's compiled step (MLX's fused attention over the read span; off by
+    default, as on Metal until shown there) gives the eager generic steps' logits bit for bit
+    on this CPU: two rows at different cursors, eight steps."""
+    path = build_family_checkpoint(tmp_path / "qwen3", "qwen3")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 300, n).tolist() for n in (90, 130)]
+    compiled = MLXEngine(path, rows=2, kernels="generic", compiled_decode=True)
+    got = _greedy_logits(compiled, prompts, 8)
+    want = _greedy_logits(MLXEngine(path, rows=2, kernels="generic"), prompts, 8)
+    assert compiled._fused.compiled.traces >= 1
+    for a, b in zip(got, want, strict=True):
+        assert np.array_equal(a, b)
