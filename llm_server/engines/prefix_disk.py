@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import os
 import queue
 import shutil
@@ -80,6 +81,11 @@ def _to_numpy(a: mx.array) -> np.ndarray:
 def _from_numpy(a: np.ndarray, dtype: str) -> mx.array:
     out = mx.array(a)
     return mx.view(out, mx.bfloat16) if dtype == "bfloat16" else out
+
+
+def _map(path: Path) -> memoryview:
+    with path.open("rb") as f:
+        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
 
 
 def _dtype_name(a: mx.array) -> str:
@@ -179,12 +185,12 @@ class DiskTier:
     def _load(self, key: str):
         path = self.dir / (key + SUFFIX)
         try:
-            data = path.read_bytes()
+            data = _map(path)  # the page cache's pages, not a copy of them
             head_end = len(MAGIC) + 8 + struct.unpack_from("<Q", data, len(MAGIC))[0]
-            header = json.loads(data[len(MAGIC) + 8 : head_end])
+            header = json.loads(bytes(data[len(MAGIC) + 8 : head_end]))
             if header.get("fingerprint") != self.fingerprint or len(data) != header["size"]:
                 raise CorruptEntry("truncated or from another fingerprint")
-            body = memoryview(data)[head_end:]
+            body = data[head_end:]
             if zlib.crc32(body) != header["crc32"]:
                 raise CorruptEntry("checksum mismatch")
             n = int(header["tokens"])
