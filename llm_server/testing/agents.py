@@ -34,13 +34,16 @@ from llm_server.testing.tiny import (
 AGENT_SPEC = TinySpec(
     arch="qwen3",
     hidden_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
+    num_layers=1,
+    num_heads=1,
+    num_kv_heads=1,
     intermediate_size=128,
     vocab_target=8192,
     max_position_embeddings=65536,
 )
+# One layer with one 16-wide head: MLX's CPU attention over a 16k-token prompt costs ~11 s per
+# layer with 4 heads of 16 and ~3 s with one, and the agents' prompts are 10-20k tokens.
+HEAD_DIM = 16
 _BIAS_DIM, _STOP_DIM = 0, 1
 BIAS_EMBED, STOP_EMBED = 4.0, 12.0  # the embedding values on those two dimensions
 PERIOD_GAIN, EOS_GAIN = 3.0, 5.0  # lm_head weights reading them
@@ -94,7 +97,7 @@ def build_agent_checkpoint(out_dir: str | Path, spec: TinySpec = AGENT_SPEC) -> 
     out.mkdir(parents=True, exist_ok=True)
     tok = build_agent_tokenizer(spec.vocab_target)
     eos_id, bos_id = write_tokenizer_files(out, tok, spec.max_position_embeddings, HERMES_TEMPLATE)
-    cfg = _config(spec, tok.get_vocab_size(), eos_id, bos_id)
+    cfg = _config(spec, tok.get_vocab_size(), eos_id, bos_id) | {"head_dim": HEAD_DIM}
     weights = _weights(spec, cfg)
     _early_eos(weights, cfg, eos_id, tok.token_to_id("."))
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
