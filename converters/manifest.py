@@ -13,7 +13,7 @@ from pathlib import Path
 
 MANIFEST_NAME = "llm_manifest.json"
 CONVERTER_VERSION = "1"
-# The graph's query length covers decode (1) and the scoring chunk sizes (DESIGN.md C4).
+# The graph's query length covers decode (1) and the scoring chunk sizes (docs/ARCHITECTURE.md C4).
 DEFAULT_Q_SIZES = (1, 16, 32, 64, 128)
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 TOKENIZER_FILES = (

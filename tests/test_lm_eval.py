@@ -1,4 +1,4 @@
-"""lm-evaluation-harness compatibility of `/v1/completions` scoring (DESIGN.md C5), no hub.
+"""lm-evaluation-harness compatibility of `/v1/completions` scoring (docs/ARCHITECTURE.md C5), no hub.
 
 The full run needs the optional `eval` extra (`pip install -e ".[eval]"`, i.e. lm-eval[api]).
 """

@@ -1,4 +1,4 @@
-"""The engine contract the scheduler drives (DESIGN.md "Engine operations").
+"""The engine contract the scheduler drives (docs/ARCHITECTURE.md, "The engine contract").
 
 An engine owns a fixed number of rows that share one KV cache; each row has its own cursor.
 A serial engine is the same contract with one row. Engines are driven from ONE thread.

@@ -1,4 +1,4 @@
-// Decode attention as two MLX primitives for the CPU (built at run time: decode_ops.py).
+// Decode ops as MLX primitives for the CPU (attention, RMSNorm + products, whole layers) (built at run time: decode_ops.py).
 //
 // A decode step on the CPU pays per graph op (~3-7 us each, whatever its size), and the
 // attention of one layer took ~22 of them: slices and reshapes of the stacked q/k/v product, the

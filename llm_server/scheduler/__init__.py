@@ -1,4 +1,4 @@
-"""Continuous-batching scheduler: requests share the engine's rows (DESIGN.md S1-S10)."""
+"""Continuous-batching scheduler: requests share the engine's rows (docs/ARCHITECTURE.md S1-S10)."""
 
 from llm_server.scheduler.batch import BatchScheduler, SchedulerStats
 from llm_server.scheduler.request import (

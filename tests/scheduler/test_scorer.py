@@ -1,4 +1,4 @@
-"""Scoring (DESIGN.md C1-C4) on the tiny model: padded batches on the separate session (the
+"""Scoring (docs/ARCHITECTURE.md C1-C4) on the tiny model: padded batches on the separate session (the
 fallback, a Scorer driven directly), and prompts on the engine's scoring rows riding in the
 step plans' forwards beside decoding chats (through the service)."""
 
