@@ -19,6 +19,7 @@ import pytest
 
 from llm_server.engines import cpu_kernels, kernels
 from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.native import skinny
 from llm_server.testing.families import build_family_checkpoint
 
 ON_CPU = mx.default_device() == mx.cpu
@@ -116,8 +117,11 @@ def test_health_reports_the_engines_set(tiny_model_path, live_server, monkeypatc
 
 def test_generic_compiled_steps_equal_its_eager_steps(tmp_path):
     """The generic set's compiled step (MLX's fused attention over the read span; off by
-    default, as on Metal until shown there) gives the eager generic steps' logits bit for bit
-    on this CPU: two rows at different cursors, eight steps."""
+    default, as on Metal until shown there) gives the eager generic steps' logits: two rows at
+    different cursors, eight steps. Bit for bit where the skinny library runs the products
+    (make test here); with BLIS alone (LLM_SERVER_SKINNY=0) the compiled step's 2-D products
+    sum in another order, measured up to 5.7e-6 with logits up to ~16 (RELATIVE_TOLERANCE), and
+    on Metal it is not shown yet."""
     path = build_family_checkpoint(tmp_path / "qwen3", "qwen3")
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 300, n).tolist() for n in (90, 130)]
@@ -125,5 +129,10 @@ def test_generic_compiled_steps_equal_its_eager_steps(tmp_path):
     got = _greedy_logits(compiled, prompts, 8)
     want = _greedy_logits(MLXEngine(path, rows=2, kernels="generic"), prompts, 8)
     assert compiled._fused.compiled.traces >= 1
+    exact = ON_CPU and skinny.loaded()
     for a, b in zip(got, want, strict=True):
-        assert np.array_equal(a, b)
+        assert np.array_equal(a.argmax(-1), b.argmax(-1))
+        if exact:
+            assert np.array_equal(a, b)
+        else:
+            assert np.abs(a - b).max() <= RELATIVE_TOLERANCE * np.abs(b).max()
