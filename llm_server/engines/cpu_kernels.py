@@ -124,11 +124,6 @@ def _side_streams() -> tuple:
     return streams
 
 
-def split_streams() -> tuple:
-    """This thread's side stream(s) for split products (made on first use)."""
-    return _side_streams()
-
-
 def release_streams() -> None:
     """Finish and destroy this thread's split streams; call before the thread ends.
 
