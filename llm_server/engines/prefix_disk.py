@@ -13,6 +13,7 @@ Writes run on a background thread (the scheduler thread only hands over the arra
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -203,6 +204,10 @@ class DiskTier:
                     arr = np.frombuffer(body[at : at + size], dtype=dt).reshape(shape)
                     out.append(_from_numpy(arr, header["dtype"]))
                     at += size
+        except FileNotFoundError:  # deleted by another server's bound on the same folder
+            with self._lock:
+                self._index.pop(key, None)
+            return None
         except (OSError, ValueError, KeyError, struct.error) as exc:
             with self._lock:
                 self._index.pop(key, None)
@@ -300,17 +305,19 @@ class DiskTier:
         """Delete files until the folder (and other fingerprints' folders) fit the bound:
         other fingerprints' first, then the least recently used (lock held)."""
         held = sum(e.nbytes for e in self._index.values())
-        stale = sorted(
-            (p.stat().st_mtime, p)
-            for d in self.root.iterdir()
-            if d.is_dir() and d != self.dir
-            for p in d.glob("*" + SUFFIX)
-        )
-        total = held + sum(p.stat().st_size for _, p in stale)
-        for _, p in stale:
+        stale = []  # (mtime, size, path) of other fingerprints' files
+        for d in self.root.iterdir():
+            if d.is_dir() and d != self.dir and d.name.startswith("kv_"):
+                for p in d.glob("*" + SUFFIX):
+                    with contextlib.suppress(FileNotFoundError):  # another server's bound
+                        st = p.stat()
+                        stale.append((st.st_mtime, st.st_size, p))
+        stale.sort()
+        total = held + sum(size for _, size, _ in stale)
+        for _, size, p in stale:
             if total <= self.max_bytes:
                 return
-            total -= p.stat().st_size
+            total -= size
             p.unlink(missing_ok=True)
         for key in sorted(self._index, key=lambda k: self._index[k].used):
             if total <= self.max_bytes:

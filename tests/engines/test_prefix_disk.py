@@ -131,11 +131,14 @@ def test_round_trip_truncation_and_stale_fingerprints(tmp_path, caplog):
 
 
 def test_disk_bound_and_extension_replace_older_files(tmp_path):
+    old = tmp_path / "kv_old" / "x.kv"  # another fingerprint's file: deleted first
+    old.parent.mkdir()
+    old.write_bytes(b"0" * 30_000)
     tier = DiskTier(tmp_path, 40_000, "kv_a")  # a 100-token entry is ~6.5 KB
     tier.put(np.arange(0, 100, dtype=np.int32), *_kv(100))
     tier.put(np.arange(0, 150, dtype=np.int32), *_kv(150))  # extends the first: replaces it
     tier.flush()
-    assert tier.stats()["disk_entries"] == 1
+    assert tier.stats()["disk_entries"] == 1 and not old.exists()
     for i in range(8):
         tier.put(np.arange(1000 * (i + 1), 1000 * (i + 1) + 100, dtype=np.int32), *_kv(100))
     tier.close()
