@@ -257,3 +257,40 @@ def tool_results(ex: Exchange) -> list[str]:
         if isinstance(msg.get("content"), list):
             out += [b["tool_use_id"] for b in msg["content"] if b.get("type") == "tool_result"]
     return out
+
+
+def calls_made(ex: Exchange) -> list[tuple[str, dict]]:
+    """(name, parsed arguments) of each tool call an answer made, as the client assembles it."""
+    out: list[tuple[str, dict]] = []
+    chat: dict[int, list[str]] = {}
+    blocks: dict[int, list[str]] = {}
+    for ev in ex.events():
+        item = ev.get("item") or {}
+        if ev.get("type") == "response.output_item.done" and item.get("type") == "function_call":
+            out.append((item["name"], json.loads(item["arguments"])))
+        block = ev.get("content_block") or {}
+        if ev.get("type") == "content_block_start" and block.get("type") == "tool_use":
+            blocks[ev["index"]] = [
+                block["name"],
+                json.dumps(block["input"]) if block["input"] else "",
+            ]
+        delta = ev.get("delta") or {}
+        if ev.get("type") == "content_block_delta" and delta.get("type") == "input_json_delta":
+            blocks[ev["index"]][1] += delta["partial_json"]
+        for choice in ev.get("choices", []):
+            for call in (choice.get("delta") or {}).get("tool_calls") or []:
+                entry = chat.setdefault(call["index"], ["", ""])
+                entry[0] += (call.get("function") or {}).get("name") or ""
+                entry[1] += (call.get("function") or {}).get("arguments") or ""
+    out += [(name, json.loads(args or "{}")) for name, args in blocks.values()]
+    out += [(name, json.loads(args or "{}")) for name, args in chat.values()]
+    return out
+
+
+def tool_schema(path: str, body: dict, name: str) -> dict:
+    """The parameters schema a request gives function `name`."""
+    for tool in body.get("tools") or []:
+        fn = tool.get("function") or tool
+        if fn.get("name") == name:
+            return fn.get("parameters") or fn.get("input_schema") or {}
+    raise KeyError(name)

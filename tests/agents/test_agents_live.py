@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from llm_server.testing.agents_proxy import (
     RecordingProxy,
     answer_text,
     call_ids,
+    calls_made,
     tool_results,
+    tool_schema,
 )
 from llm_server.testing.agents_run import run_agent
 from tests.agents.conftest import AGENT_NAMES, FORCED_TOOL
@@ -51,8 +54,14 @@ def test_forced_tool_round_trip(name: str, agent_server, tmp_path: Path) -> None
     calls = _check_calls(proxy, run)
     forced = [i for i, ex in enumerate(calls) if ex.forced]
     assert forced, f"no request offered {FORCED_TOOL[name]}\n{run.describe()}"
-    ids = call_ids(calls[forced[0]])
-    assert ids, f"the forced answer made no call: {calls[forced[0]].response[-800:]!r}"
+    first = calls[forced[0]]
+    ids = call_ids(first)
+    assert ids, f"the forced answer made no call: {first.response[-800:]!r}"
+    made = calls_made(first)
+    assert len(made) == len(ids), made
+    assert [n for n, _ in made] == [FORCED_TOOL[name]] * len(made)
+    for tool, arguments in made:
+        jsonschema.validate(arguments, tool_schema(first.path, first.body, tool))
     answered = [ex for ex in calls[forced[0] + 1 :] if set(ids) & set(tool_results(ex))]
     assert answered, f"no later request carried the result of {ids}\n{run.describe()}"
     assert answered[0].status == 200
