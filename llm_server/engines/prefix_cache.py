@@ -10,7 +10,9 @@ held, which grows with the reused length (attention's share of a prefill grows w
 lowest priority is evicted and the clock rises to it, so entries that are no longer hit age
 out. A conversation's long shared prefix that is being hit thus outlives any number of short
 unrelated prompts. An entry that extends another (a conversation's next turn), or that shares
-all but a short tail of it, replaces it and inherits its hits: one copy per conversation.
+all but a short tail of it, replaces it and inherits its hits: one copy per conversation. Two
+entries sharing at least `TRUNK_TOKENS` (conversations on one system prompt and tool list) hold
+the shared positions once, in a trunk entry both hang from; a trunk outlives its tails.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ ATTENTION_TOKENS = (
 )
 MAX_FREQUENCY = 8  # hits counted in a priority (more would pin an abandoned entry for ages)
 SHORT_TAIL = 64  # a new entry sharing all but this many tokens of an old one replaces it
+TRUNK_TOKENS = 256  # two entries sharing at least this many tokens hold them once (a trunk)
 
 
 def kv_token_bytes(config: dict, width: int) -> int:
@@ -53,15 +56,34 @@ def reuse_value(reused: int, held: int) -> float:
     return reused / max(held, 1) * (1 + reused / ATTENTION_TOKENS)
 
 
-@dataclass
+@dataclass(eq=False)
 class PrefixEntry:
+    """Token ids and their KV; with a `parent` (a trunk: a prefix two entries share), it
+    holds only the positions after the parent's, and `keys`/`values` join the two."""
+
     tokens: np.ndarray  # [n] int32
-    keys: list[mx.array]  # per layer [kv_heads, n, dim]
-    values: list[mx.array]
-    nbytes: int
+    own_keys: list[mx.array]  # per layer [kv_heads, n - start, dim]
+    own_values: list[mx.array]
+    nbytes: int  # of its own positions
     hits: int = 0
     value: float = 1.0  # reuse_value of its last hit (of a full reuse until hit)
     priority: float = 0.0
+    parent: PrefixEntry | None = None
+    children: int = 0  # entries whose parent it is (it is not evicted before them)
+
+    @property
+    def keys(self) -> list[mx.array]:
+        return self._joined(self.own_keys, self.parent.keys if self.parent else None)
+
+    @property
+    def values(self) -> list[mx.array]:
+        return self._joined(self.own_values, self.parent.values if self.parent else None)
+
+    @staticmethod
+    def _joined(own: list[mx.array], head: list[mx.array] | None) -> list[mx.array]:
+        if head is None:
+            return own
+        return [mx.concatenate([h, o], axis=1) for h, o in zip(head, own, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -171,33 +193,74 @@ class PrefixCache:
         if not self.enabled or len(tokens) < self.min_tokens:
             return
         arr = np.asarray(tokens, dtype=np.int32)
-        hits = 0
+        hits, near, near_len = 0, None, 0
         for eid, entry in list(self._entries.items()):
             n = len(entry.tokens)
             shared = _shared(entry.tokens, arr, min(n, len(arr)))
             if shared == len(arr):
                 self._touch(entry)  # already covered by a longer (or the same) entry
                 return
-            if shared >= self.min_tokens and n - shared <= SHORT_TAIL and shared >= n // 2:
+            nearly = n - shared <= SHORT_TAIL and shared >= max(n // 2, self.min_tokens)
+            if nearly and not entry.children:
                 hits = max(hits, entry.hits)  # the new entry covers this one (up to a tail)
                 self._drop(eid, spill=shared < n)
-        keys = [mx.array(k) for k in keys]
-        values = [mx.array(v) for v in values]
+            elif shared > near_len:
+                near, near_len = entry, shared
+        parent = self._trunk(near, near_len) if near_len >= TRUNK_TOKENS else None
+        start = len(parent.tokens) if parent is not None else 0
+        keys = [mx.array(k[:, start:]) for k in keys]
+        values = [mx.array(v[:, start:]) for v in values]
         mx.eval(keys, values)  # own copies: the row may be overwritten right after
-        self._add(arr, keys, values, hits)
+        self._add(arr, keys, values, hits, parent)
+
+    def _trunk(self, entry: PrefixEntry, shared: int) -> PrefixEntry | None:
+        """The entry a new one sharing `shared` tokens with `entry` hangs from: `entry`'s
+        trunk, `entry` itself, or a trunk split off `entry` now (same bytes in all)."""
+        if entry.parent is not None:
+            return entry.parent if shared >= len(entry.parent.tokens) else None
+        if shared == len(entry.tokens):
+            return entry  # a trunk the new entry extends
+        if entry.children:
+            return None  # a trunk is not split again
+        head_k = [mx.array(k[:, :shared]) for k in entry.own_keys]
+        head_v = [mx.array(v[:, :shared]) for v in entry.own_values]
+        entry.own_keys = [mx.array(k[:, shared:]) for k in entry.own_keys]
+        entry.own_values = [mx.array(v[:, shared:]) for v in entry.own_values]
+        mx.eval(head_k, head_v, entry.own_keys, entry.own_values)
+        trunk = PrefixEntry(entry.tokens[:shared].copy(), head_k, head_v, 0, entry.hits)
+        trunk.nbytes = self._nbytes(head_k, head_v)
+        self.bytes += trunk.nbytes + self._nbytes(entry.own_keys, entry.own_values) - entry.nbytes
+        entry.nbytes = self._nbytes(entry.own_keys, entry.own_values)
+        entry.parent, trunk.children, trunk.priority = trunk, 1, entry.priority
+        self._entries[self._next_id] = trunk
+        self._next_id += 1
+        return trunk
+
+    def _nbytes(self, keys: list[mx.array], values: list[mx.array]) -> int:
+        nbytes = sum(k.nbytes + v.nbytes for k, v in zip(keys, values, strict=True))
+        return nbytes * self._counted // self._held  # exact: a stage's layers are alike
 
     def _add(
-        self, arr: np.ndarray, keys: list[mx.array], values: list[mx.array], hits: int = 0
+        self,
+        arr: np.ndarray,
+        keys: list[mx.array],
+        values: list[mx.array],
+        hits: int = 0,
+        parent: PrefixEntry | None = None,
     ) -> PrefixEntry | None:
-        nbytes = sum(k.nbytes + v.nbytes for k, v in zip(keys, values, strict=True))
-        nbytes = nbytes * self._counted // self._held  # exact: a stage's layers are alike
+        nbytes = self._nbytes(keys, values)
         if nbytes > self.max_bytes:
             return None
+        if parent is not None:
+            parent.children += 1  # not evicted to make room for its own child
         while self.bytes + nbytes > self.max_bytes:
-            victim = min(self._entries, key=lambda i: (self._entries[i].priority, i))
+            leaves = [i for i, e in self._entries.items() if not e.children]
+            if not leaves:
+                break
+            victim = min(leaves, key=lambda i: (self._entries[i].priority, i))
             self._clock = max(self._clock, self._entries[victim].priority)
             self._drop(victim, spill=True)
-        entry = PrefixEntry(arr, keys, values, nbytes, hits)
+        entry = PrefixEntry(arr, keys, values, nbytes, hits, parent=parent)
         self._touch(entry)
         self._entries[self._next_id] = entry
         self._next_id += 1
@@ -206,6 +269,8 @@ class PrefixCache:
 
     def _touch(self, entry: PrefixEntry) -> None:
         entry.priority = self._clock + min(1 + entry.hits, MAX_FREQUENCY) * entry.value
+        if entry.parent is not None:  # a trunk lives as long as its best child
+            entry.parent.priority = max(entry.parent.priority, entry.priority)
 
     def clear(self) -> None:
         for eid in list(self._entries):
@@ -216,12 +281,15 @@ class PrefixCache:
         if self.disk is None:
             return
         for entry in self._entries.values():
-            self.disk.put(entry.tokens, entry.keys, entry.values)
+            if not entry.children:  # a trunk's positions are in its children's files
+                self.disk.put(entry.tokens, entry.keys, entry.values)
         self.disk.close()
 
     def _drop(self, eid: int, spill: bool = False) -> None:
         entry = self._entries.pop(eid)
         self.bytes -= entry.nbytes
+        if entry.parent is not None:
+            entry.parent.children -= 1
         if spill and self.disk is not None:
             self.disk.put(entry.tokens, entry.keys, entry.values)
 

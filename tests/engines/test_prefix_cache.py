@@ -211,3 +211,65 @@ def test_default_bound_holds_two_agent_conversations_within_an_eighth_of_memory(
     assert default_bound(per_token, memory=64 << 30) == 40_960 * 46_080  # 1.9 GB
     assert default_bound(per_token, memory=8 << 30) == 1 << 30  # an eighth of 8 GiB
     assert default_bound(512, memory=8 << 30) == 64 << 20  # a tiny model: the floor
+
+
+def _kv_positions(tokens: list[int]) -> tuple[list[mx.array], list[mx.array]]:
+    """KV whose every position carries its token id, to check which positions come back."""
+    ids = mx.array(tokens, dtype=mx.float32)[None, :, None]
+    keys = [mx.broadcast_to(ids, (2, len(tokens), 4)) + layer for layer in range(2)]
+    return keys, [-k for k in keys]
+
+
+def test_two_conversations_hold_their_shared_prefix_once():
+    cache = PrefixCache(10_000 * 128)
+    system = list(range(1000, 1400))  # 400 shared tokens (a system prompt and tools)
+    a, b = system + list(range(10, 110)), system + list(range(200, 300))
+    cache.insert(a, *_kv_positions(a))
+    cache.insert(b, *_kv_positions(b))
+    stats = cache.stats()
+    assert stats.bytes == (400 + 100 + 100) * 128 and stats.entries == 3  # trunk + 2 tails
+    for conv in (a, b):
+        entry, reused = cache.match(conv + [5])
+        assert reused == 500
+        want_k, want_v = _kv_positions(conv)
+        for got, want in zip(entry.keys + entry.values, want_k + want_v, strict=True):
+            assert np.array_equal(np.asarray(got), np.asarray(want))
+    c = system + list(range(500, 560))  # a third conversation hangs from the same trunk
+    cache.insert(c, *_kv_positions(c))
+    assert cache.stats().bytes == (400 + 100 + 100 + 60) * 128
+    assert cache.match(system[:300] + [7])[1] == 300  # the trunk alone serves a prefix of it
+
+
+def test_a_trunk_outlives_its_tails_and_the_bound_holds():
+    cache = PrefixCache(700 * 128)
+    system = list(range(1000, 1400))
+    rng = np.random.default_rng(5)
+    for _ in range(20):  # conversations on one system prompt, more than fit
+        conv = system + [int(t) for t in rng.integers(3, 900, 100)]
+        cache.insert(conv, *_kv_positions(conv))
+        assert cache.bytes <= cache.max_bytes
+        assert cache.match(system + [1])[1] == 400  # the shared prefix is always there
+
+
+def test_outputs_identical_when_prefixes_come_from_a_trunk(tok, tiny_model_path):
+    rng = np.random.default_rng(6)
+    system = [int(t) for t in rng.integers(3, 380, 300)]
+
+    def tail(n: int) -> list[int]:
+        return [int(t) for t in rng.integers(3, 380, n)]
+
+    a, b = system + tail(80), system + tail(90)
+    prompts = [a, b, a + tail(20), b + tail(30), system + tail(40)]
+    off = start_scheduler(tiny_model_path, 1, prefix_cache_bytes=0)
+    on = start_scheduler(tiny_model_path, 1, prefix_cache_bytes=64 << 20)
+    try:
+        for i, p in enumerate(prompts):
+            want = _run_batch(off, tok, [p], 10)[0]
+            got = _run_batch(on, tok, [p], 10)[0]
+            assert got.tokens == want.tokens, i
+            if i >= 1:
+                assert got.finish.cached_tokens >= 300, i
+        assert on.engine.prefix_cache.stats().entries >= 3  # a trunk and its tails
+    finally:
+        off.close(10)
+        on.close(10)
