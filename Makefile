@@ -83,6 +83,8 @@ test-agents: install-dev
 		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 			$$SUDO apt-get install -y -qq nodejs npm; }
+	@node -e 'process.exit(+process.versions.node.split(".")[0] < 20 ? 1 : 0)' || echo "warning: node \
+		$$(node --version) is older than 20 (Qwen Code declares >= 22; tested on 20.20): Debian 13's nodejs or NodeSource's"
 	$(PY) -m llm_server.testing.agents_install
 	LLM_SERVER_AGENT_TESTS=1 $(PY) -m llm_server.blas $(PY) -m pytest -q tests/agents $(PYTEST_ARGS)
 
