@@ -123,7 +123,7 @@ class CompiledSteps:
                     pos,
                     _writer(shape, pos, row_ids),
                     _reader(shape, row_ids),
-                    decoder.kernels.linux_cpu,
+                    decoder.kernels.decode_attention,
                 )
             logits, new_keys, new_values = _body(decoder, attention, ids, keys, values, shape.split)
             return (logits, *new_keys, *new_values)
@@ -162,12 +162,12 @@ def _rotate(x: mx.array, swapped: mx.array, cos2: mx.array, sin2: mx.array) -> m
     return x * cos2 + swapped * sin2
 
 
-def _attention(layer, queries, keys, values, mask, linux_cpu: bool) -> mx.array:
+def _attention(layer, queries, keys, values, mask, cpu_arithmetic: bool) -> mx.array:
     """queries [B, H, 1, Dh] over keys/values [B, KV, span, Dh] -> [B, H * Dh]: under the
     linux_cpu kernel set the arithmetic every decode position shares (decode_attention), under
     the generic set MLX's fused kernel."""
     b, nh, _, hd = queries.shape
-    if linux_cpu:
+    if cpu_arithmetic:
         nkv = keys.shape[1]
         grouped = queries.reshape(b, nkv, nh // nkv, hd)
         out = decode_attention.attend_grouped(grouped, keys, values, mask, layer.scale)
@@ -205,10 +205,10 @@ class _GraphAttention:
     [B, 1, 1, span] bool."""
 
     def __init__(
-        self, mask, rotation: Rotation | None, pos: mx.array, write, read, linux_cpu: bool
+        self, mask, rotation: Rotation | None, pos: mx.array, write, read, cpu_arithmetic: bool
     ) -> None:
         self.mask, self.rotation, self.pos, self.write, self.read = mask, rotation, pos, write, read
-        self.linux_cpu = linux_cpu
+        self.cpu_arithmetic = cpu_arithmetic  # KernelSet.decode_attention
         if rotation is not None:  # [B, 1, 1, Dh], gathered once per step
             self.cos2 = rotation.cos2[pos][:, None, None]
             self.sin2 = rotation.sin2[pos][:, None, None]
@@ -226,7 +226,7 @@ class _GraphAttention:
             qk = _rotate(qk, self.rotation.swap(qk), self.cos2, self.sin2)
         keys, values = self.write(keys, qk[:, nh:]), self.write(values, v)
         out = _attention(
-            layer, qk[:, :nh], self.read(keys), self.read(values), self.mask, self.linux_cpu
+            layer, qk[:, :nh], self.read(keys), self.read(values), self.mask, self.cpu_arithmetic
         )
         return out, keys, values
 
@@ -250,7 +250,7 @@ def _body(decoder, attention, ids, keys, values, split: bool):
         ops = decoder.ops
         return module(x) if ops is None else ops.rms_norm(x, module.weight, module.eps)
 
-    addmm = decoder.kernels.linux_cpu
+    addmm = decoder.kernels.addmm
     new_keys, new_values = [], []
     for i, layer in enumerate(decoder.layers):
         if decoder.whole_layers and not split:  # (only with the decode ops: _OpsAttention)

@@ -225,13 +225,13 @@ def split_linears(model) -> int:
     return count
 
 
-def install(model, linux_cpu: bool) -> bool:
-    """Route the model module's attention and SwiGLU through these helpers when `linux_cpu`
-    (the engine's kernel set), else through mlx-lm's own. The module is shared by every model
+def install(model, numpy_large: bool) -> bool:
+    """Route the model module's attention and SwiGLU through these helpers when `numpy_large`
+    (the engine's KernelSet.numpy_large), else through mlx-lm's own. The module is shared by every model
     of its family in the process: the engine loaded last decides (one set per process in
     practice: LLM_SERVER_KERNELS)."""
     module = sys.modules[type(model).__module__]
-    if not linux_cpu:
+    if not numpy_large:
         if module.__name__ in _INSTALLED:
             _INSTALLED[module.__name__] = False
         return False

@@ -106,7 +106,7 @@ class FusedForward:
         attn0 = blocks[0].self_attn
         head_dim = attn0.q_proj.weight.shape[0] // attn0.n_heads
         table = None
-        if kernels.linux_cpu:  # Metal's rope kernel is fast; the CPU's recomputes cos/sin
+        if kernels.rope_table:  # Metal's rope kernel is fast; the CPU's recomputes cos/sin
             table = rope_table(attn0.rope, head_dim, positions, attn0.q_proj.weight.dtype)
             if table is not None and not all(
                 table_matches(table, b.self_attn.rope) for b in blocks
@@ -172,8 +172,8 @@ class FusedForward:
             at = self.table[pos][:, None]  # [B, 1, q, Dh]
             cos_sin = (at[..., : self.half], at[..., self.half :])
         # prompts on the CPU: numpy's SIMD sigmoid for large inputs (cpu_kernels.swiglu)
-        cpu = self.kernels.linux_cpu
-        silu_mul = cpu_kernels.swiglu if q > 1 and cpu else cpu_kernels.silu_mul
+        numpy_large = self.kernels.numpy_large
+        silu_mul = cpu_kernels.swiglu if q > 1 and numpy_large else cpu_kernels.silu_mul
         exact = q == 1  # a decode step: the arithmetic every decode position shares
         for layer, cache in zip(self.layers, caches, strict=True):
             h = layer.norm_in(x)  # [B, q, dim]
@@ -215,7 +215,7 @@ class FusedForward:
         )  # [1, T, dim]
         tables = [self._cos_sin(starts, ids.shape[1]) for ids, _, starts, _ in groups]
         exact = [ids.shape[1] == 1 or g in every for g, (ids, *_) in enumerate(groups)]
-        silu_mul = self._group_silu(sizes, exact, self.kernels.linux_cpu)
+        silu_mul = self._group_silu(sizes, exact, self.kernels.numpy_large)
         for i, layer in enumerate(self.layers):
             h = layer.norm_in(x)
             outs, off = [], 0
@@ -238,12 +238,12 @@ class FusedForward:
         return self.lm_head(inner.norm(x[0, mx.array(last)]), split)
 
     @staticmethod
-    def _group_silu(sizes: list[int], exact: list[bool], linux_cpu: bool):
+    def _group_silu(sizes: list[int], exact: list[bool], numpy_large: bool):
         """silu(gate) * up over packed groups: MLX's kernel for the decode positions (`exact`
         groups, which come first in a step), and for the prompt chunks after them numpy's
         sigmoid (cpu_kernels.swiglu) under the linux_cpu set where MLX's kernels are not built
         for this CPU."""
-        if sum(sizes) == 1 or not linux_cpu or not cpu_kernels.numpy_silu():
+        if sum(sizes) == 1 or not numpy_large or not cpu_kernels.numpy_silu():
             return cpu_kernels.silu_mul
         lead = 0  # packed positions of the leading exact groups
         for size, is_exact in zip(sizes, exact, strict=True):
@@ -313,13 +313,13 @@ class FusedForward:
         else:  # not compiled: one compile per prompt length would pile up
             queries, keys = rotate_eager(queries, *cos_sin), rotate_eager(keys, *cos_sin)
         keys, values = cache.update_and_fetch(keys, values)
-        cpu = self.kernels.linux_cpu
-        if exact and isinstance(cache, RowView) and cpu:
+        kernels, big = self.kernels, b * nh * q * keys.shape[2] >= cpu_kernels.NUMPY_MIN_ELEMENTS
+        if exact and isinstance(cache, RowView) and kernels.decode_attention:
             width = decode_attention.span(cache.plan.kv_len, cache.store.capacity)
             keys, values = decode_attention.read(cache, width)
             at = decode_attention.mask(mx.array(starts, dtype=mx.int32), q, width)
             out = decode_attention.attend(queries, keys, values, at, layer.scale)
-        elif q > 1 and cpu and b * nh * q * keys.shape[2] >= cpu_kernels.NUMPY_MIN_ELEMENTS:
+        elif q > 1 and kernels.numpy_large and big:
             out = cpu_kernels.attention(queries, keys, values, layer.scale, mask)
         else:
             out = mx.fast.scaled_dot_product_attention(

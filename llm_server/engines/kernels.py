@@ -39,17 +39,63 @@ NAMES = (LINUX_CPU, GENERIC)
 
 @dataclass(frozen=True)
 class KernelSet:
-    """Which kernels an engine's forwards use (see the module docstring)."""
+    """Which kernels an engine's forwards use (see the module docstring). Engine code asks for
+    the choice it makes (`rope_table`, `pipeline`...), never for the device; under `linux_cpu`
+    each is on, under `generic` each is off."""
 
     name: str
 
     @property
     def linux_cpu(self) -> bool:
-        """The Linux-CPU set: numpy paths, split products, the CPU decode attention, the table."""
         return self.name == LINUX_CPU
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def rope_table(self) -> bool:
+        """Fused layers rotate by a cos/sin table (MLX's CPU rope recomputes cos/sin per call;
+        Metal's rope kernel is fast); with it, the native decode ops where they built."""
+        return self.linux_cpu
+
+    @property
+    def decode_attention(self) -> bool:
+        """Decode positions attend with decode_attention's arithmetic (compiled, mixed or
+        eager alike), not `mx.fast.scaled_dot_product_attention`."""
+        return self.linux_cpu
+
+    @property
+    def numpy_large(self) -> bool:
+        """Large softmax/SiLU in numpy (cpu_kernels), mlx-lm's modules patched to match."""
+        return self.linux_cpu
+
+    @property
+    def split_products(self) -> bool:
+        """1-2 row products split over two CPU streams where the skinny library is not loaded
+        (SplitLinear, the split head, `MLXEngine._split`)."""
+        return self.linux_cpu
+
+    @property
+    def addmm(self) -> bool:
+        """The compiled step adds a product's residual inside the product (one op fewer)."""
+        return self.linux_cpu
+
+    @property
+    def compiled_decode(self) -> bool:
+        """Pure decode steps compiled by default (bit-equal to eager under this set)."""
+        return self.linux_cpu
+
+    @property
+    def pipeline(self) -> bool:
+        """Greedy decode steps pipelined by default (on the CPU the Python work would compete
+        with the forward for the same cores)."""
+        return not self.linux_cpu
+
+    @property
+    def dequantize(self) -> bool:
+        """Quantized checkpoints dequantized to float32 at load (MLX's CPU quantized products
+        are slow; Metal's are fast)."""
+        return self.linux_cpu
 
     def reduce_scores(
         self, logits: mx.array | np.ndarray, targets: np.ndarray, top_k: int
@@ -57,7 +103,7 @@ class KernelSet:
         """Scoring positions' logits [N, q, vocab] -> log-probs of the targets, top-k, greedy
         ids (C3): linux_cpu in numpy (SIMD exp, in place on a float32 copy), generic with MLX's
         ops on the device before anything leaves it."""
-        if self.linux_cpu:
+        if self.numpy_large:
             if isinstance(logits, mx.array):
                 z = np.array(logits.astype(mx.float32))
             else:

@@ -142,9 +142,9 @@ class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
                 prefix_cache_bytes = default_bound(kv_token_bytes(text, _DTYPES[dtype].size))
             fused_decode, pipeline, score_rows = False, False, 0
         self.has_lm_head = getattr(self.model, "has_lm_head", True)
-        cpu = self.kernels.linux_cpu
-        self.quantized = quantized.prepare(self.model, keep_quantized, cpu)  # linux_cpu: float32
-        cpu_kernels.install(self.model, cpu)  # linux_cpu: numpy softmax/SiLU for big tensors
+        ks = self.kernels
+        self.quantized = quantized.prepare(self.model, keep_quantized, ks.dequantize)
+        cpu_kernels.install(self.model, ks.numpy_large)  # numpy softmax/SiLU for big tensors
         self.model.set_dtype(_DTYPES[dtype])
         max_pos = int(text.get("max_position_embeddings") or 2048)
         self.context_length = min(context_length or max_pos, max_pos)
@@ -166,15 +166,15 @@ class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
             FusedForward.build(self.model, self.context_length, self.kernels) if fusable else None
         )
         if compiled_decode is None:
-            compiled_decode = cpu
+            compiled_decode = ks.compiled_decode
         if compiled_decode and self._fused is not None:
             self._fused.enable_compiled()
         mx.eval(self.model.parameters())
         mx.clear_cache()  # the buffers freed while stacking
-        if self._fused is None and self._plain_head and cpu:  # the fused one splits its own
+        if self._fused is None and self._plain_head and ks.split_products:  # fused: its own
             cpu_kernels.split_linears(self.model)  # 1-2 row decode products use both cores
         self.model_path = path
-        self._pipeline = (not cpu) if pipeline is None else pipeline
+        self._pipeline = ks.pipeline if pipeline is None else pipeline
         self.padded_shapes = padded_shapes
         self.dtype = dtype
         self.vocab_size = int(text["vocab_size"])
@@ -348,7 +348,7 @@ class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
         116 -> 94 ms (BLIS forks both cores for every product, tiny attention products too);
         from a few hundred positions BLIS's own threading wins again.
         """
-        if self._fused is None or not self.kernels.linux_cpu or self.dtype != "float32":
+        if self._fused is None or not self.kernels.split_products or self.dtype != "float32":
             return False
         if skinny.loaded():
             return False  # the skinny library threads the products itself (blas.py)
@@ -371,7 +371,7 @@ class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
             plan = self._forward_plan(rows, starts, ids.shape[1])
             views = row_views(self._layout, self._store, self._states, plan)
             hidden = self.model.model(ids, cache=views)[0]
-            head = cpu_kernels.lm_head(self.model, hidden, self.kernels.linux_cpu)
+            head = cpu_kernels.lm_head(self.model, hidden, self.kernels.split_products)
             return head.astype(mx.float32)
         if self._serial_cache is not None:  # one row on mlx-lm's own caches
             return last_logits(self.model, self._inner, ids, self._serial_cache).astype(mx.float32)
@@ -381,7 +381,7 @@ class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
             logits = self._fused.logits(ids, views, split=split)
         elif self._plain_head:
             hidden = self.model.model(ids, cache=views)[:, -1, :]
-            logits = cpu_kernels.lm_head(self.model, hidden, self.kernels.linux_cpu)
+            logits = cpu_kernels.lm_head(self.model, hidden, self.kernels.split_products)
         else:  # the model's own head: soft-capping, scaled or tied embeddings...
             logits = last_logits(self.model, self._inner, ids, views)
         return logits.astype(mx.float32)

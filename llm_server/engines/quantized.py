@@ -66,9 +66,9 @@ def describe(modules: list[tuple[str, nn.Module]]) -> str:
     return f"{'/'.join(map(str, bits))}-bit {'/'.join(modes)}, {group_text}"
 
 
-def prepare(model: nn.Module, keep_quantized: bool, linux_cpu: bool) -> bool:
+def prepare(model: nn.Module, keep_quantized: bool, dequantize: bool) -> bool:
     """Dequantize `model`'s quantized layers to float32 in place where that is the fast choice
-    (the linux_cpu kernel set: MLX's CPU quantized products are slow; engines/kernels.py).
+    and `dequantize` (KernelSet.dequantize: MLX's CPU quantized products are slow).
 
     Returns whether quantized layers remain (then the engine runs mlx-lm's forward for them).
     Call it on the freshly (lazily) loaded model, before any other weight transformation.
@@ -79,7 +79,7 @@ def prepare(model: nn.Module, keep_quantized: bool, linux_cpu: bool) -> bool:
     if not modules:
         return False
     kind = describe(modules)
-    if keep_quantized or not linux_cpu:
+    if keep_quantized or not dequantize:
         why = "--keep-quantized" if keep_quantized else "the generic kernel set: Metal's are fast"
         log.info("serving %d quantized layers (%s) quantized (%s)", len(modules), kind, why)
         return True
