@@ -9,8 +9,9 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from llm_server.engines.prefix_cache import default_bound, kv_token_bytes
+
 DEFAULT_BUDGET_FRACTION = 0.75  # of physical memory, when --max-memory is not given
-MIN_PREFIX_CACHE = 64 << 20  # the engine's default bound: an eighth of the weights, at least this
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _STORED_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2}
 _FLOATS = ("F64", "F32", "F16", "BF16")
@@ -73,8 +74,8 @@ def estimate_size(
     width = _DTYPE_BYTES.get(dtype, 4)
     bits = (config.get("quantization") or {}).get("bits")
     weights = _weight_bytes(path, width, None if keep_quantized else bits)
-    if prefix_cache_bytes is None:
-        prefix_cache_bytes = max(weights // 8, MIN_PREFIX_CACHE)
+    if prefix_cache_bytes is None:  # the engine's own default bound (engines/prefix_cache.py)
+        prefix_cache_bytes = default_bound(kv_token_bytes(config, width))
     return ModelSize(weights, _kv_bytes(config, rows, context_length, width), prefix_cache_bytes)
 
 
