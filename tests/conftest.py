@@ -46,6 +46,8 @@ def _linux_cpu() -> str | None:
 
     if mx.default_device() != mx.cpu:
         return "asserts the Linux CPU path; MLX runs on the GPU here"
+    if os.environ.get("LLM_SERVER_KERNELS", "").strip().lower() == "generic":
+        return "asserts the linux_cpu kernel set; LLM_SERVER_KERNELS=generic runs the generic one"
     return None
 
 
