@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 # the default --step-tokens: positions per forward (decode rows + prompt chunks); measured on
 # SmolLM2 (docs/ARCHITECTURE.md "Step budget")
 DEFAULT_STEP_TOKENS = 128
+# positions per forward when no row decodes (a lone long prompt; issue 38): nobody waits on the
+# step, so a prompt runs at the machine's prefill rate; bounded as the engine bounds a session
+# prefill's activation memory (measured: llm_server/benchmark/prefill_rate.py, README)
+DEFAULT_PREFILL_TOKENS = 512
 # --speculative / --spec-tokens defaults (scheduler/drafting.py; measured in README)
 DEFAULT_SPECULATIVE = "ngram"
 DEFAULT_SPEC_TOKENS = 8
@@ -75,6 +79,7 @@ class BatchScheduler(PlanExecutor):
         step_tokens: int = DEFAULT_STEP_TOKENS,
         speculative: str = DEFAULT_SPECULATIVE,
         spec_tokens: int = DEFAULT_SPEC_TOKENS,
+        prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
     ) -> None:
         if max_concurrent < 1:
             raise ValueError("max_concurrent must be >= 1")
@@ -88,6 +93,8 @@ class BatchScheduler(PlanExecutor):
         self._step_listeners: list[Callable[[float, int], None]] = [on_step] if on_step else []
         # positions per forward, decode rows included (0: whole prompts, as before issue 17)
         self.step_tokens = step_tokens
+        # positions per forward when no row decodes (planner rule 3; 0: unlimited)
+        self.prefill_tokens = prefill_tokens
         if speculative not in ("ngram", "off"):
             raise ValueError("speculative must be 'ngram' or 'off'")
         if spec_tokens < 0:
@@ -334,6 +341,7 @@ class BatchScheduler(PlanExecutor):
                 share_min=self.engine.shared_prefix_min,
                 drafts=step_drafts,
                 scoring=() if self._leases else scoring,
+                prefill_budget=self.prefill_tokens,
             )
 
     def _drafts(self) -> dict[int, tuple[int, ...]]:

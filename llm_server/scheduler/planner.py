@@ -9,7 +9,9 @@ MLX (tests/scheduler/test_plan.py). The rules, in order:
      of the step budget, plus one per id of the draft the scheduler gave it (`drafts`,
      speculative decoding: scheduler/drafting.py), verified in the same forward;
   3. rows still in their prompt get the next chunk first, oldest request first, so a long prompt
-     advances every step and is never overtaken by a newcomer;
+     advances every step and is never overtaken by a newcomer. With no row decoding nobody is
+     stalled by a long step, so the chunks share `prefill_budget` (larger: a lone long prompt
+     runs at the machine's prefill rate, issue 38) instead of `budget`;
   4. then queued requests take free rows in FIFO order (S3) while budget is left; a request
      that cannot get a chunk this step stays at the head of the queue (no skipping). A request
      whose prompt shares at least `share_min` tokens with a prompt that is not computed that
@@ -24,7 +26,8 @@ MLX (tests/scheduler/test_plan.py). The rules, in order:
      and no lease waits (C1, S6).
 
 `budget` is `--step-tokens`: positions per forward, decode rows included (0: unlimited, every
-prompt runs whole in the step that admits it). Prefill always gets at least one position, so
+prompt runs whole in the step that admits it); `prefill_budget` bounds a step without decode
+rows (the scheduler's `prefill_tokens`, bounded by the activation memory of one forward). Prefill always gets at least one position, so
 a prompt finishes whatever the number of decoding rows; scoring gets at least one when no
 prompt chunk took the step.
 """
@@ -53,13 +56,15 @@ def plan(
     share_min: int = 0,
     drafts: Mapping[int, tuple[int, ...]] | None = None,
     scoring: Sequence[OpenPrompt] = (),
+    prefill_budget: int | None = None,
 ) -> StepPlan:
     """The next step. `running`: row -> request; `free`: rows nobody holds; `admit`: False
     while a pipelined step for the current rows is in flight (newcomers join after it);
     `pump`: a pump has work and no lease waits; `share_min`: the shortest prompt prefix
     the engine copies from another row (0: it never does); `drafts`: row -> draft ids to
     verify after its pending token; `scoring`: the scoring prompts open on scoring rows,
-    in the order they were opened."""
+    in the order they were opened; `prefill_budget`: positions per forward when no row
+    decodes (None: `budget`; 0: unlimited)."""
     live = {row: req for row, req in running.items() if not req.cancelled.is_set()}
     retire = tuple(sorted(row for row in running if row not in live))
     queued = list(queue)
@@ -72,7 +77,7 @@ def plan(
         if req.prefilled >= len(req.prompt) and req.last_token is not None
     )
     used = sum(1 + len(d.draft) for d in decode)
-    left = None if budget <= 0 else max(budget - used, 1)
+    left = _left(budget, used, prefill_budget)
 
     chunks: list[PrefillChunk] = []
     for req in sorted(
@@ -116,6 +121,14 @@ def plan(
         pump=pump,
         budget=max(budget, 0),
     )
+
+
+def _left(budget: int, used: int, prefill_budget: int | None) -> int | None:
+    """Positions left for prompt chunks after `used` decode positions (None: no bound). With
+    no row decoding nobody waits on the step, so prompts run at the prefill budget (rule 3)."""
+    if not used and prefill_budget is not None:
+        budget = 0 if min(budget, prefill_budget) <= 0 else max(budget, prefill_budget)
+    return None if budget <= 0 else max(budget - used, 1)
 
 
 def _score_chunks(scoring: Sequence[OpenPrompt], left: int | None) -> tuple[ScoreChunk, ...]:

@@ -130,9 +130,21 @@ def request(prompt: list[int], max_tokens: int = 4, **kw) -> tuple[GenerationReq
     return GenerationRequest(prompt=prompt, decoder=dec, emit=out.emit, **kw), out
 
 
-def scheduler(rows: int, step_tokens: int, scorer: Scorer | None = None, **kw) -> BatchScheduler:
+def scheduler(
+    rows: int,
+    step_tokens: int,
+    scorer: Scorer | None = None,
+    prefill_tokens: int | None = None,
+    **kw,
+) -> BatchScheduler:
+    """A scheduler on the fake engine; `prefill_tokens` (a step without decode rows) defaults
+    to `step_tokens`, so the budget tests see one budget."""
     sched = BatchScheduler(
-        lambda: FakeEngine(rows, **kw), max_concurrent=rows, max_queued=64, step_tokens=step_tokens
+        lambda: FakeEngine(rows, **kw),
+        max_concurrent=rows,
+        max_queued=64,
+        step_tokens=step_tokens,
+        prefill_tokens=step_tokens if prefill_tokens is None else prefill_tokens,
     )
     sched.scorer = scorer
     sched.load()

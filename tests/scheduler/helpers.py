@@ -11,7 +11,11 @@ from llm_server.decoding import Decoder, FinishReason, SamplingParams
 from llm_server.engines.base import Engine, EngineError
 from llm_server.engines.mlx_engine import MLXEngine
 from llm_server.scheduler import BatchScheduler, FinishEvent, GenerationRequest, TokenEvent
-from llm_server.scheduler.batch import DEFAULT_SPECULATIVE, DEFAULT_STEP_TOKENS
+from llm_server.scheduler.batch import (
+    DEFAULT_PREFILL_TOKENS,
+    DEFAULT_SPECULATIVE,
+    DEFAULT_STEP_TOKENS,
+)
 from llm_server.tokenizer import Tokenizer
 
 
@@ -59,6 +63,7 @@ def start_scheduler(
     *,
     step_tokens: int = DEFAULT_STEP_TOKENS,
     speculative: str = DEFAULT_SPECULATIVE,
+    prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
     **kw,
 ):
     sched = BatchScheduler(
@@ -67,6 +72,7 @@ def start_scheduler(
         max_queued=max_queued,
         step_tokens=step_tokens,
         speculative=speculative,
+        prefill_tokens=prefill_tokens,
     ).start()
     sched.wait_ready(60)
     return sched

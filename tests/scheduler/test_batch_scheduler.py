@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from llm_server.decoding import FinishReason
+from llm_server.engines.mlx_engine import MLXEngine
 from llm_server.scheduler import QueueFull, SchedulerClosed
 from llm_server.tokenizer import Tokenizer
 from tests.scheduler.helpers import PoisonEngine, make_request, serve_alone, start_scheduler
@@ -328,3 +329,34 @@ def test_fingerprint_depends_on_batch_size(tiny_model_path, make_service):
     again = make_service(tiny_model_path, concurrent=4)
     assert one.fingerprint.startswith("fp_") and one.fingerprint != four.fingerprint
     assert four.fingerprint == again.fingerprint
+
+
+class _PlanRecorder(MLXEngine):
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.plans = []
+
+    def run(self, plan):
+        self.plans.append(plan)
+        return super().run(plan)
+
+
+def test_a_lone_long_prompt_in_large_chunks_decodes_as_in_small_ones(tiny_model_path, tok):
+    """Issue 38: with no row decoding a prompt runs at the prefill budget, not --step-tokens;
+    greedy output is the same as with the prompt in --step-tokens chunks."""
+    prompt = [int(t) for t in np.random.default_rng(11).integers(3, 380, 300)]
+    got = {}
+    for prefill in (16, 128):
+        sched = start_scheduler(
+            tiny_model_path, 2, engine_cls=_PlanRecorder, step_tokens=16, prefill_tokens=prefill
+        )
+        try:
+            req, out = make_request(tok, prompt, 12, ignore_eos=True)
+            sched.submit(req)
+            assert out.done.wait(60)
+            got[prefill] = out.tokens
+            sizes = [c.end - c.start for p in sched.engine.plans for c in p.prefill]
+        finally:
+            sched.close(10)
+        assert sum(sizes) == len(prompt) and max(sizes) == min(prefill, len(prompt))
+    assert got[128] == got[16] and len(got[16]) == 12

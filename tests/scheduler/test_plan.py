@@ -81,6 +81,25 @@ def test_a_newcomer_waits_a_step_to_copy_a_shared_prefix():
     assert plan([first, second], {}, [0, 1], budget=256).admit[1].seq == second.seq  # off: no wait
 
 
+def test_a_lone_prompt_runs_at_the_prefill_budget_and_beside_decoding_rows_at_the_step_budget():
+    long, _ = request(list(range(3, 3003)))
+    p = plan([long], {}, [0], budget=128, prefill_budget=1024)
+    assert [(c.row, c.start, c.end) for c in p.prefill] == [(0, 0, 1024)]
+    long.row, long.prefilled = 0, 1024  # in its prompt, nobody decoding: the prefill budget
+    p = plan([], {0: long}, [1], budget=128, prefill_budget=1024)
+    assert [(c.start, c.end) for c in p.prefill] == [(1024, 2048)]
+    runner, _ = request([1, 2])
+    runner.row, runner.prefilled, runner.last_token = 1, 2, 9
+    p = plan([], {0: long, 1: runner}, [], budget=128, prefill_budget=1024)
+    assert [(c.start, c.end) for c in p.prefill] == [(1024, 1151)] and p.tokens == 128
+    p = plan([], {0: long}, [1], budget=128, prefill_budget=0)  # 0: the whole rest
+    assert [(c.start, c.end) for c in p.prefill] == [(1024, 3000)]
+    p = plan([], {0: long}, [1], budget=128, prefill_budget=64)  # never below --step-tokens
+    assert [(c.start, c.end) for c in p.prefill] == [(1024, 1152)]
+    p = plan([], {0: long}, [1], budget=0, prefill_budget=1024)  # --step-tokens 0: unlimited
+    assert [(c.start, c.end) for c in p.prefill] == [(1024, 3000)]
+
+
 # -- the step loop on the fake engine -----------------------------------------------
 
 
@@ -158,6 +177,27 @@ def test_zero_budget_runs_whole_prompts_in_the_admitting_step():
     sched.submit(req)
     p = sched.step()
     assert [(c.start, c.end) for c in p.prefill] == [(0, 980)] and len(out.tokens) == 1
+
+
+def test_a_lone_long_prompt_runs_in_large_chunks_and_a_newcomer_beside_it_in_small_ones():
+    sched = scheduler(2, 32, prefill_tokens=256)
+    first, first_out = request(list(range(1, 61)) * 10, 30)  # 600 tokens, nobody decoding
+    sched.submit(first)
+    plans = [sched.step() for _ in range(3)]
+    assert [[(c.start, c.end) for c in p.prefill] for p in plans] == [
+        [(0, 256)],
+        [(256, 512)],
+        [(512, 600)],
+    ]
+    assert len(first_out.tokens) == 1
+    second, second_out = request(list(range(2, 52)) * 2, 3)  # 100 tokens beside a decoding row
+    sched.submit(second)
+    plans = drain(sched)
+    chunks = [(p, c) for p in plans for c in p.prefill]
+    assert [(c.start, c.end) for _, c in chunks] == [(0, 31), (31, 62), (62, 93), (93, 100)]
+    assert all(p.tokens <= 32 and len(p.decode) == 1 for p, _ in chunks)  # never stalled past 32
+    assert first_out.tokens == alone(list(range(1, 61)) * 10, 30)
+    assert second_out.tokens == alone(list(range(2, 52)) * 2, 3)
 
 
 class Pump:

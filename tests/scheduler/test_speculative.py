@@ -152,6 +152,7 @@ def test_drafts_verified_beside_prompt_chunks_roll_back_exactly(tiny_model_path,
         hook,
         max_concurrent=2,
         step_tokens=8,
+        prefill_tokens=8,  # the first step too: both prompts start in 8-position chunks
         speculative="off",
         spec_tokens=K,
     )

@@ -1,0 +1,120 @@
+"""Prompt tok/s of a lone long prompt through the batch scheduler (issue 38, Deliver 2).
+
+    python -m llm_server.blas .venv/bin/python -m llm_server.benchmark.prefill_rate \
+        [--model PATH] [--tokens 2048 8000] [--prefill 128 512] [--repeats 2]
+
+Each measurement runs in a fresh process (the servers' env, so the BLAS preload and thread
+settings are theirs): the MLX engine as the server loads it, a `BatchScheduler` with
+`--step-tokens` 128 and the given `prefill_tokens` (128: the old rule, every step 128
+positions), one warm-up request, then one request of N random prompt tokens and
+`max_tokens` 1, timed from submit to its finish. The settings alternate within each repeat
+(a, b, a, b), so a shared machine's drift hits both. Prints one JSON line per measurement and a
+summary table (median over repeats) at the end. The greedy first token is printed too: it must
+be the same at every prefill budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+WARMUP_TOKENS = 64
+
+
+def _measure_here(model: Path, tokens: int, prefill: int, step: int, rows: int) -> dict:
+    import numpy as np
+
+    from llm_server.decoding import Decoder, SamplingParams
+    from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.scheduler import BatchScheduler, GenerationRequest
+    from llm_server.scheduler.request import FinishEvent
+
+    sched = BatchScheduler(
+        lambda: MLXEngine(model, rows=rows),
+        max_concurrent=rows,
+        step_tokens=step,
+        prefill_tokens=prefill,
+    ).start()
+    engine = sched.wait_ready(600)
+    rng = np.random.default_rng(tokens)
+    vocab = min(engine.vocab_size, 30000)
+
+    def serve(prompt: list[int]) -> tuple[float, list[int]]:
+        done, got = [], []
+
+        def emit(ev) -> None:
+            (done if isinstance(ev, FinishEvent) else got).append(ev)
+
+        decoder = Decoder(SamplingParams(max_tokens=1, temperature=0.0), (), lambda ids: "")
+        t0 = time.perf_counter()
+        sched.submit(GenerationRequest(prompt=prompt, decoder=decoder, emit=emit))
+        while not done:
+            time.sleep(0.002)
+        return time.perf_counter() - t0, [e.token_id for e in got]
+
+    try:
+        serve(rng.integers(100, vocab, WARMUP_TOKENS).tolist())
+        seconds, first = serve(rng.integers(100, vocab, tokens).tolist())
+    finally:
+        sched.close(30)
+    return {
+        "tokens": tokens,
+        "prefill_tokens": prefill,
+        "step_tokens": step,
+        "seconds": round(seconds, 3),
+        "prompt_tok_s": round(tokens / seconds, 1),
+        "first_token": first,
+    }
+
+
+def measure(model: Path, tokens: int, prefill: int, step: int = 128, rows: int = 4) -> dict:
+    """One measurement in a fresh process."""
+    args = [str(model), str(tokens), str(prefill), str(step), str(rows)]
+    cmd = [sys.executable, "-m", "llm_server.benchmark.prefill_rate", "--child", *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"prefill at {tokens} tokens failed: {out.stderr.strip()[-800:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--child":
+        model, tokens, prefill, step, rows = argv[1:6]
+        print(
+            json.dumps(_measure_here(Path(model), int(tokens), int(prefill), int(step), int(rows)))
+        )
+        return
+    p = argparse.ArgumentParser(prog="prefill_rate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=None, help="default: the embedded SmolLM2")
+    p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8000])
+    p.add_argument("--prefill", type=int, nargs="+", default=[128, 512])
+    p.add_argument("--step-tokens", type=int, default=128)
+    p.add_argument("--rows", type=int, default=4, help="engine rows (--concurrent-requests)")
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args(argv)
+    if args.model is None:
+        from llm_server.default_model import default_model_path
+
+        args.model = default_model_path()
+    results: dict[tuple[int, int], list[dict]] = {}
+    for _ in range(args.repeats):
+        for n in args.tokens:
+            for prefill in args.prefill:
+                r = measure(args.model, n, prefill, args.step_tokens, args.rows)
+                print(json.dumps(r), flush=True)
+                results.setdefault((n, prefill), []).append(r)
+    print(f"{'tokens':>7} {'prefill':>8} {'median s':>9} {'tok/s':>8}  first token")
+    for (n, prefill), rs in sorted(results.items()):
+        s = statistics.median(r["seconds"] for r in rs)
+        firsts = sorted({str(r["first_token"]) for r in rs})
+        print(f"{n:>7} {prefill:>8} {s:>9.2f} {n / s:>8.1f}  {', '.join(firsts)}")
+
+
+if __name__ == "__main__":
+    main()
