@@ -58,7 +58,7 @@ def chat_messages(n: int) -> list[list[dict]]:
 
 
 def run(model: Path, prompts, rows: int, mode: str, max_tokens: int, k: int):
-    """(tokens per prompt, seconds, drafted, accepted) serving `prompts` together."""
+    """(tokens per prompt, seconds, drafted, accepted, fit_report) serving `prompts` together."""
     from llm_server.decoding import Decoder, SamplingParams
     from llm_server.engines.mlx_engine import MLXEngine
     from llm_server.scheduler import BatchScheduler, FinishEvent, GenerationRequest
@@ -99,7 +99,18 @@ def run(model: Path, prompts, rows: int, mode: str, max_tokens: int, k: int):
         time.sleep(0.005)
     seconds = time.perf_counter() - t0
     sched.close(30)
-    return outs, seconds, sched.drafted_tokens, sched.accepted_tokens
+    return outs, seconds, sched.drafted_tokens, sched.accepted_tokens, fit_report(sched)
+
+
+def fit_report(sched) -> dict:
+    """The spec policy's state after a run: the step-cost fit (a, b, c in ms), each drafting
+    source's rate, the decode steps and the draft ids verified and kept."""
+    return {
+        **sched.spec_costs.report(),
+        "decode_steps": sched.decode_steps,
+        "drafted": sched.drafted_tokens,
+        "accepted": sched.accepted_tokens,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--spec-tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2, help="runs of each mode (median time)")
+    p.add_argument("--workloads", default="edit,chat", help="comma-separated: edit, chat")
+    p.add_argument("--fit", action="store_true", help="print the cost model's fit per ngram run")
     args = p.parse_args(argv)
     if args.model is None:
         from llm_server.default_model import default_model_path
@@ -119,16 +132,20 @@ def main(argv: list[str] | None = None) -> int:
     print("| workload | c | off tok/s | ngram tok/s | speedup | accepted/drafted | same output |")
     print("|---|---|---|---|---|---|---|")
     for name, prompts in loads.items():
+        if name not in args.workloads.split(","):
+            continue
         for rows in (int(c) for c in args.concurrency.split(",")):
             # off and on alternate, `--repeats` times each: load that drifts hits both alike
             t_off, t_on, drafted, accepted, same = [], [], 0, 0, True
             for _ in range(args.repeats):
-                off, t, _, _ = run(args.model, prompts, rows, "off", args.max_tokens, 0)
+                off, t, *_ = run(args.model, prompts, rows, "off", args.max_tokens, 0)
                 t_off.append(t)
-                on, t, d, a = run(
+                on, t, d, a, fit = run(
                     args.model, prompts, rows, "ngram", args.max_tokens, args.spec_tokens
                 )
                 t_on.append(t)
+                if args.fit:
+                    print(f"<!-- {name} c={rows} ngram: {json.dumps(fit)} -->", flush=True)
                 drafted, accepted, same = drafted + d, accepted + a, same and on == off
             n_off, n_on = sum(map(len, off)), sum(map(len, on))
             s_off, s_on = statistics.median(t_off), statistics.median(t_on)

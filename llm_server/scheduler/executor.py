@@ -87,7 +87,8 @@ class PlanExecutor:
             self._pipeline.check(self._running, self.engine)
             if not step.prefill and not step.score:
                 # forward + commit: what a draft position costs (spec_policy)
-                self.spec_costs.observe(step.tokens, drafted, time.perf_counter() - t0)
+                ids = sum(len(d.draft) for d in step.decode)
+                self.spec_costs.observe(len(step.decode), ids, time.perf_counter() - t0)
         if step.decode:
             self.decode_steps += 1
         seconds = time.perf_counter() - t0

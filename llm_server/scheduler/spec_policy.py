@@ -1,17 +1,22 @@
 """When a draft pays: a step-cost model from measured step times and per-row acceptance rates.
 
-A step of T positions costs about `a + b*T` seconds, plus `c` when it verifies drafts (logits
-at every drafted position, the drafted rows' own attention group). `StepCosts` fits (a, b, c)
+A decode step of R rows verifying D draft ids costs about `a + r*R + d*D` seconds, plus `c`
+when it verifies any (logits at every drafted position, the drafted rows' own attention
+groups, the general forward instead of the plain decode step). `StepCosts` fits (a, r, d, c)
 by least squares with forgetting over the decode-only steps the scheduler measures (forward +
 commit; a prompt chunk's positions cost less each and would skew the line), so the model
-follows the hardware and the load: on 2 CPU cores b came out at 6-12% of a (a forward becomes
-compute-bound within a few positions); on Metal it should be far smaller.
+follows the hardware and the load. A row and a draft id are not the same cost: a row is one
+more sequence (its own attention over its context, its sampling), a draft id one more query
+position of a row already there; on 2 CPU cores (SmolLM2, 4 rows) a plain step took 51 ms, one
+row verifying 1 id 71 ms and 8 ids 81 ms (benchmark/draft_cost.py), i.e. c ~ 20 ms and d ~
+1.3 ms, where a single slope over all positions had fitted ~5 ms a position and ~5 ms for c
+(issue 38: drafts of one or two ids were kept where they cost more than they made).
 
-The rule (`StepCosts.lengths`): plain decoding of R rows makes R tokens per `a + b*R` seconds.
+The rule (`StepCosts.lengths`): plain decoding of R rows makes R tokens per `a + r*R` seconds.
 A row's j-th draft id is kept with probability alpha^j (alpha: the acceptance rate of the
 draft's source, e.g. a 3-token lookup match, scaled by how the row fared against that rate
 lately, see `Acceptance`), so it is worth its position only if alpha^j beats what plain decoding
-makes in the position's time: alpha^j > b * R / (a + b*R). Each row drafts the ids that pass;
+makes in the position's time: alpha^j > d * R / (a + r*R). Each row drafts the ids that pass;
 the step drafts at all only if their expected tokens also pay for `c`. More rows decoding make
 each position dearer relative to the tokens plain decoding makes, so drafting thins out as the
 batch fills, and a row (or a source) whose drafts fail stops drafting until its record fades.
@@ -67,30 +72,32 @@ class StepCosts:
     """The fitted step cost and the acceptance rate of each drafting source."""
 
     def __init__(self) -> None:
-        self._s = np.zeros((3, 3))  # weighted sum of x x^T, x = [1, positions, drafted]
-        self._v = np.zeros(3)  # weighted sum of x * seconds
-        self._coef: tuple[float, float, float] | None = None
+        self._s = np.zeros((4, 4))  # weighted sum of x x^T, x = [1, rows, draft ids, drafted]
+        self._v = np.zeros(4)  # weighted sum of x * seconds
+        self._coef: tuple[float, float, float, float] | None = None
         self._sources: dict[str, list[float]] = {}  # source -> [hits, trials]
 
-    def observe(self, positions: int, drafted: bool, seconds: float) -> None:
-        """One measured step: `positions` in its forward, whether it verified drafts."""
-        x = np.array([1.0, float(positions), float(drafted)])
+    def observe(self, rows: int, ids: int, seconds: float) -> None:
+        """One measured decode step: `rows` decoding, `ids` draft ids verified with them."""
+        x = np.array([1.0, float(rows), float(ids), float(ids > 0)])
         self._s = COST_MEMORY * self._s + np.outer(x, x)
         self._v = COST_MEMORY * self._v + x * seconds
         self._coef = None
 
-    def coefficients(self) -> tuple[float, float, float] | None:
-        """(a, b, c) in seconds; None before any step was measured."""
+    def coefficients(self) -> tuple[float, float, float, float] | None:
+        """(a, r, d, c) in seconds; None before any step was measured."""
         if self._coef is None and self._s[0, 0] > 0:
-            n, mean_t = self._s[0, 0], self._s[0, 1] / self._s[0, 0]
+            n = self._s[0, 0]
+            mean_r, mean_d, share = self._s[0, 1] / n, self._s[0, 2] / n, self._s[0, 3] / n
             mean_y = self._v[0] / n
-            a0 = mean_y / (1.0 + PRIOR_B * mean_t + PRIOR_C * self._s[0, 2] / n)
-            prior = np.array([a0, PRIOR_B * a0, PRIOR_C * a0])
+            a0 = mean_y / (1.0 + PRIOR_B * (mean_r + mean_d) + PRIOR_C * share)
+            prior = np.array([a0, PRIOR_B * a0, PRIOR_B * a0, PRIOR_C * a0])
             # ridge toward the prior, a quarter step's worth on each coefficient (at its scale)
-            weight = PRIOR_STEPS * np.diag([1e-6, max(mean_t, 1.0) ** 2, 1.0])
-            a, b, c = np.linalg.solve(self._s + weight, self._v + weight @ prior)
+            scale = [1e-6, max(mean_r, 1.0) ** 2, max(mean_d, 1.0) ** 2, 1.0]
+            weight = PRIOR_STEPS * np.diag(scale)
+            a, r, d, c = np.linalg.solve(self._s + weight, self._v + weight @ prior)
             a = max(a, 1e-6)
-            self._coef = (a, min(max(b, 1e-3 * a), a), max(c, 0.0))
+            self._coef = (a, min(max(r, 1e-3 * a), a), min(max(d, 1e-3 * a), a), max(c, 0.0))
         return self._coef
 
     def note(self, source: str, drafted: int, accepted: int) -> None:
@@ -113,15 +120,29 @@ class StepCosts:
         hits, trials = self._sources.get(source, (0.0, 0.0))
         return (hits + 2.0 * start) / (trials + 2.0)
 
+    def report(self) -> dict:
+        """The fit and each source's rate, for benchmarks: {"fit_ms": {"a", "r", "d", "c"} or
+        None, "sources": {source: rate}}."""
+        coef = self.coefficients()
+        fit = (
+            None
+            if coef is None
+            else {k: round(x * 1000, 3) for k, x in zip("ardc", coef, strict=True)}
+        )
+        return {
+            "fit_ms": fit,
+            "sources": {s: round(self.source_rate(s), 3) for s in sorted(self._sources)},
+        }
+
     def lengths(self, decoding: int, rows: dict[int, tuple[float, int]]) -> dict[int, int]:
         """Draft ids worth verifying per row. `decoding`: rows decoding this step; `rows`:
         row -> (its acceptance rate, ids it could draft)."""
         coef = self.coefficients()
         if coef is None:
             return {row: n for row, (_, n) in rows.items()}
-        a, b, c = coef
-        per_second = decoding / (a + b * decoding)  # tokens plain decoding makes
-        bar = b * per_second  # a draft position must be kept more often than this
+        a, r, d, c = coef
+        per_second = decoding / (a + r * decoding)  # tokens plain decoding makes
+        bar = d * per_second  # a draft id must be kept more often than this
         out: dict[int, int] = {}
         gain = 0.0
         for row, (alpha, most) in rows.items():
@@ -131,7 +152,7 @@ class StepCosts:
                 n, p = n + 1, p * alpha
             if n:
                 out[row] = n
-        positions = sum(out.values())
-        if gain <= (b * positions + c) * per_second:
+        ids = sum(out.values())
+        if gain <= (d * ids + c) * per_second:
             return {}
         return out

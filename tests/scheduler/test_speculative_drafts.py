@@ -42,19 +42,42 @@ def test_the_index_follows_the_tokens_as_a_scan_would() -> None:
         index.extend([tokens[j]])
 
 
+def _steps(costs: StepCosts, a: float, r: float, d: float, c: float) -> None:
+    """Decode steps of several shapes (rows, draft ids) costing a + r*rows + d*ids + c."""
+    shapes = [(1, 0), (1, 4), (1, 8), (4, 0), (4, 16), (4, 32), (2, 0), (3, 0), (2, 3)]
+    for rows, ids in shapes * 4:
+        costs.observe(rows, ids, a + r * rows + d * ids + (c if ids else 0.0))
+
+
 def test_step_costs_fit_the_measured_steps() -> None:
     costs = StepCosts()
-    for positions, drafted in [(1, 0), (5, 1), (9, 1), (3, 0), (2, 1), (1, 0)] * 4:
-        costs.observe(positions, bool(drafted), 0.050 + 0.006 * positions + 0.002 * drafted)
-    a, b, c = costs.coefficients()
-    # the prior (a quarter step's worth) pulls the fit by under 10%
-    assert (a, b, c) == pytest.approx((0.05, 0.006, 0.002), rel=0.1)
+    _steps(costs, 0.050, 0.006, 0.0013, 0.020)
+    # the prior (a quarter step's worth) pulls the fit by under 20%
+    assert costs.coefficients() == pytest.approx((0.05, 0.006, 0.0013, 0.020), rel=0.2)
+    assert costs.report()["fit_ms"] == pytest.approx(
+        {"a": 50.0, "r": 6.0, "d": 1.3, "c": 20.0}, rel=0.2
+    )
+
+
+def test_a_draft_pays_for_the_drafted_step_not_for_a_row() -> None:
+    """Issue 38: on the CPU a row costs ~10 ms, a draft id ~1.3 ms and a drafted step ~20 ms
+    more; a short draft must make more than those 20 ms, a long one is not charged per row."""
+    costs = StepCosts()
+    _steps(costs, 0.030, 0.010, 0.0013, 0.020)
+    # four rows: 4 tokens per 70 ms; 2 ids at 0.6 expect 0.96 tokens, the step costs 22.6 ms
+    # (1.3 tokens' worth): not worth it
+    assert costs.lengths(4, {0: (0.6, 2)}) == {}
+    # 8 ids at 0.9 expect ~5.1 tokens for 30 ms: worth it, all 8 (0.9^8 = 0.43 beats 0.074)
+    assert costs.lengths(4, {0: (0.9, 8)}) == {0: 8}
+    # two rows drafting together share the 20 ms
+    assert costs.lengths(4, {0: (0.75, 8), 1: (0.75, 8)}) == {0: 8, 1: 8}
+    assert costs.lengths(4, {0: (0.75, 8)}) == {0: 8}
+    assert costs.lengths(4, {0: (0.5, 8)}) == {}
 
 
 def test_drafts_thin_out_as_rows_fill_and_acceptance_drops() -> None:
     costs = StepCosts()
-    for positions, drafted in [(1, 0), (5, 1), (9, 1), (4, 0), (20, 1), (36, 1)] * 4:
-        costs.observe(positions, bool(drafted), 0.050 + 0.006 * positions + 0.002 * drafted)
+    _steps(costs, 0.050, 0.006, 0.006, 0.002)
     # one row: a position costs 0.006 s of 0.056 s per plain token, so p > 0.107 pays
     assert costs.lengths(1, {0: (0.9, 8)}) == {0: 8}
     assert costs.lengths(1, {0: (0.5, 8)}) == {0: 3}  # 0.5^3 = 0.125, 0.5^4 = 0.0625
