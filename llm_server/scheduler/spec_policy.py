@@ -38,8 +38,16 @@ SOURCE_MEMORY = 0.98  # weight of a source's earlier evidence at each verified d
 SOURCE_FADE = 0.995
 SOURCE_START = {"prediction": 0.8}  # a source's rate before any evidence (others: DEFAULT)
 DEFAULT_START = 0.5
-COST_MEMORY = 0.95  # weight of earlier steps in the cost fit, per measured step
-PRIOR_B, PRIOR_C = 0.1, 0.05  # b and c as fractions of a before steps of several sizes
+COST_MEMORY = 0.95  # weight of earlier plain steps in the (a, r) fit, per plain step
+# weight of earlier drafted steps in the (d, c) fit, per DRAFTED step: the draft cost is kept
+# while nothing drafts (fading it per step let c fall back to its prior after a few dozen plain
+# steps, so drafting resumed at a cost it had already measured)
+DRAFT_MEMORY = 0.9
+PRIOR_R = 0.1  # r as a fraction of a before steps of several sizes
+# d and c as fractions of a before drafted steps were measured (2 CPU cores, SmolLM2, 4 rows
+# measured d 0.025a, c 0.4a, benchmark/draft_cost.py; c's prior is lower so that drafts are
+# tried, and measured, where the sources' start rates promise enough)
+PRIOR_D, PRIOR_C = 0.03, 0.1
 PRIOR_STEPS = 0.25  # weight of that prior, in measured steps
 
 
@@ -72,32 +80,51 @@ class StepCosts:
     """The fitted step cost and the acceptance rate of each drafting source."""
 
     def __init__(self) -> None:
-        self._s = np.zeros((4, 4))  # weighted sum of x x^T, x = [1, rows, draft ids, drafted]
-        self._v = np.zeros(4)  # weighted sum of x * seconds
+        self._s = np.zeros((2, 2))  # plain steps: weighted sum of x x^T, x = [1, rows]
+        self._v = np.zeros(2)  # weighted sum of x * seconds
+        self._ds = np.zeros((2, 2))  # drafted steps: x = [1, ids], y = seconds - (a + r*rows)
+        self._dv = np.zeros(2)
         self._coef: tuple[float, float, float, float] | None = None
         self._sources: dict[str, list[float]] = {}  # source -> [hits, trials]
 
     def observe(self, rows: int, ids: int, seconds: float) -> None:
         """One measured decode step: `rows` decoding, `ids` draft ids verified with them."""
-        x = np.array([1.0, float(rows), float(ids), float(ids > 0)])
-        self._s = COST_MEMORY * self._s + np.outer(x, x)
-        self._v = COST_MEMORY * self._v + x * seconds
+        if ids <= 0:
+            x = np.array([1.0, float(rows)])
+            self._s = COST_MEMORY * self._s + np.outer(x, x)
+            self._v = COST_MEMORY * self._v + x * seconds
+        else:
+            plain = self._plain()
+            if plain is None:
+                return  # nothing to measure the extra against yet
+            x = np.array([1.0, float(ids)])
+            extra = seconds - (plain[0] + plain[1] * rows)
+            self._ds = DRAFT_MEMORY * self._ds + np.outer(x, x)
+            self._dv = DRAFT_MEMORY * self._dv + x * extra
         self._coef = None
 
+    def _plain(self) -> tuple[float, float] | None:
+        """(a, r): a plain decode step of R rows costs a + r*R; None before one was measured."""
+        if self._s[0, 0] <= 0:
+            return None
+        n, mean_r = self._s[0, 0], self._s[0, 1] / self._s[0, 0]
+        a0 = self._v[0] / n / (1.0 + PRIOR_R * mean_r)
+        prior = np.array([a0, PRIOR_R * a0])
+        # ridge toward the prior, a quarter step's worth on each coefficient (at its scale)
+        weight = PRIOR_STEPS * np.diag([1e-6, max(mean_r, 1.0) ** 2])
+        a, r = np.linalg.solve(self._s + weight, self._v + weight @ prior)
+        a = max(a, 1e-6)
+        return a, min(max(r, 1e-3 * a), a)
+
     def coefficients(self) -> tuple[float, float, float, float] | None:
-        """(a, r, d, c) in seconds; None before any step was measured."""
-        if self._coef is None and self._s[0, 0] > 0:
-            n = self._s[0, 0]
-            mean_r, mean_d, share = self._s[0, 1] / n, self._s[0, 2] / n, self._s[0, 3] / n
-            mean_y = self._v[0] / n
-            a0 = mean_y / (1.0 + PRIOR_B * (mean_r + mean_d) + PRIOR_C * share)
-            prior = np.array([a0, PRIOR_B * a0, PRIOR_B * a0, PRIOR_C * a0])
-            # ridge toward the prior, a quarter step's worth on each coefficient (at its scale)
-            scale = [1e-6, max(mean_r, 1.0) ** 2, max(mean_d, 1.0) ** 2, 1.0]
-            weight = PRIOR_STEPS * np.diag(scale)
-            a, r, d, c = np.linalg.solve(self._s + weight, self._v + weight @ prior)
-            a = max(a, 1e-6)
-            self._coef = (a, min(max(r, 1e-3 * a), a), min(max(d, 1e-3 * a), a), max(c, 0.0))
+        """(a, r, d, c) in seconds; None before any plain step was measured."""
+        if self._coef is None and (plain := self._plain()) is not None:
+            a, r = plain
+            mean_d = self._ds[0, 1] / self._ds[0, 0] if self._ds[0, 0] > 0 else 1.0
+            prior = np.array([PRIOR_C * a, PRIOR_D * a])
+            weight = PRIOR_STEPS * np.diag([1.0, max(mean_d, 1.0) ** 2])
+            c, d = np.linalg.solve(self._ds + weight, self._dv + weight @ prior)
+            self._coef = (a, r, min(max(d, 1e-3 * a), a), max(c, 0.0))
         return self._coef
 
     def note(self, source: str, drafted: int, accepted: int) -> None:
@@ -138,8 +165,8 @@ class StepCosts:
         """Draft ids worth verifying per row. `decoding`: rows decoding this step; `rows`:
         row -> (its acceptance rate, ids it could draft)."""
         coef = self.coefficients()
-        if coef is None:
-            return {row: n for row, (_, n) in rows.items()}
+        if coef is None:  # no plain step measured yet: nothing to weigh a draft against
+            return {}
         a, r, d, c = coef
         per_second = decoding / (a + r * decoding)  # tokens plain decoding makes
         bar = d * per_second  # a draft id must be kept more often than this

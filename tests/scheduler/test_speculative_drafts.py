@@ -75,9 +75,22 @@ def test_a_draft_pays_for_the_drafted_step_not_for_a_row() -> None:
     assert costs.lengths(4, {0: (0.5, 8)}) == {}
 
 
+def test_the_draft_cost_is_kept_while_nothing_drafts() -> None:
+    """Issue 38: a long run of plain steps (drafting stopped because it did not pay) must not
+    make the model forget what a drafted step costs, or drafting resumes at that cost."""
+    costs = StepCosts()
+    _steps(costs, 0.030, 0.010, 0.0013, 0.020)
+    for _ in range(300):
+        costs.observe(4, 0, 0.070)
+    a, r, d, c = costs.coefficients()
+    assert a + 4 * r == pytest.approx(0.070, rel=0.01)
+    assert (d, c) == pytest.approx((0.0013, 0.020), rel=0.2)
+    assert costs.lengths(4, {0: (0.6, 2)}) == {}
+
+
 def test_drafts_thin_out_as_rows_fill_and_acceptance_drops() -> None:
     costs = StepCosts()
-    _steps(costs, 0.050, 0.006, 0.006, 0.002)
+    _steps(costs, 0.050, 0.006, 0.006, 0.0)  # no cost of its own to a drafted step
     # one row: a position costs 0.006 s of 0.056 s per plain token, so p > 0.107 pays
     assert costs.lengths(1, {0: (0.9, 8)}) == {0: 8}
     assert costs.lengths(1, {0: (0.5, 8)}) == {0: 3}  # 0.5^3 = 0.125, 0.5^4 = 0.0625
@@ -97,7 +110,7 @@ def test_drafts_thin_out_as_rows_fill_and_acceptance_drops() -> None:
     for _ in range(5):
         costs.note("ngram1", 4, 0)
     assert costs.lengths(4, {0: (costs.source_rate("ngram1"), 4)}) == {}
-    for _ in range(600):
+    for _ in range(1000):
         costs.tick()
     assert costs.lengths(4, {0: (costs.source_rate("ngram1"), 4)}) == {0: 1}
     # a row that keeps more than its source's rate is trusted more than the source
