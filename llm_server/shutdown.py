@@ -68,7 +68,5 @@ class DrainingServer(uvicorn.Server):
 def _idle(state: AppState) -> bool:
     """No generation running or queued and no scoring pending."""
     return all(
-        svc.scheduler.idle() and not svc.scorer.pending()
-        for svc in state.services()
-        if svc.ready
+        svc.scheduler.idle() and not svc.scorer.pending() for svc in state.services() if svc.ready
     )
