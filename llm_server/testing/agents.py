@@ -25,10 +25,10 @@ from llm_server.testing.tiny import (
     _CORPUS,
     EOS_TOKEN,
     HERMES_TEMPLATE,
-    SPECIAL_TOKENS,
     TinySpec,
     _config,
     _weights,
+    build_tokenizer,
     write_tokenizer_files,
 )
 
@@ -58,19 +58,7 @@ def _corpus() -> list[str]:
 
 def build_agent_tokenizer(vocab_target: int):
     """A byte-level BPE tokenizer of `vocab_target` entries trained on `_corpus()`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_target,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-    return tok
+    return build_tokenizer(vocab_target, _corpus())
 
 
 def _early_eos(w: dict[str, np.ndarray], cfg: dict, eos_id: int, period_id: int) -> None:

@@ -78,8 +78,8 @@ class TinySpec:
     seed: int = 0
 
 
-def build_tokenizer(vocab_target: int):
-    """Train a byte-level BPE tokenizer on the fixed corpus (deterministic)."""
+def build_tokenizer(vocab_target: int, corpus: list[str] | None = None):
+    """Train a byte-level BPE tokenizer on `corpus` (default: the fixed corpus; deterministic)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -91,7 +91,7 @@ def build_tokenizer(vocab_target: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tok.train_from_iterator(_CORPUS * 4 if corpus is None else corpus, trainer=trainer)
     return tok
 
 
