@@ -7,10 +7,12 @@ by least squares with forgetting over the decode-only steps the scheduler measur
 commit; a prompt chunk's positions cost less each and would skew the line), so the model
 follows the hardware and the load. A row and a draft id are not the same cost: a row is one
 more sequence (its own attention over its context, its sampling), a draft id one more query
-position of a row already there; on 2 CPU cores (SmolLM2, 4 rows) a plain step took 51 ms, one
-row verifying 1 id 71 ms and 8 ids 81 ms (benchmark/draft_cost.py), i.e. c ~ 20 ms and d ~
-1.3 ms, where a single slope over all positions had fitted ~5 ms a position and ~5 ms for c
-(issue 38: drafts of one or two ids were kept where they cost more than they made).
+position of a row already there; on 2 CPU cores (SmolLM2, 4 rows, benchmark/draft_cost.py)
+a plain step took 51-53 ms, one row verifying 1 id 70 ms and 8 ids 80-98 ms, i.e. c ~ 12-20 ms
+and d ~ 1.3-4 ms, where a single slope over all positions had fitted ~5 ms a position and c ~
+5 ms, so one- and two-id drafts passed where they cost more than they made (issue 38). The
+(d, c) fit runs over drafted steps only, on what they cost beyond the plain fit, and fades per
+drafted step: while nothing drafts it keeps what drafting cost.
 
 The rule (`StepCosts.lengths`): plain decoding of R rows makes R tokens per `a + r*R` seconds.
 A row's j-th draft id is kept with probability alpha^j (alpha: the acceptance rate of the
