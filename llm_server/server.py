@@ -152,12 +152,8 @@ def service_from_args(
     )
 
 
-async def run_server(
-    args: argparse.Namespace, model_path: Path, sock: socket.socket, url: str
-) -> int:
-    model_id = args.model_id or model_path.name
-    state = AppState(None, model_id)
-    request_log = open_request_log(args.log_requests)
+def _http_server(args: argparse.Namespace, state: AppState, request_log):
+    """The app over `state` and the draining uvicorn server that serves it (one model or many)."""
     app = create_app(
         state,
         api_key=args.api_key,
@@ -173,7 +169,16 @@ async def run_server(
         http="h11",  # the same parser (and header limit) whether or not httptools is installed
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
-    server = DrainingServer(config, state, drain_timeout=args.drain_timeout)
+    return app, DrainingServer(config, state, drain_timeout=args.drain_timeout)
+
+
+async def run_server(
+    args: argparse.Namespace, model_path: Path, sock: socket.socket, url: str
+) -> int:
+    model_id = args.model_id or model_path.name
+    state = AppState(None, model_id)
+    request_log = open_request_log(args.log_requests)
+    app, server = _http_server(args, state, request_log)
 
     async def load() -> None:
         service = await asyncio.to_thread(service_from_args, args, model_path, model_id)
@@ -218,23 +223,8 @@ async def run_models_server(
     manager = build_manager(args, entries, service_from_args)
     state = AppState(None, manager.default_id, manager=manager)
     request_log = open_request_log(args.log_requests)
-    app = create_app(
-        state,
-        api_key=args.api_key,
-        cors_origins=args.cors_origin,
-        max_body_bytes=args.max_body_size,
-        request_log=request_log,
-    )
+    app, server = _http_server(args, state, request_log)
     manage(state, app)
-    config = uvicorn.Config(
-        app,
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=30,
-        http="h11",
-        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-    )
-    server = DrainingServer(config, state, drain_timeout=args.drain_timeout)
 
     async def start() -> None:
         manager.start()
