@@ -22,6 +22,7 @@ from llm_server.benchmark import (
     roofline,
     scoring,
     servers,
+    spec_report,
     summary,
     targets,
 )
@@ -225,10 +226,13 @@ def _one_server(
         load.warm_up(srv.url, c, s.max_tokens, count)
         warm = memory.sample(srv.pid)
         progress.phase(f"{label}: load")
+        spec_before = spec_report.snapshot(srv.url) if kind == "ours" else None
         result = load.run_load(srv.url, prompts, c, s.requests, s.max_tokens, count, progress.step)
         time.sleep(SETTLE_S)
         after = memory.sample(srv.pid)
         run = summary.summarize_load(result, warm, after)
+        if kind == "ours":  # draft ids verified/kept in this load, the cost model after it
+            run.update(spec_report.delta(spec_before, spec_report.snapshot(srv.url)))
         state["rounds"].setdefault(kind, {}).setdefault(c, []).append(
             (run, summary.outputs_of(result))
         )

@@ -23,7 +23,10 @@ def test_edit_workload_and_speculative_flag_reach_the_settings(tiny_model_path, 
 
 def test_speculative_benchmark_gives_the_same_tokens_on_and_off(tiny_model_path):
     prompts = speculative.edit_messages()[:2]
-    off, _, drafted_off, _ = speculative.run(tiny_model_path, prompts, 2, "off", 16, 4)
-    on, _, drafted, accepted = speculative.run(tiny_model_path, prompts, 2, "ngram", 16, 4)
+    off, _, drafted_off, _, _ = speculative.run(tiny_model_path, prompts, 2, "off", 16, 4)
+    on, _, drafted, accepted, fit = speculative.run(tiny_model_path, prompts, 2, "ngram", 16, 4)
     assert on == off and all(len(t) > 0 for t in on)
     assert drafted_off == 0 and drafted > 0 and 0 <= accepted <= drafted
+    # the run reports the spec policy's fit (ms) and its counts
+    assert sorted(fit["fit_ms"]) == ["a", "c", "d", "r"] and fit["fit_ms"]["a"] > 0
+    assert (fit["drafted"], fit["accepted"]) == (drafted, accepted) and fit["sources"]
