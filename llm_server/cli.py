@@ -12,7 +12,12 @@ import sys
 from pathlib import Path
 
 from llm_server.model_source import source_or_exit
-from llm_server.scheduler.batch import DEFAULT_SPEC_TOKENS, DEFAULT_SPECULATIVE, DEFAULT_STEP_TOKENS
+from llm_server.scheduler.batch import (
+    DEFAULT_PREFILL_TOKENS,
+    DEFAULT_SPEC_TOKENS,
+    DEFAULT_SPECULATIVE,
+    DEFAULT_STEP_TOKENS,
+)
 from llm_server.tools.registry import PARSERS
 
 log = logging.getLogger("llm_server")
@@ -86,6 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="positions per forward, decoding rows included: a newcomer's prompt rides in the "
         f"decode forward in chunks of what is left (default {DEFAULT_STEP_TOKENS}; 0 runs each "
         "prompt whole when it is admitted, stalling the running rows meanwhile)",
+    )
+    p.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=DEFAULT_PREFILL_TOKENS,
+        metavar="P",
+        help="positions per forward when no row is decoding, so a lone long prompt runs in "
+        f"larger chunks (default {DEFAULT_PREFILL_TOKENS}; never below --step-tokens; 0: the "
+        "whole prompt in one forward)",
     )
     p.add_argument(
         "--speculative",
@@ -335,6 +349,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise SystemExit("llm-server: --max-queued must be 0 or more")
     if args.step_tokens < 0:
         raise SystemExit("llm-server: --step-tokens must be 0 (unlimited) or more")
+    if args.prefill_tokens < 0:
+        raise SystemExit("llm-server: --prefill-tokens must be 0 (unlimited) or more")
     if args.spec_tokens < 0:
         raise SystemExit("llm-server: --spec-tokens must be 0 or more")
     if not 0 <= args.port <= 65535:

@@ -15,7 +15,12 @@ from llm_server.api.app import AppState, create_app
 from llm_server.api.request_log import RequestRecorder
 from llm_server.api.security import resolve_api_key
 from llm_server.model_source import pick_backend
-from llm_server.scheduler.batch import DEFAULT_SPEC_TOKENS, DEFAULT_SPECULATIVE, DEFAULT_STEP_TOKENS
+from llm_server.scheduler.batch import (
+    DEFAULT_PREFILL_TOKENS,
+    DEFAULT_SPEC_TOKENS,
+    DEFAULT_SPECULATIVE,
+    DEFAULT_STEP_TOKENS,
+)
 from llm_server.service import ModelService, ServiceConfig
 from llm_server.shutdown import DrainingServer
 from llm_server.warm_prompts import prepare_engine, warm_tokens
@@ -43,6 +48,7 @@ def make_service(
     chat_template: str | None = None,
     tool_parser: str | None = None,
     step_tokens: int = DEFAULT_STEP_TOKENS,
+    prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
     speculative: str = DEFAULT_SPECULATIVE,
     spec_tokens: int = DEFAULT_SPEC_TOKENS,
     group=None,
@@ -101,6 +107,7 @@ def make_service(
         chat_template=chat_template,
         tool_parser=tool_parser,
         step_tokens=step_tokens,
+        prefill_tokens=prefill_tokens,
         speculative=speculative,
         spec_tokens=spec_tokens,
     )
@@ -139,6 +146,7 @@ def service_from_args(
         chat_template=args.chat_template,
         tool_parser=args.tool_parser,
         step_tokens=args.step_tokens,
+        prefill_tokens=args.prefill_tokens,
         speculative=args.speculative,
         spec_tokens=args.spec_tokens,
         group=getattr(args, "group", None),  # set by cli.main when it joined a group

@@ -21,7 +21,12 @@ from llm_server.fingerprint import system_fingerprint
 from llm_server.generation_config import load_sampling_defaults
 from llm_server.pooling import EmbeddingConfig, EmbeddingConfigError, load_embedding_config
 from llm_server.scheduler import BatchScheduler, FinishEvent, GenerationRequest, TokenEvent
-from llm_server.scheduler.batch import DEFAULT_SPEC_TOKENS, DEFAULT_SPECULATIVE, DEFAULT_STEP_TOKENS
+from llm_server.scheduler.batch import (
+    DEFAULT_PREFILL_TOKENS,
+    DEFAULT_SPEC_TOKENS,
+    DEFAULT_SPECULATIVE,
+    DEFAULT_STEP_TOKENS,
+)
 from llm_server.scheduler.embedder import Embedder
 from llm_server.scheduler.pumps import Pumps
 from llm_server.scheduler.request import Event
@@ -46,6 +51,7 @@ class ServiceConfig:
     tool_parser: str | None = None  # --tool-parser; None: detected from the chat template
     pooling: str | None = None  # "last" | "mean" | "cls": overrides the checkpoint's pooling
     step_tokens: int = DEFAULT_STEP_TOKENS  # positions per forward (--step-tokens; 0: no limit)
+    prefill_tokens: int = DEFAULT_PREFILL_TOKENS  # ... when no row decodes (--prefill-tokens)
     speculative: str = DEFAULT_SPECULATIVE  # --speculative: "ngram" | "off"
     spec_tokens: int = DEFAULT_SPEC_TOKENS  # --spec-tokens: most draft ids per row and step
 
@@ -102,6 +108,7 @@ class ModelService:
             max_queued=config.max_queued,
             on_step=on_step,
             step_tokens=config.step_tokens,
+            prefill_tokens=config.prefill_tokens,
             speculative=config.speculative,
             spec_tokens=config.spec_tokens,
         )

@@ -156,3 +156,22 @@ def test_the_engine_resolves_no_dtype_by_device(tiny_model_path, tmp_path, monke
     assert engine.dtype == "bfloat16"
     assert engine.model.model.embed_tokens.weight.dtype == mx.bfloat16
     assert mlx_engine.MLXEngine(bf16, dtype="float32").dtype == "float32"
+
+
+def test_prefill_tokens_reaches_the_scheduler_and_a_negative_value_is_refused(tiny_model_path):
+    """--prefill-tokens (issue 38): the budget of a step with no decode row, passed to the
+    BatchScheduler; below 0 the CLI stops with one line naming the flag."""
+    import pytest
+
+    from llm_server.cli import build_parser, main
+    from llm_server.server import service_from_args
+
+    args = build_parser().parse_args(["--model", str(tiny_model_path), "--prefill-tokens", "2048"])
+    service = service_from_args(args, tiny_model_path, "tiny")
+    try:
+        assert service.scheduler.prefill_tokens == 2048
+        assert service.scheduler.step_tokens == args.step_tokens == 128
+    finally:
+        service.close(30)
+    with pytest.raises(SystemExit, match="--prefill-tokens must be 0"):
+        main(["--model", str(tiny_model_path), "--prefill-tokens", "-1"])

@@ -58,6 +58,7 @@ async def health(request: Request) -> Response:
                     "spec_tokens": svc.scheduler.spec_tokens,
                     "drafted_tokens": stats.drafted_tokens,
                     "accepted_tokens": stats.accepted_tokens,
+                    "cost_model": svc.scheduler.spec_costs.report(),
                 },
             }
         )

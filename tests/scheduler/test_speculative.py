@@ -310,6 +310,9 @@ def test_health_and_metrics_count_drafts_over_http(tiny_model_path, live_server)
     assert (
         health["drafted_tokens"] > 0 and 0 <= health["accepted_tokens"] <= health["drafted_tokens"]
     )
+    fit = health["cost_model"]  # the step-cost fit the policy drafts by (benchmarks read it)
+    assert set(fit["fit_ms"]) == {"a", "r", "d", "c"} and fit["fit_ms"]["a"] > 0
+    assert fit["sources"] and all(0 <= rate <= 1 for rate in fit["sources"].values())
     metrics = httpx.get(f"{srv.url}/metrics").text
     assert f"llm_server_draft_tokens {float(health['drafted_tokens'])}" in metrics
     assert f"llm_server_draft_accepted_tokens {float(health['accepted_tokens'])}" in metrics
