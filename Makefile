@@ -66,15 +66,9 @@ test: install-dev
 # the engine and scheduler equivalence suites again under the generic kernel set (plain MLX ops:
 # what Metal runs; llm_server/engines/kernels.py) on this machine, so the branches a Mac takes
 # run here too (~1.5 min on 2 cores). The linux_cpu tests assert the other set and do not apply.
-# Deselected: prompt-lookup drafting is starved on a pipelined engine (the generic set pipelines
-# greedy steps, as Metal does): while an early step is in flight no draft is planned, so these
-# tests' "drafted_tokens > 0" fails there; a scheduler question, reported with issue 36.
-GENERIC_DESELECT = \
-	--deselect tests/scheduler/test_speculative.py::test_rows_with_logprobs_do_not_draft \
-	--deselect tests/scheduler/test_speculative.py::test_health_and_metrics_count_drafts_over_http
 test-generic: install-dev
 	LLM_SERVER_KERNELS=generic $(PY) -m llm_server.blas $(PY) -m pytest -q -m "not linux_cpu" \
-		$(GENERIC_DESELECT) tests/engines tests/scheduler
+		tests/engines tests/scheduler
 
 # the real coding agents (tests/agents): pinned npm versions into ~/.cache/llm-server/agents,
 # run against a live server; node and npm from Debian where missing (README "Coding agents")

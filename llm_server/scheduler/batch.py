@@ -328,7 +328,12 @@ class BatchScheduler(PlanExecutor):
     def _plan(self) -> StepPlan:
         """The next step (planner.plan) on a consistent view of the queue and the rows."""
         in_flight = self._pipeline.pending_for(self._running, self.engine)
-        step_drafts = {} if in_flight else self._drafts()
+        step_drafts = self._drafts()
+        if in_flight and step_drafts:
+            # the early step is plain decoding and cannot verify a draft: a draft the policy
+            # says pays goes first (its measured step time carries the dropped step's cost)
+            self._pipeline.drop(self.engine)
+            in_flight = False
         scoring = () if self.scorer is None else self.scorer.open_prompts(self.engine)
         with self._cond:
             return plan(
