@@ -18,6 +18,8 @@ def test_a_run_reports_the_draft_ids_verified_and_kept_during_its_load(
         "drafted_tokens": 12,
         "accepted_tokens": 3,
         "draft_acceptance": 0.25,
+        "spec_cost_model": before["cost_model"],  # /health's fit, carried into the run's row
     }
+    assert set(before["cost_model"]) == {"fit_ms", "sources"}
     assert spec_report.delta(before, None) == {}
     assert spec_report.snapshot("http://127.0.0.1:9") is None  # nothing listens: no crash
