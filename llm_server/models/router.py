@@ -15,23 +15,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llm_server.api import messages_output as anthropic
 from llm_server.api.errors import APIError
+from llm_server.api.request_log import LOGGED_PATHS
 from llm_server.api.state import MODEL_ID_KEY, SERVICE_KEY, AppState
 from llm_server.models.slots import ModelError
 
-# the routes that serve a model named in the request (body `model`, or `?model=` on a GET)
-MODEL_ROUTES = frozenset(
-    {
-        "/v1/chat/completions",
-        "/v1/completions",
-        "/v1/embeddings",
-        "/v1/responses",
-        "/v1/messages",
-        "/v1/messages/count_tokens",
-        "/tokenize",
-        "/detokenize",
-        "/tokenizer_info",
-    }
-)
+# the routes that serve a model named in the request (body `model`, or `?model=` on a GET):
+# every route the request log records, and the tokenizer's description
+MODEL_ROUTES = LOGGED_PATHS | {"/tokenizer_info"}
 _DURATION = re.compile(r"^(-?\d+(?:\.\d+)?)(ms|s|m|h)?$")
 _UNITS = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
