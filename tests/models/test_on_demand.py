@@ -183,3 +183,26 @@ def test_every_api_serves_the_model_it_names(entries):
         assert missing.status_code == 404
         assert missing.json()["type"] == "error"  # Anthropic's error shape on /v1/messages
         assert set(_statuses(srv.url).values()) == {"loaded"}
+
+
+def test_the_openai_sdk_lists_retrieves_and_calls_registered_models(entries):
+    """The real openai client against the daemon: models.list() holds every registered model
+    with its status, retrieve() one, a chat naming a model loads it, an unknown one is 404."""
+    import openai
+
+    with ManagedServer(entries) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        listed = client.models.list().data
+        assert sorted(m.id for m in listed) == ["alpha", "beta", "gamma"]
+        assert {m.model_extra["status"] for m in listed} == {"unloaded"}
+        chat = client.chat.completions.create(
+            model="gamma", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        assert chat.model == "gamma" and chat.usage.completion_tokens > 0
+        gamma = client.models.retrieve("gamma")
+        assert gamma.id == "gamma" and gamma.model_extra["status"] == "loaded"
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.chat.completions.create(
+                model="nope", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+        assert missing.value.body["code"] == "model_not_found"
