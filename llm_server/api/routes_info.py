@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from starlette.requests import Request
@@ -74,14 +75,7 @@ async def health(request: Request) -> Response:
             }
         cache = svc.prefix_cache_stats()
         if cache is not None:
-            body["prefix_cache"] = {
-                "hits": cache.hits,
-                "hit_tokens": cache.hit_tokens,
-                "lookups": cache.lookups,
-                "entries": cache.entries,
-                "bytes": cache.bytes,
-                "max_bytes": cache.max_bytes,
-            }
+            body["prefix_cache"] = dataclasses.asdict(cache)  # memory and disk tiers
     return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -72,13 +74,7 @@ def managed_health(state: AppState, manager: ModelManager) -> Response:
             )
             cache = svc.prefix_cache_stats()
             if cache is not None:
-                entry["prefix_cache"] = {
-                    "hits": cache.hits,
-                    "hit_tokens": cache.hit_tokens,
-                    "entries": cache.entries,
-                    "bytes": cache.bytes,
-                    "max_bytes": cache.max_bytes,
-                }
+                entry["prefix_cache"] = dataclasses.asdict(cache)  # as single-model /health
         models[model_id] = entry
     ready = not state.draining
     body = {
