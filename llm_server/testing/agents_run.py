@@ -55,8 +55,21 @@ def codex_config(home: Path, base_url: str, model: str) -> None:
     )
 
 
-def opencode_config(work: Path, base_url: str, model: str) -> None:
-    """`opencode.json` in the project folder declaring an OpenAI-compatible provider."""
+def opencode_config(
+    work: Path,
+    base_url: str,
+    model: str,
+    limit: tuple[int, int] | None = None,
+) -> None:
+    """`opencode.json` in the project folder declaring an OpenAI-compatible provider.
+
+    `limit` is (context, output) as opencode's docs declare a local model's: opencode then
+    asks for at most `output` tokens per call instead of 32,000 (a context of 0 is its
+    "unknown": no compaction).
+    """
+    entry: dict = {"name": model}
+    if limit is not None:
+        entry["limit"] = {"context": limit[0], "output": limit[1]}
     config = {
         "$schema": "https://opencode.ai/config.json",
         "provider": {
@@ -64,7 +77,7 @@ def opencode_config(work: Path, base_url: str, model: str) -> None:
                 "npm": "@ai-sdk/openai-compatible",
                 "name": "llm-server",
                 "options": {"baseURL": f"{base_url}/v1", "apiKey": KEY},
-                "models": {model: {"name": model}},
+                "models": {model: entry},
             }
         },
         "model": f"llm-server/{model}",
@@ -73,7 +86,13 @@ def opencode_config(work: Path, base_url: str, model: str) -> None:
 
 
 def agent_command(
-    name: str, base_url: str, model: str, prompt: str, root: Path, resume: bool = False
+    name: str,
+    base_url: str,
+    model: str,
+    prompt: str,
+    root: Path,
+    resume: bool = False,
+    limit: tuple[int, int] | None = None,
 ) -> tuple[list[str], dict[str, str], Path]:
     """(argv, environment, working folder) for one non-interactive run of agent `name`."""
     program = str(install(AGENTS[name]))
@@ -94,7 +113,7 @@ def agent_command(
         env.update(OPENAI_BASE_URL=f"{base_url}/v1", OPENAI_API_KEY=KEY, OPENAI_MODEL=model)
         argv = [program, "-p", prompt] + (["--continue"] if resume else [])
     elif name == "opencode":
-        opencode_config(work, base_url, model)
+        opencode_config(work, base_url, model, limit)
         argv = [program, "run", prompt] + (["--continue"] if resume else [])
     else:
         raise KeyError(name)
@@ -109,9 +128,13 @@ def run_agent(
     root: Path,
     resume: bool = False,
     timeout: float = 300,
+    limit: tuple[int, int] | None = None,
 ) -> AgentRun:
-    """Run agent `name` one-shot in `root` (its home and project folders live there)."""
-    argv, env, work = agent_command(name, base_url, model, prompt, root, resume)
+    """Run agent `name` one-shot in `root` (its home and project folders live there).
+
+    `limit` (context, output) is declared in the config of the agents that take one (opencode).
+    """
+    argv, env, work = agent_command(name, base_url, model, prompt, root, resume, limit)
     done = subprocess.run(
         argv,
         cwd=work,
