@@ -95,6 +95,8 @@ def agent_command(
     limit: tuple[int, int] | None = None,
 ) -> tuple[list[str], dict[str, str], Path]:
     """(argv, environment, working folder) for one non-interactive run of agent `name`."""
+    if limit is not None and name != "opencode":
+        raise ValueError(f"{name} takes no model limit in its configuration (only opencode does)")
     program = str(install(AGENTS[name]))
     home, work = root / "home", root / "work"
     home.mkdir(parents=True, exist_ok=True)
