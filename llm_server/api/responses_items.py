@@ -3,7 +3,10 @@
 Messages keep their role; `function_call` and `custom_tool_call` items become the assistant's
 `tool_calls` (a namespaced function under the name the model sees, a custom tool's `input` as
 the argument `input`); `function_call_output` and `custom_tool_call_output` items become `tool`
-messages; `reasoning` items the next assistant message's `reasoning_content`. A call this server
+messages; `reasoning` items the next assistant message's `reasoning_content` (an empty assistant
+message of their own when none follows before another message: an answer that was all thinking,
+as a stored response keeps it, so a stateless replay renders the prompt the stored one did and
+reuses its cached prefix). A call this server
 ended `incomplete` (cut off by a token limit, its arguments unfinished) is accepted back as
 sent and left out of the prompt, with any output for it: the model never finished that call.
 """
@@ -45,8 +48,16 @@ class _Conversation:
             self.reasoning[len(self.out) - 1], self.pending = self.pending, ""
 
     def message(self, role: str, content: str) -> None:
+        if role != "assistant":
+            self.flush()
         self.out.append({"role": role, "content": content})
         if role == "assistant":
+            self._attach()
+
+    def flush(self) -> None:
+        """Reasoning no assistant message or call took: an assistant message of its own."""
+        if self.pending:
+            self.out.append({"role": "assistant", "content": ""})
             self._attach()
 
 
@@ -84,6 +95,7 @@ def input_messages(
                     f"no call with call_id {cid!r} precedes this {kind}",
                 )
             content = _output(item, f"{param}.output")
+            conv.flush()
             conv.out.append({"role": "tool", "tool_call_id": cid, "content": content})
         elif kind == "reasoning":
             conv.pending += _reasoning_text(item, param)
@@ -94,6 +106,7 @@ def input_messages(
                 "function_call_output, custom_tool_call, custom_tool_call_output or reasoning "
                 "items",
             )
+    conv.flush()
     return conv.out, conv.reasoning
 
 
