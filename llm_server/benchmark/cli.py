@@ -15,7 +15,9 @@ from pathlib import Path
 
 from llm_server.benchmark.settings import Settings
 
-PEERS = {"llama-server": "llama_server"}  # --peer name -> the report's server kind
+# --peer name -> the report's server kind
+PEERS = {"llama-server": "llama_server", "vllm-mlx": "vllm_mlx", "rapid-mlx": "rapid_mlx"}
+AGENT_MAX_TOKENS = 32  # the agent workload's default: agents' answers are short
 FULL = {"concurrency": "1,2,4,8", "requests": 32, "max_tokens": 64, "scoring_prompts": 32}
 QUICK = {"concurrency": "1,2", "requests": 4, "max_tokens": 8, "scoring_prompts": 4}
 
@@ -41,17 +43,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-tokens", type=int,
                    help="our server's --step-tokens (default: the server's; 0 runs each prompt whole "
                    "when admitted, the admission of before issue 17)")  # fmt: skip
-    p.add_argument("--workload", choices=["chat", "edit"], default="chat",
+    p.add_argument("--workload", choices=["chat", "edit", "agent"], default="chat",
                    help="chat: the 32 fixed chat prompts (default); edit: prompts asking to "
-                   "reproduce a given passage of code or text with one change (speculative decoding)")  # fmt: skip
+                   "reproduce a given passage of code or text with one change (speculative decoding); "
+                   "agent: multi-turn coding-agent conversations (--agent-log), turn by turn, on "
+                   f"every server and peer, TTFT and cached tokens per turn (max tokens {AGENT_MAX_TOKENS})")  # fmt: skip
+    p.add_argument("--agent-log", default="codex",
+                   help="agent workload: the recorded first request it grows from: codex (default), "
+                   "claude-code, or a JSON file with a 'body' (a chat, Responses or Messages request)")  # fmt: skip
+    p.add_argument(
+        "--agent-turns",
+        type=int,
+        default=5,
+        help="agent workload: turns per conversation (default 5)",
+    )
+    p.add_argument(
+        "--agent-conversations",
+        type=int,
+        default=1,
+        help="agent workload: conversations per server, one after another (default 1)",
+    )
     p.add_argument("--speculative", choices=["ngram", "off"],
                    help="our server's --speculative (default: the server's)")  # fmt: skip
     p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx_lm.server comparison")
-    p.add_argument("--peer", choices=sorted(PEERS),
-                   help="also run this server (from --peer-cmd) on the same load, e.g. llama.cpp's llama-server")  # fmt: skip
-    p.add_argument("--peer-cmd", metavar="CMD",
-                   help="the peer's command; {port} (required), {concurrency} and {host} are filled in, e.g. "
-                   "'llama-server -m smollm2-f32.gguf -t 2 --host {host} --port {port} -np {concurrency} -c 8192'")  # fmt: skip
+    p.add_argument("--peer", choices=sorted(PEERS), action="append",
+                   help="also run this server (from --peer-cmd) on the same load, e.g. llama.cpp's "
+                   "llama-server; repeat --peer/--peer-cmd pairs for several (agent workload)")  # fmt: skip
+    p.add_argument("--peer-cmd", metavar="CMD", action="append",
+                   help="the peer's command; {port} (required), {concurrency}, {host} and {model} (the "
+                   "model folder) are filled in, e.g. 'llama-server -m smollm2-f32.gguf -t 2 --host {host} "
+                   "--port {port} -np {concurrency} -c 8192' or '/venvs/vllm-mlx/bin/vllm-mlx serve {model} "
+                   "--port {port}'")  # fmt: skip
     p.add_argument("--rounds", type=int, default=1,
                    help="run every server this many times at each concurrency, the servers' order "
                    "alternating round by round; the report keeps each server's median run and lists "
@@ -84,7 +106,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
     """Resolve defaults (full or quick) and validate; exits with a message on bad input."""
     base = QUICK if args.quick else FULL
     requests = args.requests if args.requests is not None else base["requests"]
+    agent = args.workload == "agent"
     max_tokens = args.max_tokens if args.max_tokens is not None else base["max_tokens"]
+    if agent and args.max_tokens is None:
+        max_tokens = AGENT_MAX_TOKENS
     scoring = args.scoring_prompts if args.scoring_prompts is not None else base["scoring_prompts"]
     if args.step_tokens is not None and args.step_tokens < 0:
         raise SystemExit("llm-benchmark: --step-tokens must be 0 or more")
@@ -94,15 +119,11 @@ def settings_from(args: argparse.Namespace) -> Settings:
         )
     if args.rounds < 1:
         raise SystemExit("llm-benchmark: --rounds must be 1 or more")
-    if (args.peer is None) != (args.peer_cmd is None):
-        raise SystemExit("llm-benchmark: --peer and --peer-cmd go together")
-    if args.peer_cmd is not None:
-        from llm_server.benchmark.servers import peer_command
-
-        try:
-            peer_command(args.peer_cmd, 0, 1)
-        except ValueError as exc:
-            raise SystemExit(f"llm-benchmark: {exc}") from None
+    peers = _peers(args)
+    if len(peers) > 1 and not agent:
+        raise SystemExit("llm-benchmark: several --peer only with --workload agent")
+    if args.agent_turns < 1 or args.agent_conversations < 1:
+        raise SystemExit("llm-benchmark: --agent-turns and --agent-conversations must be 1 or more")
     from llm_server.model_source import resolve_model
 
     model = resolve_model(args.model)  # exits with a message when the folder is unusable
@@ -114,9 +135,25 @@ def settings_from(args: argparse.Namespace) -> Settings:
         mlx_lm=not args.no_mlx_lm, scoring=scoring > 0, constrained=args.constrained,
         prefix_cache=args.prefix_cache, step_tokens=args.step_tokens,
         workload=args.workload, speculative=args.speculative,
-        peer=None if args.peer is None else PEERS[args.peer], peer_cmd=args.peer_cmd,
-        rounds=args.rounds,
+        peer=peers[0][0] if peers else None, peer_cmd=peers[0][1] if peers else None,
+        rounds=args.rounds, peers=tuple(peers), agent_log=args.agent_log,
+        agent_turns=args.agent_turns, agent_conversations=args.agent_conversations,
     )  # fmt: skip
+
+
+def _peers(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(kind, command) of each --peer with the --peer-cmd at the same position."""
+    names, cmds = args.peer or [], args.peer_cmd or []
+    if len(names) != len(cmds):
+        raise SystemExit("llm-benchmark: --peer and --peer-cmd go together")
+    from llm_server.benchmark.servers import peer_command
+
+    for cmd in cmds:
+        try:
+            peer_command(cmd, 0, 1)
+        except ValueError as exc:
+            raise SystemExit(f"llm-benchmark: {exc}") from None
+    return [(PEERS[n], c) for n, c in zip(names, cmds, strict=True)]
 
 
 def check_dependencies() -> None:
@@ -147,6 +184,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     from llm_server.benchmark.runner import run_benchmark
 
+    if settings.workload == "agent":
+        from llm_server.benchmark.agent import run_agent as run_benchmark  # noqa: F811
     try:
         paths = run_benchmark(settings)
     except KeyboardInterrupt:

@@ -27,8 +27,8 @@ from llm_server.blas import preload_env
 READY_RE = re.compile(r"llm-server ready on (http://\S+)")
 STOP_GRACE_S = 30.0
 # peers: servers started from a command the user gives (`llm-benchmark --peer NAME --peer-cmd`)
-PEER_LABELS = {"llama_server": "llama-server"}
-PEER_FIELDS = ("port", "concurrency", "host")  # what a --peer-cmd template may name
+PEER_LABELS = {"llama_server": "llama-server", "vllm_mlx": "vllm-mlx", "rapid_mlx": "rapid-mlx"}
+PEER_FIELDS = ("port", "concurrency", "host", "model")  # what a --peer-cmd template may name
 
 
 class ServerStartError(RuntimeError):
@@ -90,18 +90,21 @@ def command_for(spec: ServerSpec, port: int | None = None) -> list[str]:
     if spec.kind in PEER_LABELS:
         if spec.peer_cmd is None:
             raise ValueError(f"{PEER_LABELS[spec.kind]} needs a command (--peer-cmd)")
-        return peer_command(spec.peer_cmd, port, spec.concurrency)
+        return peer_command(spec.peer_cmd, port, spec.concurrency, spec.model)
     raise ValueError(f"unknown server kind {spec.kind!r} (expected 'ours', 'mlx_lm' or a peer)")
 
 
-def peer_command(template: str, port: int | None, concurrency: int) -> list[str]:
+def peer_command(
+    template: str, port: int | None, concurrency: int, model: Path | None = None
+) -> list[str]:
     """argv of a peer from its template, e.g. `llama-server -m F32.gguf --port {port} -np
-    {concurrency} -t 2`; ValueError naming what is wrong with the template."""
+    {concurrency} -t 2` ({model}: the benchmark's model folder); ValueError naming what is
+    wrong with the template."""
     if "{port}" not in template:
         raise ValueError("--peer-cmd must contain {port} (the benchmark picks a free port)")
     try:
         argv = [
-            a.format(port=port, concurrency=concurrency, host="127.0.0.1")
+            a.format(port=port, concurrency=concurrency, host="127.0.0.1", model=model)
             for a in shlex.split(template)
         ]
     except (KeyError, IndexError, ValueError) as exc:
@@ -134,7 +137,8 @@ def _wait_ours(
 
 
 def _wait_health(proc: subprocess.Popen, url: str, spec: ServerSpec) -> str:
-    """Poll /health until it answers 200 (llama-server answers 503 while loading)."""
+    """Poll /health until it answers 200 (llama-server answers 503 while loading); a server
+    without /health (404) is ready when /v1/models answers 200."""
     name = PEER_LABELS.get(spec.kind, "mlx_lm.server")
     deadline = time.monotonic() + spec.start_timeout_s
     with httpx.Client(trust_env=False, timeout=5.0) as client:
@@ -142,7 +146,8 @@ def _wait_health(proc: subprocess.Popen, url: str, spec: ServerSpec) -> str:
             if proc.poll() is not None:
                 raise ServerStartError(f"{name} exited with code {proc.returncode}")
             with contextlib.suppress(httpx.HTTPError):
-                if client.get(f"{url}/health").status_code == 200:
+                status = client.get(f"{url}/health").status_code
+                if status == 200 or (status == 404 and client.get(f"{url}/v1/models").is_success):
                     return url
             time.sleep(0.2)
     raise ServerStartError(f"{name} did not answer /health within {spec.start_timeout_s:.0f} s")

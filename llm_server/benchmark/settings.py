@@ -22,11 +22,15 @@ class Settings:
     constrained: bool
     prefix_cache: bool = False
     step_tokens: int | None = None  # our server's --step-tokens (None: its default)
-    workload: str = "chat"  # "chat": prompts.json; "edit": reproduce a passage with one change
+    workload: str = "chat"  # "chat": prompts.json; "edit": one-change passages; "agent": agent.py
     speculative: str | None = None  # our server's --speculative (None: its default)
     peer: str | None = None  # report kind of a peer server (cli.PEERS), started from peer_cmd
     peer_cmd: str | None = None
     rounds: int = 1  # runs of each server at each concurrency, servers alternating (median kept)
+    peers: tuple[tuple[str, str], ...] = ()  # every (kind, command); the agent workload runs all
+    agent_log: str = "codex"  # agent workload: agent_conversation.LOGS name or a JSON path
+    agent_turns: int = 5
+    agent_conversations: int = 1
 
 
 def probe_parser(probe: str, doc: str | None) -> argparse.ArgumentParser:
