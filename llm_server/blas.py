@@ -54,7 +54,7 @@ PREFERENCE = ("blis", "openblas")
 HUGEPAGES_ENV = "LLM_SERVER_HUGEPAGES"  # "0": leave glibc's malloc tunables alone
 # Decoding reads every weight once a step, so its speed is the memory's read rate, and that is
 # ~15-20% higher from 2 MiB pages than from 4 KiB ones (fewer TLB misses on a 540 MB stream;
-# README "Huge pages"). glibc >= 2.35 (older ones ignore these): `hugetlb=1` advises
+# docs/performance.md, "Huge pages and tile shapes"). glibc >= 2.35 (older ones ignore these): `hugetlb=1` advises
 # transparent huge pages for what malloc maps, and a fixed 32 MiB mmap threshold (glibc's
 # most) serves every weight matrix from malloc's heap, where the pages are 2 MiB whole, rather
 # than each from its own mapping, too small or misaligned for one. One arena: the server loads

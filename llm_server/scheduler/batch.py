@@ -47,9 +47,9 @@ log = logging.getLogger(__name__)
 DEFAULT_STEP_TOKENS = 128
 # positions per forward when no row decodes (a lone long prompt; issue 38): nobody waits on the
 # step, so a prompt runs at the machine's prefill rate; bounded as the engine bounds a session
-# prefill's activation memory (measured: llm_server/benchmark/prefill_rate.py, README)
+# prefill's activation memory (measured: llm_server/benchmark/prefill_rate.py, docs/performance.md)
 DEFAULT_PREFILL_TOKENS = 512
-# --speculative / --spec-tokens defaults (scheduler/drafting.py; measured in README)
+# --speculative / --spec-tokens defaults (scheduler/drafting.py; measured in docs/performance.md, "Speculative decoding")
 DEFAULT_SPECULATIVE = "ngram"
 DEFAULT_SPEC_TOKENS = 8
 
