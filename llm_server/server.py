@@ -73,9 +73,9 @@ def make_service(
 
             return CoreMLEngine(model_path)
         from llm_server.engines.mlx_engine import MLXEngine
+        from llm_server.engines.settings import EngineSettings
 
-        engine = MLXEngine(
-            model_path,
+        settings = EngineSettings(
             rows=rows,
             context_length=context_length,
             dtype=dtype,
@@ -85,6 +85,7 @@ def make_service(
             group=group,
             parallel=parallel,
         )
+        engine = MLXEngine(model_path, settings)
         if group is None:
             prepare_engine(engine, prefix_cache_dir, prefix_cache_disk_bytes, warm)
             return engine

@@ -143,11 +143,12 @@ def test_dtype_default_is_float32_on_the_cpu_and_the_checkpoints_own_on_metal(
 
 
 def test_the_engine_resolves_no_dtype_by_device(tiny_model_path, tmp_path, monkeypatch):
-    """MLXEngine(dtype=None), what the CLI passes without --dtype: float32 here (the CPU); with
+    """EngineSettings(dtype=None), what the CLI passes without --dtype: float32 here (the CPU); with
     the device taken for Metal, the bf16 checkpoint's weights stay bfloat16; --dtype wins."""
     import mlx.core as mx
 
     from llm_server.engines import dtypes, mlx_engine
+    from llm_server.engines.settings import EngineSettings
 
     bf16 = _half_checkpoint(tiny_model_path, tmp_path / "bf16", "bfloat16")
     assert mlx_engine.MLXEngine(bf16).dtype == "float32"
@@ -155,7 +156,7 @@ def test_the_engine_resolves_no_dtype_by_device(tiny_model_path, tmp_path, monke
     engine = mlx_engine.MLXEngine(bf16)
     assert engine.dtype == "bfloat16"
     assert engine.model.model.embed_tokens.weight.dtype == mx.bfloat16
-    assert mlx_engine.MLXEngine(bf16, dtype="float32").dtype == "float32"
+    assert mlx_engine.MLXEngine(bf16, EngineSettings(dtype="float32")).dtype == "float32"
 
 
 def test_prefill_tokens_reaches_the_scheduler_and_a_negative_value_is_refused(tiny_model_path):

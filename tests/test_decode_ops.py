@@ -227,9 +227,10 @@ def test_rms_norm_refuses_bad_shapes(ops, x, w):
 def test_the_engine_uses_them_where_they_apply(tiny_llama_path, tiny_model_path):
     """A llama layout decodes with the ops; a layout with q/k norms (qwen3) keeps MLX's ops."""
     from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.settings import EngineSettings
 
-    assert MLXEngine(tiny_llama_path, rows=1)._fused.ops is not None
-    assert MLXEngine(tiny_model_path, rows=1)._fused.ops is None
+    assert MLXEngine(tiny_llama_path, EngineSettings(rows=1))._fused.ops is not None
+    assert MLXEngine(tiny_model_path, EngineSettings(rows=1))._fused.ops is None
 
 
 @pytest.fixture(scope="module")
@@ -317,10 +318,11 @@ def test_the_engine_runs_whole_layers_where_they_apply(tiny_llama_path, tmp_path
     """Compiled steps of a llama layout run whole layers when the skinny library is preloaded;
     biased projections (qwen2) keep the separate ops."""
     from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.settings import EngineSettings
     from llm_server.native import skinny
     from llm_server.testing.tiny import TinySpec, build_tiny_checkpoint
 
     qwen2 = build_tiny_checkpoint(tmp_path / "tiny-qwen2", TinySpec(arch="qwen2"))
-    assert MLXEngine(qwen2, rows=1)._fused.whole_layers is False
-    llama = MLXEngine(tiny_llama_path, rows=1)._fused
+    assert MLXEngine(qwen2, EngineSettings(rows=1))._fused.whole_layers is False
+    llama = MLXEngine(tiny_llama_path, EngineSettings(rows=1))._fused
     assert llama.whole_layers == skinny.loaded()

@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.settings import EngineSettings
     from llm_server.engines.step import DecodeRow, StepPlan
     from llm_server.scheduler.spec_policy import StepCosts
 
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         from llm_server.default_model import default_model_path
 
         args.model = default_model_path()
-    engine = MLXEngine(args.model, rows=args.rows, prefix_cache_bytes=0)
+    engine = MLXEngine(args.model, EngineSettings(rows=args.rows, prefix_cache_bytes=0))
     rng = np.random.default_rng(0)
     for row in range(args.rows):
         engine.prefill(row, rng.integers(100, 5000, PROMPT_TOKENS).tolist())

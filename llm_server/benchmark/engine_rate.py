@@ -21,8 +21,9 @@ def _measure_here(model: Path, rows: int, steps: int) -> dict:
     import numpy as np
 
     from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.settings import EngineSettings
 
-    engine = MLXEngine(model, rows=rows)
+    engine = MLXEngine(model, EngineSettings(rows=rows))
     rng = np.random.default_rng(0)
     for row in range(rows):
         engine.prefill(row, rng.integers(3, 1000, PROMPT_TOKENS).tolist())

@@ -46,9 +46,10 @@ class HostTimes:
 
 def _timed_engine_factory(model, rows: int, probe: _Probe):
     from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.settings import EngineSettings
 
     def factory():
-        engine = MLXEngine(model, rows=rows)
+        engine = MLXEngine(model, EngineSettings(rows=rows))
         decode = engine.decode
 
         def timed_decode(rows_, tokens):

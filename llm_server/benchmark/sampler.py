@@ -51,10 +51,11 @@ def random_rows(vocab: int, count: int = 16) -> np.ndarray:
 def model_rows(model: str, count: int = 16) -> np.ndarray:
     """[count, vocab] float32: the model's logits at each step of a greedy answer."""
     from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.settings import EngineSettings
     from llm_server.tokenizer import Tokenizer
 
     tok = Tokenizer(model)
-    engine = MLXEngine(model, rows=1, prefix_cache_bytes=0)
+    engine = MLXEngine(model, EngineSettings(rows=1, prefix_cache_bytes=0))
     prompt = tok.apply_chat_template([{"role": "user", "content": "Tell me about Paris."}])
     rows = [engine.prefill(0, prompt)]
     while len(rows) < count:

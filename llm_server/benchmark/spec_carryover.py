@@ -64,6 +64,7 @@ def _load(sched, tok, messages: list[list[dict]], concurrency: int, max_tokens: 
 def main(argv: list[str] | None = None) -> int:
     from llm_server.cli import DEFAULT_CONCURRENT
     from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.settings import EngineSettings
     from llm_server.scheduler import BatchScheduler
     from llm_server.tokenizer import Tokenizer
 
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model = default_model_path()
     tok = Tokenizer(args.model)
     sched = BatchScheduler(
-        lambda: MLXEngine(args.model, rows=args.rows),
+        lambda: MLXEngine(args.model, EngineSettings(rows=args.rows)),
         max_concurrent=args.rows,
         max_queued=args.requests,
         speculative=args.speculative,

@@ -61,12 +61,13 @@ def run(model: Path, prompts, rows: int, mode: str, max_tokens: int, k: int):
     """(tokens per prompt, seconds, drafted, accepted, fit_report) serving `prompts` together."""
     from llm_server.decoding import Decoder, SamplingParams
     from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.settings import EngineSettings
     from llm_server.scheduler import BatchScheduler, FinishEvent, GenerationRequest
     from llm_server.tokenizer import Tokenizer
 
     tok = Tokenizer(model)
     sched = BatchScheduler(
-        lambda: MLXEngine(model, rows=rows, prefix_cache_bytes=0),
+        lambda: MLXEngine(model, EngineSettings(rows=rows, prefix_cache_bytes=0)),
         max_concurrent=rows,
         max_queued=len(prompts),
         speculative=mode,

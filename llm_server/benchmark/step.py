@@ -29,10 +29,14 @@ _STEPS_SCRIPT = """
 import json, sys, time
 from llm_server.engines.mlx_engine import MLXEngine
 model, rows, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-try:  # the compiled step where this checkout has it
-    engine = MLXEngine(model, rows=rows, compiled_decode=True)
-except TypeError:
-    engine = MLXEngine(model, rows=rows)
+try:  # one settings object where this checkout has it
+    from llm_server.engines.settings import EngineSettings
+    engine = MLXEngine(model, EngineSettings(rows=rows, compiled_decode=True))
+except ImportError:
+    try:  # the compiled step where this checkout has it
+        engine = MLXEngine(model, rows=rows, compiled_decode=True)
+    except TypeError:
+        engine = MLXEngine(model, rows=rows)
 span = min(1000, engine.vocab_size - 10)  # ids inside the vocabulary
 for r in range(rows):
     engine.prefill(r, [(7 * i + 3 * r) % span + 10 for i in range(150 + 5 * r)])
@@ -61,9 +65,10 @@ class StepTimes:
 
 def _engines(model: str, rows: int):
     from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.settings import EngineSettings
 
-    compiled = MLXEngine(model, rows=rows, compiled_decode=True)
-    eager = MLXEngine(model, rows=rows, compiled_decode=False)
+    compiled = MLXEngine(model, EngineSettings(rows=rows, compiled_decode=True))
+    eager = MLXEngine(model, EngineSettings(rows=rows, compiled_decode=False))
     if compiled._fused is None:
         raise SystemExit(f"{model}: the fused decode step does not apply to this model")
     return compiled, eager

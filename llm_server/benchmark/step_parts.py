@@ -41,8 +41,9 @@ def measure(model: str, rows: int, prompt_len: int, reps: int) -> dict[str, list
     from llm_server import blas
     from llm_server.engines import decode_attention
     from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.settings import EngineSettings
 
-    engine = MLXEngine(model, rows=rows, compiled_decode=True)
+    engine = MLXEngine(model, EngineSettings(rows=rows, compiled_decode=True))
     fused = engine._fused
     if fused is None or fused.compiled is None:
         raise SystemExit(f"{model}: the compiled decode step does not apply to this model")

@@ -42,17 +42,9 @@ def join(backend: str):
 def build_engine(args: argparse.Namespace, model_path: Path, group):
     """The rank's sharded engine, with the settings rank 0's service gives its own."""
     from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.settings import from_cli
 
-    return MLXEngine(
-        model_path,
-        rows=args.concurrent_requests,
-        context_length=args.context_length,
-        dtype=args.dtype,
-        prefix_cache_bytes=args.prefix_cache_bytes,
-        keep_quantized=args.keep_quantized,
-        group=group,
-        parallel="pipeline" if getattr(args, "pipeline", False) else "tensor",
-    )
+    return MLXEngine(model_path, from_cli(args, group))
 
 
 def wrap(engine, group, backend: str, timeout: float, mode: str = "tensor"):

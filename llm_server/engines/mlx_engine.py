@@ -45,13 +45,13 @@ from llm_server.engines.probe import supports_batching
 from llm_server.engines.row_cache import ForwardPlan, RowStore, row_mask
 from llm_server.engines.row_state import StateStore
 from llm_server.engines.selfcheck import VERIFIED_FAMILIES, row_forward_problem
+from llm_server.engines.settings import EngineSettings
 from llm_server.native import skinny
 
 log = logging.getLogger(__name__)
 
 SPLIT_MAX_POSITIONS = 256  # forwards up to this many positions split their products (see _split)
 PREFILL_CHUNK = 512  # prompt positions per prefill forward (bounds activation memory)
-SCORE_ROWS = 8  # scoring rows of the store: scoring prompts open at once (see __init__)
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
@@ -61,71 +61,34 @@ class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
     name = "mlx"
     dynamic_shapes = True
 
-    def __init__(
-        self,
-        model_path: str | Path,
-        rows: int = 1,
-        context_length: int | None = None,
-        dtype: str | None = None,  # None: float32 on the CPU, the checkpoint's own on Metal
-        prefix_cache_bytes: int | None = None,
-        padded_shapes: bool = False,
-        fused_decode: bool = True,
-        pipeline: bool | None = None,
-        keep_quantized: bool = False,
-        compiled_decode: bool | None = None,
-        group=None,
-        parallel: str = "tensor",
-        score_rows: int = SCORE_ROWS,
-        kernels: str | None = None,
-    ) -> None:
-        """`prefix_cache_bytes`: bound of the prompt prefix cache (None: prefix_cache.default_bound,
-        two 20k-token conversations' KV within an eighth of the memory; 0: off).
-
-        `padded_shapes`: have the scorer pad scoring shapes to buckets (C4). MLX runs any shape
-        without a compile, so by default it gets exact shapes and computes no padding.
-        `fused_decode`: run decode steps through `FusedForward` where the architecture allows.
-        `pipeline`: let the scheduler start a greedy step before the one before is finished
-        (None: on Metal only; on the CPU the Python work then competes with the forward for the
-        same cores, measured 8-12% slower on 2 cores).
-        `keep_quantized`: serve a quantized checkpoint quantized on the CPU too (see quantized).
-        `compiled_decode`: run pure decode steps as compiled graphs (see compiled_step); None:
-        on the CPU, where their logits equal the eager forward's (mixed steps too) bit for bit
-        (decode_attention). Off on Metal until the same is shown there.
-        `group`: an `mx.distributed` group to shard the model over (tensor parallel, mlx-lm's
-        `model.shard`); every rank then runs the same calls in lock-step (llm_server.distributed).
-        The fused forward and pipelining are off: they do not compose with it.
-        `parallel`: "tensor" (above) or "pipeline": this rank keeps a contiguous slice of the
-        layers and their KV (llm_server.distributed.pipeline).
-        `score_rows`: rows the store keeps after the serving rows for scoring prompts, whose
-        chunks then ride in the step plans' forwards (8: each a prompt, up to 128 positions a
-        forward when nothing else runs). 0, and always on a model whose rows cannot hold them
-        (recurrent state, serial, sharded, heads only mlx-lm can run): the separate session.
-        `kernels`: "linux_cpu" or "generic" (engines/kernels.py; None: LLM_SERVER_KERNELS, else
-        linux_cpu on the CPU and generic elsewhere), chosen here once for every forward.
-        """
+    def __init__(self, model_path: str | Path, settings: EngineSettings | None = None) -> None:
+        """Load the model at `model_path` as `settings` say (engines/settings.py)."""
         from mlx_lm.utils import load_model
 
+        settings = EngineSettings() if settings is None else settings
+        self.settings = settings
         path = Path(model_path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a model folder (no config.json)")
-        if rows < 1:
-            raise ValueError(f"rows must be >= 1, got {rows}")
+        rows = settings.rows
         if rows > 1 and not supports_batching(path):
             rows = 1  # an export with one row or no attn_mask (the scheduler warns, S1)
-        self.kernels = resolve_kernels(kernels)
-        dtype = dtype or default_dtype(path)  # engines/dtypes.py
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        self.kernels = resolve_kernels(settings.kernels)
+        dtype = settings.dtype or default_dtype(path)  # engines/dtypes.py
+        prefix_cache_bytes = settings.prefix_cache_bytes
+        fused_decode, pipeline = settings.fused_decode, settings.pipeline
+        score_rows = settings.score_rows
         config = json.loads((path / "config.json").read_text())
         check_model_type(config)
         text = {**config, **config.get("text_config", {})}  # multimodal configs nest the LM's
         # bare-transformer checkpoints (embedding models) load too; see bare_checkpoint
         self.model, self.config = load_model(path, lazy=True, get_model_classes=model_classes)
         self.stage = None  # this rank's layers when split pipeline-parallel (a pipeline.Stage)
-        if group is not None and group.size() > 1:
+        group = settings.group
+        if settings.sharded:
             from llm_server.distributed.pipeline import split_model
 
-            if parallel == "pipeline":
+            if settings.parallel == "pipeline":
                 self.stage = split_model(self.model, group)  # while lazy, as shard() below
             else:
                 if not hasattr(self.model, "shard"):
@@ -143,11 +106,11 @@ class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
             fused_decode, pipeline, score_rows = False, False, 0
         self.has_lm_head = getattr(self.model, "has_lm_head", True)
         ks = self.kernels
-        self.quantized = quantized.prepare(self.model, keep_quantized, ks.dequantize)
+        self.quantized = quantized.prepare(self.model, settings.keep_quantized, ks.dequantize)
         cpu_kernels.install(self.model, ks.numpy_large)  # numpy softmax/SiLU for big tensors
         self.model.set_dtype(_DTYPES[dtype])
         max_pos = int(text.get("max_position_embeddings") or 2048)
-        self.context_length = min(context_length or max_pos, max_pos)
+        self.context_length = min(settings.context_length or max_pos, max_pos)
         self._layout = cache_layout(self.model)
         self.model_type = str(config["model_type"])
         # why this model serves one request at a time (None: its rows batch)
@@ -165,6 +128,7 @@ class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
         self._fused = (
             FusedForward.build(self.model, self.context_length, self.kernels) if fusable else None
         )
+        compiled_decode = settings.compiled_decode
         if compiled_decode is None:
             compiled_decode = ks.compiled_decode
         if compiled_decode and self._fused is not None:
@@ -175,7 +139,7 @@ class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
             cpu_kernels.split_linears(self.model)  # 1-2 row decode products use both cores
         self.model_path = path
         self._pipeline = ks.pipeline if pipeline is None else pipeline
-        self.padded_shapes = padded_shapes
+        self.padded_shapes = settings.padded_shapes
         self.dtype = dtype
         self.vocab_size = int(text["vocab_size"])
         self.num_layers = len(self._layout.leaves)  # caches of the model's cache list
@@ -183,7 +147,7 @@ class MLXEngine(StepRunner, DecodeRunner, SessionRunner):
         if prefix_cache_bytes is None:
             prefix_cache_bytes = default_bound(kv_token_bytes(text, _DTYPES[dtype].size))
         self._prefix_cache_bytes = prefix_cache_bytes
-        self._score_rows = max(score_rows, 0)
+        self._score_rows = score_rows
         self._init_rows(rows)
         if self.serial_reason is None and model_family(self.model) not in VERIFIED_FAMILIES:
             problem = row_forward_problem(self)  # an architecture the tests do not cover

@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.settings import EngineSettings
 from llm_server.testing.live import serving
 from llm_server.testing.tiny import TinySpec, build_tiny_checkpoint
 from llm_server.testing.tiny_quantized import quantize_checkpoint
@@ -102,11 +103,11 @@ def test_dequantized_logits_match_quantized_forward(checkpoints):
     """Dequantizing changes the arithmetic, not the model: logits agree with mlx-lm's
     quantized products to float32 rounding (and the mixed config's 8-bit layers are 8-bit)."""
     path = checkpoints["qwen3-mixed-4-8"]
-    kept = MLXEngine(path, rows=1, keep_quantized=True)
+    kept = MLXEngine(path, EngineSettings(rows=1, keep_quantized=True))
     bits = {n: m.bits for n, m in _named_quantized(kept)}
     assert bits["model.layers.0.self_attn.v_proj"] == 8 and bits["lm_head"] == 8
     assert bits["model.layers.0.self_attn.q_proj"] == 4
-    deq = MLXEngine(path, rows=1)
+    deq = MLXEngine(path, EngineSettings(rows=1))
     prompt = [5, 17, 42, 99, 3, 250]
     np.testing.assert_allclose(deq.prefill(0, prompt), kept.prefill(0, prompt), atol=1e-4)
     np.testing.assert_allclose(deq.decode([0], [7]), kept.decode([0], [7]), atol=1e-4)
@@ -125,7 +126,7 @@ def test_kept_quantized_with_a_warning_when_float32_does_not_fit(checkpoints, mo
 
     monkeypatch.setattr(quantized, "available_memory", lambda: 1 << 10)  # 1 KiB free
     with caplog.at_level(logging.WARNING, logger="llm_server.engines.quantized"):
-        engine = MLXEngine(checkpoints["qwen3-4bit-g64"], rows=2)
+        engine = MLXEngine(checkpoints["qwen3-4bit-g64"], EngineSettings(rows=2))
     assert engine.quantized is True and engine._fused is None and any(_quantized(engine))
     (warning,) = [r.getMessage() for r in caplog.records]
     assert warning.startswith("kept 16 quantized layers (4-bit affine, group 64) quantized")

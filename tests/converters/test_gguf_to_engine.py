@@ -9,6 +9,7 @@ import numpy as np
 from converters.cli import main as convert_main
 from converters.gguf_import import import_gguf
 from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.settings import EngineSettings
 from llm_server.testing.tiny import TinySpec, build_tiny_checkpoint
 from tests.converters.test_gguf_import import write_gguf
 
@@ -16,7 +17,7 @@ PROMPT = [5, 17, 42, 99, 3, 250, 7, 1, 120, 64, 33, 8]
 
 
 def _greedy_logits(folder: Path, steps: int = 6) -> list[np.ndarray]:
-    engine = MLXEngine(folder, rows=1, prefix_cache_bytes=0)
+    engine = MLXEngine(folder, EngineSettings(rows=1, prefix_cache_bytes=0))
     logits = [engine.prefill(0, PROMPT)]
     for _ in range(steps):
         logits.append(engine.decode([0], [int(np.argmax(logits[-1]))])[0])

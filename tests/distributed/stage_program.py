@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 
 import numpy as np
 
@@ -37,15 +38,15 @@ def main(paths: list[str]) -> None:
     import mlx.core as mx
 
     from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.settings import EngineSettings
 
     group = mx.distributed.init(strict=True, backend="ring")
     for path in paths:
-        stage = MLXEngine(
-            path, rows=4, group=group, parallel="pipeline", prefix_cache_bytes=1 << 26
-        )
+        settings = EngineSettings(rows=4, prefix_cache_bytes=1 << 26)
+        stage = MLXEngine(path, replace(settings, group=group, parallel="pipeline"))
         got = calls(stage)
         if group.rank() == 0:
-            want = calls(MLXEngine(path, rows=4, prefix_cache_bytes=1 << 26))
+            want = calls(MLXEngine(path, settings))
             diff = max(float(np.abs(a - b).max()) for a, b in zip(got, want, strict=True))
             print(json.dumps({"model": path, "max_diff": diff}), flush=True)
 

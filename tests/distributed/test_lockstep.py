@@ -61,9 +61,12 @@ def test_the_follower_ends_where_rank_zero_does(tiny_model_path):
     """Rank 0's calls replayed by the follower loop leave its engine in the same state and
     with the same logits (two unsharded engines: the loop, not the sharding, is under test)."""
     from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.settings import EngineSettings
 
     def engine():
-        return MLXEngine(tiny_model_path, rows=2, fused_decode=False, prefix_cache_bytes=0)
+        return MLXEngine(
+            tiny_model_path, EngineSettings(rows=2, fused_decode=False, prefix_cache_bytes=0)
+        )
 
     transport = QueueTransport()
     leader = LockstepEngine(engine(), transport, size=2, backend="queue")
@@ -137,6 +140,7 @@ def test_joining_without_a_launcher_is_one_clear_line(monkeypatch):
 
 def test_heads_that_do_not_split_over_the_ranks_are_refused(tmp_path):
     from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.settings import EngineSettings
     from llm_server.testing.tiny import TinySpec, build_tiny_checkpoint
 
     class TwoRanks:  # refused before any collective: a stand-in group is enough
@@ -145,7 +149,7 @@ def test_heads_that_do_not_split_over_the_ranks_are_refused(tmp_path):
 
     path = build_tiny_checkpoint(tmp_path / "gqa1", TinySpec(num_kv_heads=1))
     with pytest.raises(ValueError, match="num_key_value_heads=1 does not split over 2 ranks"):
-        MLXEngine(path, rows=1, group=TwoRanks())
+        MLXEngine(path, EngineSettings(rows=1, group=TwoRanks()))
 
 
 def test_the_watchdog_marks_a_hung_call_lost():

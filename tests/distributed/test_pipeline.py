@@ -29,6 +29,7 @@ def test_layers_split_in_order_low_ranks_first():
 def test_a_stage_holds_only_its_layers(tiny_llama_path):
     """Built, not run: the split needs the group's rank and size only."""
     from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.settings import EngineSettings
 
     class Rank1Of2:
         def rank(self) -> int:
@@ -37,8 +38,10 @@ def test_a_stage_holds_only_its_layers(tiny_llama_path):
         def size(self) -> int:
             return 2
 
-    whole = MLXEngine(tiny_llama_path, rows=1)
-    stage = MLXEngine(tiny_llama_path, rows=1, group=Rank1Of2(), parallel="pipeline")
+    whole = MLXEngine(tiny_llama_path, EngineSettings(rows=1))
+    stage = MLXEngine(
+        tiny_llama_path, EngineSettings(rows=1, group=Rank1Of2(), parallel="pipeline")
+    )
     assert stage.stage.layers == range(1, 2) and stage.stage.total == 2
     assert (whole.num_layers, stage.num_layers) == (2, 1)
     layer = whole.weight_bytes() - stage.weight_bytes()  # one layer's weights are not here

@@ -15,6 +15,7 @@ import pytest
 from llm_server.engines.decode_attention import SPAN
 from llm_server.engines.mlx_engine import MLXEngine
 from llm_server.engines.row_cache import GROW
+from llm_server.engines.settings import EngineSettings
 from llm_server.testing.tiny import TinySpec, build_tiny_checkpoint
 
 
@@ -26,8 +27,8 @@ def qwen2_path(tmp_path_factory):
 
 
 def _pair(path, rows: int) -> tuple[MLXEngine, MLXEngine]:
-    compiled = MLXEngine(path, rows=rows)  # on by default on the CPU
-    eager = MLXEngine(path, rows=rows, compiled_decode=False)
+    compiled = MLXEngine(path, EngineSettings(rows=rows))  # on by default on the CPU
+    eager = MLXEngine(path, EngineSettings(rows=rows, compiled_decode=False))
     assert compiled._fused is not None and compiled._fused.compiled is not None
     assert eager._fused.compiled is None
     return compiled, eager
@@ -133,16 +134,16 @@ def test_a_dropped_engine_driven_from_two_threads_leaves_no_graph_behind(tmp_pat
             logits = engine.decode([0], [out[-1]])[0]
         return out
 
-    expected = greedy(MLXEngine(own, rows=1))
+    expected = greedy(MLXEngine(own, EngineSettings(rows=1)))
     for _ in range(6):  # the address is reused nearly every time; six rounds make it certain
-        dropped = MLXEngine(other, rows=1)
+        dropped = MLXEngine(other, EngineSettings(rows=1))
         assert greedy(dropped) != expected  # the checkpoints answer differently
         thread = threading.Thread(target=lambda e=dropped: (greedy(e), e.thread_exit()))
         thread.start()
         thread.join()
         del dropped, thread
         gc.collect()
-        assert greedy(MLXEngine(own, rows=1)) == expected
+        assert greedy(MLXEngine(own, EngineSettings(rows=1))) == expected
 
 
 @pytest.mark.slow
@@ -184,7 +185,10 @@ def test_smollm2_lone_row_equals_the_same_row_batched(default_model_path):
 
     if not skinny.loaded():
         pytest.skip("needs the skinny products preloaded (Linux with a C compiler)")
-    alone, batched = MLXEngine(default_model_path, rows=4), MLXEngine(default_model_path, rows=4)
+    alone, batched = (
+        MLXEngine(default_model_path, EngineSettings(rows=4)),
+        MLXEngine(default_model_path, EngineSettings(rows=4)),
+    )
     rng = np.random.default_rng(5)
     prompts = [rng.integers(100, 40000, n).tolist() for n in (70, 33, 120)]
     first = alone.prefill(0, prompts[0])
@@ -258,8 +262,8 @@ def test_mixed_steps_and_drafts_give_decode_rows_the_compiled_steps_logits(
     from llm_server.engines.step import DecodeRow, PrefillChunk
 
     path = {"qwen3": tiny_model_path, "llama": tiny_llama_path}[arch]
-    mixed = MLXEngine(path, rows=4, prefix_cache_bytes=0)
-    pure = MLXEngine(path, rows=4, prefix_cache_bytes=0)
+    mixed = MLXEngine(path, EngineSettings(rows=4, prefix_cache_bytes=0))
+    pure = MLXEngine(path, EngineSettings(rows=4, prefix_cache_bytes=0))
     rng = np.random.default_rng(3)
     last = []
     for row, n in enumerate((SPAN - 1, 10, 100)):
@@ -309,7 +313,9 @@ def test_staggered_requests_batched_equal_alone_with_compiled_steps(tiny_model_p
             return super().run(plan)
 
     def engine(rows, compiled):
-        engines.append(Recorder(tiny_model_path, rows=rows, compiled_decode=compiled))
+        engines.append(
+            Recorder(tiny_model_path, EngineSettings(rows=rows, compiled_decode=compiled))
+        )
         return engines[-1]
 
     def serve(rows, compiled, batch):
@@ -360,7 +366,10 @@ def test_whole_layer_steps_equal_separate_op_steps(tiny_llama_path):
 
     if not skinny.loaded():
         pytest.skip("the skinny library is not preloaded (run under python -m llm_server.blas)")
-    whole, separate = MLXEngine(tiny_llama_path, rows=3), MLXEngine(tiny_llama_path, rows=3)
+    whole, separate = (
+        MLXEngine(tiny_llama_path, EngineSettings(rows=3)),
+        MLXEngine(tiny_llama_path, EngineSettings(rows=3)),
+    )
     assert whole._fused.whole_layers
     separate._fused.whole_layers = False  # read when a step's graph is traced
     rng = np.random.default_rng(4)

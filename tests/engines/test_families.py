@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.settings import EngineSettings
 from llm_server.scheduler.scorer import Scorer
 from llm_server.testing.families import FAMILIES, WINDOW, build_family_checkpoint
 from llm_server.testing.live import serving
@@ -63,7 +64,7 @@ def mlx_lm_greedy(path, prompt: list[int], n: int) -> list[int]:
 
 
 def alone(path, prompt: list[int], n: int) -> list[int]:
-    engine = MLXEngine(path, rows=1)
+    engine = MLXEngine(path, EngineSettings(rows=1))
     logits, out = engine.prefill(0, prompt), []
     for _ in range(n):
         out.append(int(np.argmax(logits)))
@@ -94,7 +95,7 @@ def staggered(engine: MLXEngine, prompts: list[list[int]], n: int) -> list[list[
 @pytest.mark.parametrize("family", BATCHED)
 def test_family_batches_exactly_and_matches_mlx_lm(family, checkpoint, prompts):
     path = checkpoint(family)
-    engine = MLXEngine(path, rows=4)
+    engine = MLXEngine(path, EngineSettings(rows=4))
     assert engine.serial_reason is None and engine.rows == 4
     expected = [alone(path, p, NEW) for p in prompts]
     assert staggered(engine, prompts, NEW) == expected
@@ -111,7 +112,7 @@ def test_sliding_window_takes_effect(family, checkpoint, prompts, tmp_path):
     config = json.loads((wide / "config.json").read_text())
     config["sliding_window"] = 4096
     (wide / "config.json").write_text(json.dumps(config))
-    windowed = MLXEngine(path, rows=1)
+    windowed = MLXEngine(path, EngineSettings(rows=1))
     assert any(c.window == WINDOW for c in windowed._layout.layers)
     assert alone(path, prompts[-1], NEW) != alone(wide, prompts[-1], NEW)
 
@@ -192,7 +193,7 @@ def test_serial_family_warns_once_and_answers_as_mlx_lm(checkpoint, prompts):
 def test_scoring_session_in_chunks_equals_one_forward(family, checkpoint, prompts):
     """Two rows scored in chunks of 7 positions (past the windows, across recurrent state)
     give the log-probabilities of mlx-lm's single forward over the whole sequence."""
-    engine = MLXEngine(checkpoint(family), rows=2)
+    engine = MLXEngine(checkpoint(family), EngineSettings(rows=2))
     tokens = np.array([prompts[2], prompts[3][:20]], dtype=np.int32)  # [2, 20]
     targets = np.roll(tokens, -1, axis=1)
     logits = engine.all_position_logits(tokens).astype(np.float64)
@@ -212,7 +213,7 @@ def test_prefix_cache_reuse_only_where_the_state_allows(family, checkpoint, prom
     path = checkpoint(family)
     first, longer = prompts[3], prompts[3] + prompts[1]
     expected = alone(path, longer, NEW)
-    engine = MLXEngine(path, rows=2)
+    engine = MLXEngine(path, EngineSettings(rows=2))
     logits = engine.prefill(0, first)
     for _ in range(3):
         logits = engine.decode([0], [int(np.argmax(logits))])[0]
@@ -270,7 +271,7 @@ def test_unverified_architecture_that_differs_is_served_serially(
     shutil.copytree(checkpoint("llama"), path)
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "model_type": "offset_after_update"}))
-    engine = MLXEngine(path, rows=4)
+    engine = MLXEngine(path, EngineSettings(rows=4))
     assert engine.rows == 1  # serves one request at a time
     assert engine.serial_reason == (
         "offset_after_update: its forward over per-row caches differs from mlx-lm's own"
@@ -283,7 +284,7 @@ def test_unverified_architecture_that_differs_is_served_serially(
             logits = engine.decode([0], [got[-1]])[0]
         engine.release(0)
         assert got == mlx_lm_greedy(path, p, NEW)
-    assert MLXEngine(checkpoint("cohere2"), rows=4).serial_reason is None
+    assert MLXEngine(checkpoint("cohere2"), EngineSettings(rows=4)).serial_reason is None
 
 
 @pytest.mark.parametrize(
@@ -294,7 +295,7 @@ def test_scoring_rows_only_where_the_row_store_can_hold_them(family, rows, check
     """Scoring rides in the step plans on the store's scoring rows for plain heads (fused or
     not, sliding windows included); a head only mlx-lm can run, recurrent state and a serial
     model keep the separate scoring session, chosen once by Scorer.attach."""
-    engine = MLXEngine(checkpoint(family), rows=2)
+    engine = MLXEngine(checkpoint(family), EngineSettings(rows=2))
     assert engine.score_rows == rows
     scorer = Scorer()
     assert scorer.attach(engine) is (rows > 0)

@@ -14,6 +14,7 @@ from llm_server import blas
 from llm_server.engines.fused_decode import FusedForward
 from llm_server.engines.fused_layers import rope_table, table_matches
 from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.settings import EngineSettings
 from llm_server.testing.tiny import TinySpec, build_tiny_checkpoint
 
 
@@ -29,8 +30,8 @@ def arch_paths(tmp_path_factory, tiny_model_path, tiny_llama_path):
 def test_fused_steps_equal_the_mlx_lm_forward(arch, arch_paths):
     """Prefill (split, unsplit, numpy attention, two chunks) and decode steps over rows at
     different cursors, all rows and gathered subsets: logits match, tokens are equal."""
-    fused = MLXEngine(arch_paths[arch], rows=4)
-    plain = MLXEngine(arch_paths[arch], rows=4, fused_decode=False)
+    fused = MLXEngine(arch_paths[arch], EngineSettings(rows=4))
+    plain = MLXEngine(arch_paths[arch], EngineSettings(rows=4, fused_decode=False))
     assert fused._fused is not None and fused._fused.table is not None
     assert plain._fused is None
     rng = np.random.default_rng(3)
@@ -56,7 +57,7 @@ def _address(a: mx.array) -> int:
 
 def test_stacked_weights_are_held_once(tiny_model_path):
     """q/k/v and gate/up of the model are views into the stacked weights, not copies."""
-    engine = MLXEngine(tiny_model_path, rows=1)
+    engine = MLXEngine(tiny_model_path, EngineSettings(rows=1))
     layer, fused = engine.model.model.layers[0], engine._fused.layers[0]
     base = _address(fused.qkv.weight)
     row_bytes = fused.qkv.weight.shape[1] * 4
@@ -74,7 +75,7 @@ def test_stacked_weights_are_held_once(tiny_model_path):
 
 
 def test_quantized_layers_keep_the_mlx_lm_forward(tiny_llama_path):
-    engine = MLXEngine(tiny_llama_path, rows=1, fused_decode=False)
+    engine = MLXEngine(tiny_llama_path, EngineSettings(rows=1, fused_decode=False))
     nn.quantize(engine.model, group_size=32, bits=8)
     assert FusedForward.build(engine.model, 64, engine.kernels) is None
 
@@ -115,7 +116,7 @@ def test_scoring_chunks_equal_the_mlx_lm_forward(arch, arch_paths):
     tokens = rng.integers(3, 380, (3, 301)).astype(np.int32)
     results = []
     for fused in (True, False):
-        engine = MLXEngine(arch_paths[arch], rows=1, fused_decode=fused)
+        engine = MLXEngine(arch_paths[arch], EngineSettings(rows=1, fused_decode=fused))
         engine.score_begin(3)
         chunks = []
         for s in range(0, 300, SCORE_CHUNK):
@@ -138,7 +139,7 @@ def test_prompt_positions_attend_alike_wherever_their_chunk_starts(tiny_llama_pa
     MLX's attention or decode_attention's MLX ops, not even on the fresh store's first write."""
     from llm_server.engines import cpu_kernels, decode_attention, mlx_engine
 
-    engine = MLXEngine(tiny_llama_path, rows=1)
+    engine = MLXEngine(tiny_llama_path, EngineSettings(rows=1))
     if engine._fused is None or engine._fused.ops is None:
         pytest.skip("the decode ops do not apply here (not Linux's CPU)")
 
@@ -163,13 +164,13 @@ def test_prompt_positions_attend_alike_wherever_their_chunk_starts(tiny_llama_pa
 
     whole = run(engine)
     assert engine.cached_tokens(0) == 0
-    engine = MLXEngine(tiny_llama_path, rows=1)
+    engine = MLXEngine(tiny_llama_path, EngineSettings(rows=1))
     engine.prefill(0, first)
     engine.release(0)  # `first` goes to the prefix cache; the idle store is cleared
     cached = run(engine)
     assert engine.cached_tokens(0) == 60
     monkeypatch.setattr(mlx_engine, "PREFILL_CHUNK", 16)
-    chunked = run(MLXEngine(tiny_llama_path, rows=1))
+    chunked = run(MLXEngine(tiny_llama_path, EngineSettings(rows=1)))
     assert cached[1] == whole[1] and chunked[1] == whole[1]
     for a, b in ((cached, whole), (chunked, whole)):
         np.testing.assert_array_equal(a[0], b[0])  # the prompt's last position

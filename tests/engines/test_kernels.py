@@ -19,6 +19,7 @@ import pytest
 
 from llm_server.engines import cpu_kernels, kernels
 from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.settings import EngineSettings
 from llm_server.native import skinny
 from llm_server.testing.families import build_family_checkpoint
 
@@ -47,22 +48,24 @@ def test_linux_cpu_is_refused_off_the_cpu(monkeypatch):
 
 def test_the_environment_reaches_the_engine(tiny_model_path, monkeypatch):
     monkeypatch.setenv(kernels.ENV, "generic")
-    assert MLXEngine(tiny_model_path, rows=1).kernels.name == "generic"
+    assert MLXEngine(tiny_model_path, EngineSettings(rows=1)).kernels.name == "generic"
     with pytest.raises(ValueError, match="kernels must be one of"):
-        MLXEngine(tiny_model_path, rows=1, kernels="numpy")
+        MLXEngine(tiny_model_path, EngineSettings(rows=1, kernels="numpy"))
 
 
 @needs_cpu
 def test_each_set_takes_its_own_branches(tiny_model_path):
-    cpu = MLXEngine(tiny_model_path, rows=2, kernels="linux_cpu")
-    generic = MLXEngine(tiny_model_path, rows=2, kernels="generic")
+    cpu = MLXEngine(tiny_model_path, EngineSettings(rows=2, kernels="linux_cpu"))
+    generic = MLXEngine(tiny_model_path, EngineSettings(rows=2, kernels="generic"))
     assert cpu._fused.table is not None and cpu._fused.compiled is not None
     assert not cpu.pipelined
     # generic: mlx-lm's rope, eager decode steps, MLX attention, pipelined greedy steps
     assert generic._fused.table is None and generic._fused.compiled is None
     assert generic._fused.ops is None and generic.pipelined
     assert not generic._split(1) and not generic._split(8)
-    unfused = MLXEngine(tiny_model_path, rows=2, kernels="generic", fused_decode=False)
+    unfused = MLXEngine(
+        tiny_model_path, EngineSettings(rows=2, kernels="generic", fused_decode=False)
+    )
     layer = unfused.model.model.layers[0]
     assert type(layer.self_attn.q_proj).__name__ == "Linear"  # no SplitLinear
 
@@ -85,8 +88,8 @@ def test_both_sets_give_the_same_tokens_and_logits_to_rounding(family, tmp_path)
     path = build_family_checkpoint(tmp_path / family, family)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 300, n).tolist() for n in (90, 130)]
-    cpu = _greedy_logits(MLXEngine(path, rows=2, kernels="linux_cpu"), prompts, 8)
-    generic = _greedy_logits(MLXEngine(path, rows=2, kernels="generic"), prompts, 8)
+    cpu = _greedy_logits(MLXEngine(path, EngineSettings(rows=2, kernels="linux_cpu")), prompts, 8)
+    generic = _greedy_logits(MLXEngine(path, EngineSettings(rows=2, kernels="generic")), prompts, 8)
     for a, b in zip(cpu, generic, strict=True):
         assert np.array_equal(a.argmax(-1), b.argmax(-1))
         assert np.abs(a - b).max() <= RELATIVE_TOLERANCE * np.abs(a).max()
@@ -98,11 +101,11 @@ def test_a_generic_engine_loaded_after_a_cpu_one_runs_mlx_lms_attention(tmp_path
     so a generic engine gets MLX's attention whatever was loaded before it, bit for bit."""
     path = build_family_checkpoint(tmp_path / "gemma", "gemma3_text")
     prompt = np.random.default_rng(1).integers(3, 300, 200).tolist()  # 4 x 200 x 200 scores
-    fresh = MLXEngine(path, rows=1, kernels="generic").prefill(0, prompt)
-    MLXEngine(path, rows=1, kernels="linux_cpu").prefill(0, prompt)
-    module = type(MLXEngine(path, rows=1, kernels="generic").model).__module__
+    fresh = MLXEngine(path, EngineSettings(rows=1, kernels="generic")).prefill(0, prompt)
+    MLXEngine(path, EngineSettings(rows=1, kernels="linux_cpu")).prefill(0, prompt)
+    module = type(MLXEngine(path, EngineSettings(rows=1, kernels="generic")).model).__module__
     assert cpu_kernels._INSTALLED[module] is False
-    again = MLXEngine(path, rows=1, kernels="generic").prefill(0, prompt)
+    again = MLXEngine(path, EngineSettings(rows=1, kernels="generic")).prefill(0, prompt)
     assert np.array_equal(fresh, again)
 
 
@@ -125,9 +128,9 @@ def test_generic_compiled_steps_equal_its_eager_steps(tmp_path):
     path = build_family_checkpoint(tmp_path / "qwen3", "qwen3")
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 300, n).tolist() for n in (90, 130)]
-    compiled = MLXEngine(path, rows=2, kernels="generic", compiled_decode=True)
+    compiled = MLXEngine(path, EngineSettings(rows=2, kernels="generic", compiled_decode=True))
     got = _greedy_logits(compiled, prompts, 8)
-    want = _greedy_logits(MLXEngine(path, rows=2, kernels="generic"), prompts, 8)
+    want = _greedy_logits(MLXEngine(path, EngineSettings(rows=2, kernels="generic")), prompts, 8)
     assert compiled._fused.compiled.traces >= 1
     exact = ON_CPU and skinny.loaded()
     for a, b in zip(got, want, strict=True):

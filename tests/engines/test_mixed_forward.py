@@ -13,6 +13,7 @@ import pytest
 from llm_server.engines.base import EngineError
 from llm_server.engines.fused_decode import FusedForward
 from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.settings import EngineSettings
 from llm_server.engines.step import DecodeRow, PrefillChunk, ScoreChunk, StepPlan
 from llm_server.testing.families import build_family_checkpoint
 from llm_server.tokenizer import Tokenizer
@@ -38,8 +39,8 @@ def _prompts(n: int, seed: int, lo: int = 2, hi: int = 30) -> list[list[int]]:
 
 def test_a_chunk_in_the_forward_of_seven_decoding_rows_equals_alone(tiny_model_path, monkeypatch):
     prompts, newcomer = _prompts(7, seed=1), _prompts(1, seed=2, lo=40, hi=41)[0]
-    mixed = MLXEngine(tiny_model_path, rows=8, prefix_cache_bytes=0)
-    ref = MLXEngine(tiny_model_path, rows=8, prefix_cache_bytes=0)
+    mixed = MLXEngine(tiny_model_path, EngineSettings(rows=8, prefix_cache_bytes=0))
+    ref = MLXEngine(tiny_model_path, EngineSettings(rows=8, prefix_cache_bytes=0))
     assert mixed._fused is not None  # the one-forward path, not separate graphs
     for row, p in enumerate(prompts):
         mixed.prefill(row, p)
@@ -145,7 +146,7 @@ def _score_alone(engine: MLXEngine, prompt: list[int], k: int):
 def test_the_scoring_rows_hold_memory_only_once_scoring_runs(tiny_model_path):
     """A server that never scores holds the KV of its serving rows alone: the scoring rows
     are allocated when a scoring chunk first runs, and given back with the rest when idle."""
-    engine = MLXEngine(tiny_model_path, rows=2, prefix_cache_bytes=0)
+    engine = MLXEngine(tiny_model_path, EngineSettings(rows=2, prefix_cache_bytes=0))
     assert engine.score_rows == 8
     prompt = _prompts(1, seed=8)[0]
     engine.prefill(0, prompt)
@@ -170,8 +171,12 @@ def test_scoring_chunks_ride_in_the_decode_forward_and_equal_alone(tiny_model_pa
     """Two scoring prompts on the store's scoring rows advance in chunks inside the forwards
     of 3 decoding rows: the decode logits are those of decoding alone, the log-probs those of
     scoring each prompt alone (C3), and the scoring rows end empty."""
-    engine = MLXEngine(tiny_model_path, rows=3, prefix_cache_bytes=0, fused_decode=fused)
-    ref = MLXEngine(tiny_model_path, rows=3, prefix_cache_bytes=0, fused_decode=fused)
+    engine = MLXEngine(
+        tiny_model_path, EngineSettings(rows=3, prefix_cache_bytes=0, fused_decode=fused)
+    )
+    ref = MLXEngine(
+        tiny_model_path, EngineSettings(rows=3, prefix_cache_bytes=0, fused_decode=fused)
+    )
     assert engine.score_rows == 8 and (engine._fused is not None) == fused
     prompts = _prompts(3, seed=5)
     for row, p in enumerate(prompts):

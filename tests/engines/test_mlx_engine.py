@@ -8,6 +8,7 @@ import pytest
 from llm_server.engines import mlx_engine
 from llm_server.engines.base import EngineError
 from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.settings import EngineSettings
 
 TOL = 1e-4
 
@@ -35,11 +36,11 @@ def prompts() -> list[list[int]]:
 def test_rows_are_independent_of_their_neighbours(arch, prompts, tiny_model_path, tiny_llama_path):
     """8 prompts prefilled at different times while other rows decode == each alone."""
     path = tiny_model_path if arch == "qwen3" else tiny_llama_path
-    solo = MLXEngine(path, rows=1)
+    solo = MLXEngine(path, EngineSettings(rows=1))
     steps = 32
     expected = [_greedy_alone(solo, p, steps) for p in prompts]
 
-    engine = MLXEngine(path, rows=8)
+    engine = MLXEngine(path, EngineSettings(rows=8))
     last: dict[int, int] = {}
     got_tokens: dict[int, list[int]] = {r: [] for r in range(8)}
     got_logits: dict[int, list[np.ndarray]] = {r: [] for r in range(8)}
@@ -72,12 +73,12 @@ def test_rows_are_independent_of_their_neighbours(arch, prompts, tiny_model_path
 
 
 def test_prefill_leaves_other_rows_untouched(tiny_model_path, prompts):
-    engine = MLXEngine(tiny_model_path, rows=3)
+    engine = MLXEngine(tiny_model_path, EngineSettings(rows=3))
     engine.prefill(0, prompts[2])
     before = engine.decode([0], [5])[0]
     engine.prefill(1, prompts[7])  # long prompt into a neighbour
     engine.prefill(2, prompts[4])
-    after_ref = MLXEngine(tiny_model_path, rows=1)
+    after_ref = MLXEngine(tiny_model_path, EngineSettings(rows=1))
     after_ref.prefill(0, prompts[2])
     after_ref.decode([0], [5])
     expected = after_ref.decode([0], [9])[0]
@@ -88,16 +89,16 @@ def test_prefill_leaves_other_rows_untouched(tiny_model_path, prompts):
 
 def test_chunked_prefill_equals_one_shot(tiny_model_path, monkeypatch):
     prompt = list(np.random.default_rng(1).integers(3, 380, 300))
-    whole = MLXEngine(tiny_model_path, rows=1).prefill(0, prompt)
+    whole = MLXEngine(tiny_model_path, EngineSettings(rows=1)).prefill(0, prompt)
     monkeypatch.setattr(mlx_engine, "PREFILL_CHUNK", 64)
-    chunked_engine = MLXEngine(tiny_model_path, rows=1)
+    chunked_engine = MLXEngine(tiny_model_path, EngineSettings(rows=1))
     chunked = chunked_engine.prefill(0, prompt)
     assert np.abs(whole - chunked).max() <= TOL
     assert chunked_engine.cursor(0) == 300
 
 
 def test_release_frees_memory_and_resets_cursor(tiny_model_path, prompts):
-    engine = MLXEngine(tiny_model_path, rows=2)
+    engine = MLXEngine(tiny_model_path, EngineSettings(rows=2))
     engine.prefill(0, prompts[5])
     engine.prefill(1, prompts[3])
     assert engine.kv_bytes() > 0
@@ -108,7 +109,7 @@ def test_release_frees_memory_and_resets_cursor(tiny_model_path, prompts):
 
 
 def test_bad_calls_raise_clear_errors(tiny_model_path):
-    engine = MLXEngine(tiny_model_path, rows=2, context_length=8)
+    engine = MLXEngine(tiny_model_path, EngineSettings(rows=2, context_length=8))
     with pytest.raises(ValueError, match="at least one token"):
         engine.prefill(0, [])
     with pytest.raises(ValueError, match="exceeds the context of 8"):
@@ -130,7 +131,7 @@ def test_missing_or_unsupported_model(tmp_path, tiny_model_path):
 
 def test_scoring_session_matches_each_prompt_alone(tiny_model_path, prompts):
     """All-position logits of a right-padded batch equal per-prompt logits at real positions."""
-    engine = MLXEngine(tiny_model_path, rows=2)
+    engine = MLXEngine(tiny_model_path, EngineSettings(rows=2))
     engine.prefill(0, prompts[3])  # a decode row in flight must not be disturbed
     chosen = [prompts[1], prompts[2], prompts[4], prompts[0]]
     q = max(len(p) for p in chosen)
@@ -153,6 +154,6 @@ def test_scoring_session_matches_each_prompt_alone(tiny_model_path, prompts):
     assert first.top_ids.shape == (4, 16, 3)
     assert (first.top_ids[..., 0] == first.greedy_ids).all()
     # the decode row still continues exactly as if scoring never happened
-    solo = MLXEngine(tiny_model_path, rows=1)
+    solo = MLXEngine(tiny_model_path, EngineSettings(rows=1))
     solo.prefill(0, prompts[3])
     assert np.abs(engine.decode([0], [7])[0] - solo.decode([0], [7])[0]).max() <= TOL

@@ -8,6 +8,7 @@ import time
 
 import httpx
 
+from llm_server.engines.settings import EngineSettings
 from tests.api.helpers import assert_openai_error
 from tests.reliability.conftest import assert_healthy
 from tests.scheduler.helpers import PoisonEngine
@@ -39,7 +40,7 @@ def test_faulty_forward_fails_only_its_request(live_server, tiny_model_path):
     srv = live_server(
         tiny_model_path,
         concurrent=4,
-        engine_factory=lambda: FaultyEngine(tiny_model_path, rows=4),
+        engine_factory=lambda: FaultyEngine(tiny_model_path, EngineSettings(rows=4)),
     )
     good_firsts = [20, 21, 22]
     with httpx.Client(base_url=srv.url, timeout=60) as c:

@@ -10,6 +10,7 @@ from pathlib import Path
 from llm_server.decoding import Decoder, FinishReason, SamplingParams
 from llm_server.engines.base import Engine, EngineError
 from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.settings import EngineSettings
 from llm_server.scheduler import BatchScheduler, FinishEvent, GenerationRequest, TokenEvent
 from llm_server.scheduler.batch import (
     DEFAULT_PREFILL_TOKENS,
@@ -67,7 +68,7 @@ def start_scheduler(
     **kw,
 ):
     sched = BatchScheduler(
-        lambda: engine_cls(model, rows=concurrent, **kw),
+        lambda: engine_cls(model, EngineSettings(rows=concurrent, **kw)),
         max_concurrent=concurrent,
         max_queued=max_queued,
         step_tokens=step_tokens,

@@ -10,6 +10,7 @@ import pytest
 from llm_server.decoding import SamplingParams
 from llm_server.engines.base import SCORE_CHUNK, EngineError
 from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.settings import EngineSettings
 from llm_server.pooling import EmbeddingConfig, Pooling
 from llm_server.scheduler import FinishEvent, TokenEvent
 from llm_server.scheduler.embedder import Embedder, EmbeddingError
@@ -113,7 +114,7 @@ def test_embeddings_run_between_decode_steps_without_changing_chat(
     recorder: list[RecordingEngine] = []
 
     def factory():
-        recorder.append(RecordingEngine(MLXEngine(tiny_llama_path, rows=3)))
+        recorder.append(RecordingEngine(MLXEngine(tiny_llama_path, EngineSettings(rows=3))))
         return recorder[0]
 
     svc = make_service(tiny_llama_path, 3, engine_factory=factory)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.settings import EngineSettings
 from llm_server.tokenizer import Tokenizer
 from tests.scheduler.helpers import make_request, start_scheduler
 
@@ -20,15 +22,15 @@ def tok(tiny_model_path) -> Tokenizer:
 class SerialEngine(MLXEngine):
     """The reference: every step is started and finished before the next one is built."""
 
-    def __init__(self, *a, **kw) -> None:
-        super().__init__(*a, **kw, pipeline=False)
+    def __init__(self, path, settings: EngineSettings) -> None:
+        super().__init__(path, replace(settings, pipeline=False))
 
 
 class PipelinedEngine(MLXEngine):
     """Pipelining on whatever the device (it is on by default on Metal only)."""
 
-    def __init__(self, *a, **kw) -> None:
-        super().__init__(*a, **kw, pipeline=True)
+    def __init__(self, path, settings: EngineSettings) -> None:
+        super().__init__(path, replace(settings, pipeline=True))
 
 
 class WrongGuessEngine(PipelinedEngine):
@@ -104,7 +106,10 @@ def test_sampled_rows_are_not_speculated(tiny_model_path, tok):
 def test_engine_steps_on_lazy_ids_and_cancel(tiny_model_path):
     """A step started on the lazy greedy ids of one in flight equals the synchronous steps; a
     cancelled step leaves its rows where they were; a released row ignores its old steps."""
-    sync, piped = MLXEngine(tiny_model_path, rows=3), MLXEngine(tiny_model_path, rows=3)
+    sync, piped = (
+        MLXEngine(tiny_model_path, EngineSettings(rows=3)),
+        MLXEngine(tiny_model_path, EngineSettings(rows=3)),
+    )
     rng = np.random.default_rng(2)
     for row, n in enumerate((5, 12, 3)):
         prompt = rng.integers(3, 380, n).tolist()
@@ -161,9 +166,10 @@ def test_a_thread_that_ends_after_steps_leaves_nothing_computing(default_model_p
     code = f"""
 import threading
 from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.settings import EngineSettings
 
 def work():
-    engine = MLXEngine({str(default_model_path)!r}, rows=2, prefix_cache_bytes=0)
+    engine = MLXEngine({str(default_model_path)!r}, EngineSettings(rows=2, prefix_cache_bytes=0))
     engine.prefill(0, [5, 6, 7])
     engine.prefill(1, [8, 9])
     engine.decode([0, 1], [1, 2])
@@ -190,11 +196,12 @@ def test_a_closed_scheduler_thread_leaves_the_process_able_to_exit(tiny_model_pa
     code = f"""
 from llm_server.decoding import Decoder, SamplingParams
 from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.settings import EngineSettings
 from llm_server.scheduler import BatchScheduler, GenerationRequest
 from llm_server.tokenizer import Tokenizer
 
 tok = Tokenizer({str(tiny_model_path)!r})
-sched = BatchScheduler(lambda: MLXEngine({str(tiny_model_path)!r}, rows=2), 2).start()
+sched = BatchScheduler(lambda: MLXEngine({str(tiny_model_path)!r}, EngineSettings(rows=2)), 2).start()
 sched.wait_ready(60)
 events = []
 for prompt in ([5, 6, 7], [8, 9]):

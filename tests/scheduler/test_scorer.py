@@ -14,6 +14,7 @@ import pytest
 from llm_server.decoding import SamplingParams
 from llm_server.engines.base import SCORE_BUCKETS, SCORE_CHUNK, EngineError
 from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.settings import EngineSettings
 from llm_server.scheduler import FinishEvent, QueueFull, TokenEvent
 from llm_server.scheduler.score_session import chunk_sizes, padded_rows
 from llm_server.scheduler.scorer import ScoredPrompt, Scorer, ScoringError
@@ -25,7 +26,7 @@ TOL = 1e-4  # float32 scores, padded batch vs alone
 @pytest.fixture(scope="module")
 def engine(tiny_model_path) -> MLXEngine:
     """An engine that asks for padded scoring shapes, so the C4 rules show in the trace."""
-    return MLXEngine(tiny_model_path, padded_shapes=True)
+    return MLXEngine(tiny_model_path, EngineSettings(padded_shapes=True))
 
 
 def prompts_of(lengths: list[int], seed: int, vocab: int = 300) -> list[list[int]]:
@@ -174,7 +175,7 @@ def test_trace_shortest_first_padding_rule_chunks_and_buckets(engine):
 
 
 def test_last_chunk_never_passes_the_context(tiny_model_path):
-    engine = MLXEngine(tiny_model_path, context_length=300, padded_shapes=True)
+    engine = MLXEngine(tiny_model_path, EngineSettings(context_length=300, padded_shapes=True))
     scorer = Scorer()
     prompts = prompts_of([290, 300], seed=3)
     req = scorer.submit(prompts, 1, True)
@@ -259,7 +260,7 @@ def test_scores_equal_alone_while_chat_decodes(tiny_model_path, make_service, en
     recorder: list[RecordingEngine] = []
 
     def factory():
-        recorder.append(RecordingEngine(MLXEngine(tiny_model_path, rows=4)))
+        recorder.append(RecordingEngine(MLXEngine(tiny_model_path, EngineSettings(rows=4))))
         return recorder[0]
 
     svc = make_service(tiny_model_path, 4, engine_factory=factory)

@@ -15,6 +15,7 @@ import pytest
 
 from llm_server.decoding import Decoder, FinishReason, SamplingParams
 from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.settings import EngineSettings
 from llm_server.scheduler import BatchScheduler, GenerationRequest
 from llm_server.tokenizer import Tokenizer
 from tests.scheduler.helpers import Outcome, make_request, serve_together
@@ -43,7 +44,7 @@ def _serve(model, tok, prompts, max_tokens, rows, speculative="off", hook=None, 
     """Serve `prompts` together on `rows` rows; (outcomes, scheduler, engine)."""
     made = [make_request(tok, p, max_tokens, **params) for p in prompts]
     sched = serve_together(
-        lambda: ReleaseRecorder(model, rows=rows),
+        lambda: ReleaseRecorder(model, EngineSettings(rows=rows)),
         made,
         hook,
         max_concurrent=rows,
@@ -147,7 +148,7 @@ def test_drafts_verified_beside_prompt_chunks_roll_back_exactly(tiny_model_path,
     MixedRecorder.mixed = 0
     made = [make_request(tok, p, 20) for p in prompts]
     sched = serve_together(
-        lambda: MixedRecorder(tiny_model_path, rows=2),
+        lambda: MixedRecorder(tiny_model_path, EngineSettings(rows=2)),
         made,
         hook,
         max_concurrent=2,
@@ -187,7 +188,9 @@ def test_eos_and_max_tokens_inside_an_accepted_run(tiny_model_path, tok) -> None
         outs = []
         for hook in (None, _ahead([], False)[1]):
             sched = BatchScheduler(
-                lambda: ReleaseRecorder(tiny_model_path, rows=1), 1, speculative="off"
+                lambda: ReleaseRecorder(tiny_model_path, EngineSettings(rows=1)),
+                1,
+                speculative="off",
             ).start()
             sched.wait_ready(60)
             if hook is not None:
@@ -214,7 +217,7 @@ def test_cancel_during_an_accepted_run_leaks_no_row(tiny_model_path, tok) -> Non
     prompt = PLAIN[2]
     plain = _reference(tiny_model_path, tok, [prompt], 30)[0]
     sched = BatchScheduler(
-        lambda: ReleaseRecorder(tiny_model_path, rows=2), 2, speculative="off"
+        lambda: ReleaseRecorder(tiny_model_path, EngineSettings(rows=2)), 2, speculative="off"
     ).start()
     engine = sched.wait_ready(60)
     sched.draft_hook = lambda req: plain.tokens[

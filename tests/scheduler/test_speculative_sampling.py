@@ -19,6 +19,7 @@ import pytest
 from llm_server.constrained import build_constraint
 from llm_server.decoding import Decoder, Sampler, SamplingParams
 from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.settings import EngineSettings
 from llm_server.scheduler import BatchScheduler, GenerationRequest
 from llm_server.tokenizer import Tokenizer
 from tests.scheduler.helpers import Outcome, serve_together
@@ -35,7 +36,7 @@ def tok(tiny_model_path) -> Tokenizer:
 def _serve(model, reqs, rows, speculative="off", hook=None) -> BatchScheduler:
     """Serve (request, outcome) pairs together on `rows` rows; the scheduler, closed."""
     return serve_together(
-        lambda: MLXEngine(model, rows=rows),
+        lambda: MLXEngine(model, EngineSettings(rows=rows)),
         reqs,
         hook,
         timeout=120,
@@ -98,7 +99,7 @@ def test_sampled_drafts_keep_the_distribution(tiny_model_path, tok) -> None:
     forwards: chi-square within 3.3 sigma, and the first draft id kept as often as p says."""
     prompt, top = PLAIN[0], 4
     params = SamplingParams(4, temperature=1.0, top_k=top, ignore_eos=True)
-    engine = MLXEngine(tiny_model_path, rows=1, prefix_cache_bytes=0)
+    engine = MLXEngine(tiny_model_path, EngineSettings(rows=1, prefix_cache_bytes=0))
 
     def dist(ids) -> dict[int, float]:
         p = Sampler(params).probabilities(engine.prefill(0, prompt + list(ids)))

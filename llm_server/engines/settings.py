@@ -1,0 +1,87 @@
+"""What an MLX engine is asked for at load: one frozen settings object, its defaults and checks.
+
+`MLXEngine(model_path, settings)` reads nothing else; what depends on the model (the dtype a
+checkpoint defaults to, rows a model cannot batch, the context it supports) is decided there.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+DTYPES = ("float32", "float16", "bfloat16")
+PARALLEL = ("tensor", "pipeline")
+SCORE_ROWS = 8  # scoring rows of the store: scoring prompts open at once (see score_rows)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How to load and run one MLX engine; every field has the default a plain load gets."""
+
+    rows: int = 1  # serving rows (1 where the model cannot batch: the scheduler warns, S1)
+    context_length: int | None = None  # positions per row (None: the model's own maximum)
+    dtype: str | None = None  # None: float32 on the CPU, the checkpoint's own on Metal (dtypes)
+    # bound of the prompt prefix cache in bytes (None: prefix_cache.default_bound, two
+    # 20k-token conversations' KV within an eighth of the memory; 0: off)
+    prefix_cache_bytes: int | None = None
+    # have the scorer pad scoring shapes to buckets (C4). MLX runs any shape without a
+    # compile, so by default it gets exact shapes and computes no padding
+    padded_shapes: bool = False
+    fused_decode: bool = True  # run steps through `FusedForward` where the architecture allows
+    # let the scheduler start a greedy step before the one before is finished (None: the
+    # kernel set's choice, on Metal only: on the CPU the Python work competes with the forward)
+    pipeline: bool | None = None
+    keep_quantized: bool = False  # serve a quantized checkpoint quantized on the CPU too
+    # run pure decode steps as compiled graphs (compiled_step; None: the kernel set's choice,
+    # on the CPU, where their logits equal the eager forward's bit for bit)
+    compiled_decode: bool | None = None
+    # an `mx.distributed` group to shard the model over; every rank then runs the same calls
+    # in lock-step (llm_server.distributed). The fused forward, pipelining and scoring rows
+    # are off: they do not compose with it
+    group: Any = None
+    # "tensor" (mlx-lm's `model.shard`) or "pipeline": this rank keeps a contiguous slice of
+    # the layers and their KV (llm_server.distributed.pipeline)
+    parallel: str = "tensor"
+    # rows the store keeps after the serving rows for scoring prompts, whose chunks then ride
+    # in the step plans' forwards; 0, and always on a model whose rows cannot hold them
+    # (recurrent state, serial, sharded, heads only mlx-lm can run): the separate session
+    score_rows: int = SCORE_ROWS
+    # "linux_cpu" or "generic" (engines/kernels.py; None: LLM_SERVER_KERNELS, else linux_cpu
+    # on the CPU and generic elsewhere), chosen once at load for every forward
+    kernels: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.rows < 1:
+            raise ValueError(f"rows must be >= 1, got {self.rows}")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(f"context_length must be >= 1, got {self.context_length}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
+        if self.parallel not in PARALLEL:
+            raise ValueError(
+                f"parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}"
+            )
+        if self.score_rows < 0:
+            raise ValueError(f"score_rows must be >= 0, got {self.score_rows}")
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is split over more than one rank."""
+        return self.group is not None and self.group.size() > 1
+
+
+def from_cli(args: argparse.Namespace, group: Any = None) -> EngineSettings:
+    """The engine settings the command line asks for (llm_server.cli's flags)."""
+    return EngineSettings(
+        rows=args.concurrent_requests,
+        context_length=args.context_length,
+        dtype=args.dtype,
+        prefix_cache_bytes=args.prefix_cache_bytes,
+        keep_quantized=args.keep_quantized,
+        compiled_decode={"on": True, "off": False}.get(getattr(args, "compiled_decode", None)),
+        group=group,
+        parallel="pipeline" if getattr(args, "pipeline", False) else "tensor",
+    )
