@@ -39,9 +39,9 @@ def measure(model: str, rows: int, prompt_len: int, reps: int) -> dict[str, list
     import mlx.core as mx
 
     from llm_server import blas
-    from llm_server.engines import decode_attention
     from llm_server.engines.mlx_engine import MLXEngine
     from llm_server.engines.settings import EngineSettings
+    from llm_server.native import decode_attention
 
     engine = MLXEngine(model, EngineSettings(rows=rows, compiled_decode=True))
     fused = engine._fused

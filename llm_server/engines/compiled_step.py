@@ -10,9 +10,12 @@ rounded up to `decode_attention.SPAN` positions) with a per-row mask, so a graph
 tokens of the longest row; the store's capacity (grown in `row_cache.GROW` steps) is part of
 the shape too.
 
-Under the linux_cpu kernel set (engines/kernels.py) the graph's logits equal the eager forward's bit for bit (decode_attention says
-why): the eager decode positions, of a pure decode step or of a mixed one, run the same
-products, the same rotation and the same `decode_attention.attend` over the same span, and
+The graph is the forward itself: `FusedForward.run` over one group of decode rows, traced,
+with the group's attention reading and writing the store arrays that are the graph's inputs
+(the native decode ops, or `GraphAttention`'s MLX ops). Under the linux_cpu kernel set
+(engines/kernels.py) its logits equal the eager forward's bit for bit (native/decode_attention
+says why): the eager decode positions, of a pure decode step or of a mixed one, run the same
+products, the same rotation and the same attention arithmetic over the same span, and
 compiling changes no rounding. So a row's greedy tokens do not depend on whether a step was
 compiled, mixed or batched (S10).
 """
@@ -26,8 +29,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from llm_server.engines import cpu_kernels, decode_attention
-from llm_server.native import decode_ops
+from llm_server.engines.fused_layers import Group
+from llm_server.native import decode_attention
+from llm_server.native.cpu_set import OpsAttention
 
 MAX_GRAPHS = 48  # compiled graphs kept (each is a small tape of ops; weights are shared)
 
@@ -113,22 +117,31 @@ class CompiledSteps:
         layers = len(decoder.layers)
 
         def step(ids, pos, row_ids, *kv):
-            keys, values = list(kv[:layers]), list(kv[layers:])
+            keys, values = list(kv[:layers]), list(kv[layers:])  # replaced layer by layer
             if decoder.ops is not None:
-                attention = _OpsAttention(decoder.ops, rotation, pos, row_ids)
+                attention = OpsAttention(
+                    decoder.ops, rotation, keys, values, row_ids, pos, 1, _allocated
+                )
             else:
-                attention = _GraphAttention(
+                attention = GraphAttention(
+                    decoder.k,
+                    keys,
+                    values,
                     decode_attention.mask(pos, 1, shape.span),  # [B, 1, 1, span]
                     rotation,
                     pos,
                     _writer(shape, pos, row_ids),
                     _reader(shape, row_ids),
-                    decoder.kernels.decode_attention,
                 )
-            logits, new_keys, new_values = _body(decoder, attention, ids, keys, values, shape.split)
-            return (logits, *new_keys, *new_values)
+            group = Group(ids, attention, exact=True, every=True)
+            logits = decoder.run([group], shape.split).astype(mx.float32)
+            return (logits, *keys, *values)
 
         return step
+
+
+def _allocated(i: int, layer) -> None:
+    raise RuntimeError("a compiled step runs on a store that holds every layer")
 
 
 @dataclass(frozen=True)
@@ -162,58 +175,25 @@ def _rotate(x: mx.array, swapped: mx.array, cos2: mx.array, sin2: mx.array) -> m
     return x * cos2 + swapped * sin2
 
 
-def _attention(layer, queries, keys, values, mask, cpu_arithmetic: bool) -> mx.array:
-    """queries [B, H, 1, Dh] over keys/values [B, KV, span, Dh] -> [B, H * Dh]: under the
-    linux_cpu kernel set the arithmetic every decode position shares (decode_attention), under
-    the generic set MLX's fused kernel."""
-    b, nh, _, hd = queries.shape
-    if cpu_arithmetic:
-        nkv = keys.shape[1]
-        grouped = queries.reshape(b, nkv, nh // nkv, hd)
-        out = decode_attention.attend_grouped(grouped, keys, values, mask, layer.scale)
-    else:
-        out = mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=layer.scale, mask=mask
-        )
-    return out.reshape(b, nh * hd)
+class GraphAttention:
+    """A compiled decode step's attention as MLX ops over the store's arrays (the graph's
+    inputs, replaced in `keys`/`values` by the written ones): `write(store, new)` puts a
+    layer's new entries into its store array, `read(store)` returns the step's rows of it
+    [B, KV, span, Dh]; mask [B, 1, 1, span] bool; the kernel set's `decode_attention`."""
 
-
-class _OpsAttention:
-    """A layer's decode attention as the decode ops: three ops (llm_server.native.decode_ops);
-    or, where the decoder has `whole_layers`, the whole layer as four of them (`layer`)."""
-
-    def __init__(self, ops, rotation: Rotation, pos: mx.array, row_ids: mx.array) -> None:
-        self.ops, self.rotation, self.pos, self.row_ids = ops, rotation, pos, row_ids
-
-    def __call__(self, layer, qkv: mx.array, keys: mx.array, values: mx.array):
-        return decode_attention.attend_ops(
-            self.ops, layer, qkv, keys, values, self.row_ids, self.pos, self.rotation, 1
-        )
-
-    def layer(self, layer, x: mx.array, keys: mx.array, values: mx.array):
-        """x [B, dim] through `layer` -> (x', keys', values'): `_body`'s eleven ops of a layer
-        as four, the same values (decode_ops.whole_layer)."""
-        rot = self.rotation
-        return decode_ops.whole_layer(
-            self.ops, layer, x, keys, values, self.row_ids, self.pos, rot.cos2, rot.sin2
-        )
-
-
-class _GraphAttention:
-    """A layer's decode attention as MLX ops: `write(store, new)` puts a layer's new entries
-    into its store array, `read(store)` returns the step's rows of it [B, KV, span, Dh]; mask
-    [B, 1, 1, span] bool."""
+    whole_layer = None  # (only the decode ops run a whole layer)
 
     def __init__(
-        self, mask, rotation: Rotation | None, pos: mx.array, write, read, cpu_arithmetic: bool
+        self, kernels, keys: list, values: list, mask, rotation: Rotation | None, pos, write, read
     ) -> None:
-        self.mask, self.rotation, self.pos, self.write, self.read = mask, rotation, pos, write, read
-        self.cpu_arithmetic = cpu_arithmetic  # KernelSet.decode_attention
+        self.k, self.keys, self.values, self.mask = kernels, keys, values, mask
+        self.rotation, self.pos, self.write, self.read = rotation, pos, write, read
         if rotation is not None:  # [B, 1, 1, Dh], gathered once per step
             self.cos2 = rotation.cos2[pos][:, None, None]
             self.sin2 = rotation.sin2[pos][:, None, None]
 
-    def __call__(self, layer, qkv: mx.array, keys: mx.array, values: mx.array):
+    def __call__(self, layer, i: int, qkv: mx.array) -> mx.array:
+        """qkv [B, (H + 2 KV) * Dh] -> [B, H * Dh]."""
         b = qkv.shape[0]
         hd, nh, nkv = layer.head_dim, layer.heads, layer.kv_heads
         qk = qkv[:, : (nh + nkv) * hd].reshape(b, nh + nkv, 1, hd)
@@ -224,49 +204,10 @@ class _GraphAttention:
             qk = layer.rope(qk, offset=self.pos)
         else:
             qk = _rotate(qk, self.rotation.swap(qk), self.cos2, self.sin2)
-        keys, values = self.write(keys, qk[:, nh:]), self.write(values, v)
-        out = _attention(
-            layer, qk[:, :nh], self.read(keys), self.read(values), self.mask, self.cpu_arithmetic
-        )
-        return out, keys, values
-
-
-def _body(decoder, attention, ids, keys, values, split: bool):
-    """One token per row through every layer: ids [B, 1]; `attention(layer, qkv, keys,
-    values)` -> (out [B, H * Dh], the layer's updated keys and values). Returns (logits [B,
-    vocab] float32, the updated keys and values per layer).
-
-    The hidden state stays 2-D, [B, features] (one position per row): a product is then one
-    plain matmul, without the broadcast/flatten views a [B, 1, features] input adds; heads are
-    [B, heads, 1, Dh], the store's layout, so no op only adds an axis. Every op of the graph
-    costs a dispatch (~1.5-3 us on the CPU) whatever its size, so views are taken once: one
-    slice per store read, the residual added by the product itself (`fused_layers.Linear.add_to`).
-    """
-    inner = decoder.model.model
-    b = ids.shape[0]
-    x = inner.embed_tokens(ids.reshape(b))  # [B, dim]
-
-    def norm(module, x):  # with the decode ops one op, MLX's values bit for bit (checked)
-        ops = decoder.ops
-        return module(x) if ops is None else ops.rms_norm(x, module.weight, module.eps)
-
-    addmm = decoder.kernels.addmm
-    new_keys, new_values = [], []
-    for i, layer in enumerate(decoder.layers):
-        if decoder.whole_layers and not split:  # (only with the decode ops: _OpsAttention)
-            x, k, v = attention.layer(layer, x, keys[i], values[i])  # the same, in four ops
-            new_keys.append(k)
-            new_values.append(v)
-            continue
-        qkv = layer.qkv(norm(layer.norm_in, x), split)  # [B, (H + 2 KV) * Dh]
-        out, k, v = attention(layer, qkv, keys[i], values[i])
-        new_keys.append(k)
-        new_values.append(v)
-        x = layer.o.add_to(x, out, split, addmm)
-        gate, up = layer.gate_up.pair(norm(layer.norm_post, x), split)
-        x = layer.down.add_to(x, cpu_kernels.silu_mul(gate, up), split, addmm)
-    logits = decoder.lm_head(norm(inner.norm, x), split).astype(mx.float32)
-    return logits, new_keys, new_values
+        self.keys[i] = self.write(self.keys[i], qk[:, nh:])
+        self.values[i] = self.write(self.values[i], v)
+        keys, values = self.read(self.keys[i]), self.read(self.values[i])
+        return self.k.decode_attention(layer, qk[:, :nh], keys, values, self.mask)
 
 
 def _writer(shape: StepShape, pos: mx.array, row_ids: mx.array) -> Callable:

@@ -1,17 +1,17 @@
-"""The decode step (one new token per row) with stacked projections and fewer graph ops.
+"""The one forward of the fused layers: a layer loop over packed positions (decode rows, prompt
+chunks, drafts being verified, scoring chunks) whose arithmetic is the kernel set's.
 
 A decode step reads every weight once and, on a small model, also pays per graph op: mlx-lm's
 layer runs seven products and ~40 small ops. Here each layer runs four products (q/k/v stacked
-into one weight, gate/up into another), SiLU·up is one compiled kernel, and rotary embeddings
-come from a cos/sin table built once (MLX's CPU rope recomputes them with scalar transcendentals
-for every call). The model's own q/k/v and gate/up weights are rebound as row slices (views) of
-the stacked ones, so the weights are held once and prefill/scoring keep running the mlx-lm
-modules unchanged (`fused_layers`). Every output is the same dot product as in the separate
-products, and the table holds exactly the values the rope module computes.
+into one weight, gate/up into another), and rotary embeddings may come from a cos/sin table
+built once (the linux_cpu set: MLX's CPU rope recomputes them for every call). The model's own
+q/k/v and gate/up weights are rebound as row slices (views) of the stacked ones, so the weights
+are held once and the mlx-lm modules keep working (`fused_layers`).
 
-Under the linux_cpu kernel set (engines/kernels.py) `split=True` puts each product's output halves on two streams: with BLIS held to
-one thread per stream (see `blas.threads`) that is faster than BLIS's own threading for the
-skinny products of decoding.
+`FusedForward.run` is the forward: `forward` (one group: a decode step, a scoring session's
+chunk), `forward_groups` (a mixed step) and the compiled decode step (compiled_step: `run`
+traced by `mx.compile`) all call it. Each per-layer operation is a function of the engine's
+kernel set (engines/kernels.py: the generic MLX set, or native/cpu_set.py's Linux-CPU set).
 
 `FusedForward.build(model, positions, kernels)` returns None for layers it does not know (quantized
 weights, sliding windows, unknown attention extras); the engine then keeps the mlx-lm forward.
@@ -22,9 +22,9 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from llm_server.engines import cpu_kernels, decode_attention
 from llm_server.engines.compiled_step import CompiledSteps, Rotation
 from llm_server.engines.fused_layers import (
+    Group,
     Layer,
     Linear,
     bias_of,
@@ -37,18 +37,20 @@ from llm_server.engines.fused_layers import (
 )
 from llm_server.engines.layout import PLAIN_HEAD_MODULES, model_family, output_head
 from llm_server.engines.row_cache import RowView
-from llm_server.native import decode_ops
+from llm_server.native.cpu_set import OpsAttention
 
 
 class FusedForward:
     """Runs the model over the engine's row views with stacked products: decode steps
-    (compiled when `enable_compiled` was called), mixed steps (`forward_groups`) and scoring."""
+    (compiled when `enable_compiled` was called), mixed steps (`forward_groups`) and scoring,
+    all through `run`."""
 
     def __init__(
         self, model, layers: list[Layer], lm_head: Linear, table: mx.array | None, kernels
     ):
         self.model = model
         self.kernels = kernels  # engines/kernels.py: the engine's KernelSet
+        self.k = kernels.functions  # the set's arithmetic
         self.layers = layers
         self.lm_head = lm_head
         self.half = layers[0].head_dim // 2
@@ -59,31 +61,14 @@ class FusedForward:
 
     def use_table(self, table: mx.array | None, ops: bool = True) -> None:
         """Rotate by `table` ([positions, Dh] cos | sin, shared by every layer; None: the
-        layers' rope modules), and run every decode position's attention as the decode ops
-        (llm_server.native.decode_ops) where they apply and `ops`: on the CPU, float32 layers
-        rotated by a table, without q/k norms. Call before `enable_compiled`."""
+        layers' rope modules), and run every position's attention on the engine's rows as the
+        native decode ops where the kernel set offers them for these layers and `ops`. Call
+        before `enable_compiled`."""
         self.table = table
         self.rotation = Rotation.of(table)
-        self.ops = None
-        if (
-            ops
-            and table is not None
-            and table.dtype == mx.float32
-            and all(layer.q_norm is None and layer.k_norm is None for layer in self.layers)
-            and all(layer.qkv.weight.dtype == mx.float32 for layer in self.layers)
-        ):
-            self.ops = decode_ops.module()
-        # a compiled step runs each layer in four decode ops (decode_ops.whole_layer) where
-        # they equal the separate ops bit for bit (checked at load) and no product has a bias
-        self.whole_layers = (
-            self.ops is not None
-            and all(
-                linear.bias is None
-                for layer in self.layers
-                for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
-            )
-            and decode_ops.layer_module() is not None
-        )
+        self.ops = self.k.decode_ops(self.layers, table) if ops else None
+        # a decode step runs each layer in four decode ops where the set allows (whole_layer)
+        self.whole_layers = self.k.whole_layers(self.layers, self.ops)
 
     def enable_compiled(self) -> None:
         """Run decode steps (q = 1) as compiled graphs from now on (see compiled_step)."""
@@ -157,31 +142,17 @@ class FusedForward:
     def forward(
         self, ids: mx.array, caches: list, starts: list[int], mask, split: bool, last_only: bool
     ) -> mx.array:
-        """ids [B, q] -> logits [B, vocab] (last position) or [B, q, vocab] (every position).
+        """ids [B, q] -> logits [B, vocab] (last position) or [B, q, vocab] (every position):
+        `run` with one group.
 
         `caches`: one per layer with `update_and_fetch(keys, values)` and `offset` (the engine's
         row views, or mlx-lm KV caches for a scoring session); `starts`: each row's first new
         position; `mask`: None, "causal" (lower-right aligned) or a bool array [B, 1, q, kv].
         """
-        inner = self.model.model
-        x = inner.embed_tokens(ids)  # [B, q, dim]
         b, q = ids.shape
-        cos_sin = None
-        if self.table is not None:
-            pos = mx.array(starts)[:, None] + mx.arange(q)[None, :]  # [B, q]
-            at = self.table[pos][:, None]  # [B, 1, q, Dh]
-            cos_sin = (at[..., : self.half], at[..., self.half :])
-        # prompts on the CPU: numpy's SIMD sigmoid for large inputs (cpu_kernels.swiglu)
-        numpy_large = self.kernels.numpy_large
-        silu_mul = cpu_kernels.swiglu if q > 1 and numpy_large else cpu_kernels.silu_mul
-        exact = q == 1  # a decode step: the arithmetic every decode position shares
-        for layer, cache in zip(self.layers, caches, strict=True):
-            h = layer.norm_in(x)  # [B, q, dim]
-            x = x + self._attention(layer, h, cache, mask, cos_sin, split, exact, starts)
-            gu = layer.gate_up(layer.norm_post(x), split)
-            act = silu_mul(gu[..., : layer.inter], gu[..., layer.inter :])
-            x = x + layer.down(act, split)
-        return self.lm_head(inner.norm(x[:, -1, :] if last_only else x), split)
+        group = self.group(ids, caches, starts, mask, exact=q == 1, every=not last_only)
+        logits = self.run([group], split)
+        return logits if last_only else logits.reshape(b, q, -1)
 
     def forward_groups(
         self,
@@ -191,76 +162,79 @@ class FusedForward:
     ):
         """Several row groups in ONE forward -> logits [rows, vocab] at each row's last position
         (every position, row by row, of the groups whose index is in `every`: drafts being
-        verified, scoring chunks).
+        verified, scoring chunks): `run` over the groups.
 
         Each group is (ids [b, q], caches, starts, mask) as for `forward`: the decoding rows (q=1)
-        and each prompt chunk (one row, q=chunk length) are separate groups. Their positions are
-        packed into one sequence for the products (each weight is read once per step); attention
-        runs per group, each against its own rows' keys, so every row sees only its own history
-        and the result per row is the same as running it alone.
-
-        Decode positions (the q=1 groups and the drafts in `every`) take the arithmetic of a
-        pure decode step, compiled or not (decode_attention): the same attention, and MLX's
-        SiLU where a prompt chunk's positions get numpy's. With the decode ops, prompt chunks
-        attend through them too (`_attention`).
+        and each prompt chunk (one row, q=chunk length) are separate groups. Decode positions
+        (the q=1 groups and the drafts in `every`) take the arithmetic of a pure decode step.
         """
-        inner = self.model.model
-        sizes = [ids.shape[0] * ids.shape[1] for ids, *_ in groups]
-        x = mx.concatenate(
+        return self.run(
             [
-                inner.embed_tokens(ids).reshape(1, n, -1)
-                for (ids, *_), n in zip(groups, sizes, strict=True)
+                self.group(ids, caches, starts, mask, ids.shape[1] == 1 or g in every, g in every)
+                for g, (ids, caches, starts, mask) in enumerate(groups)
             ],
-            axis=1,
-        )  # [1, T, dim]
-        tables = [self._cos_sin(starts, ids.shape[1]) for ids, _, starts, _ in groups]
-        exact = [ids.shape[1] == 1 or g in every for g, (ids, *_) in enumerate(groups)]
-        silu_mul = self._group_silu(sizes, exact, self.kernels.numpy_large)
+            split,
+        )
+
+    def group(
+        self, ids: mx.array, caches: list, starts: list[int], mask, exact: bool, every: bool
+    ) -> Group:
+        """A group of `run` on `caches`: through the decode ops where the forward has them and
+        the caches are the engine's rows, else MLX ops (ViewAttention)."""
+        if self.ops is not None and isinstance(caches[0], RowView):
+            store = caches[0].store
+
+            def allocate(i: int, layer: Layer) -> None:  # the first write since it was cleared
+                store.allocate(i, layer.kv_heads, layer.head_dim, layer.head_dim, mx.float32)
+
+            rows = mx.array(caches[0].plan.rows, dtype=mx.int32)
+            pos = mx.array(starts, dtype=mx.int32)
+            attention = OpsAttention(
+                self.ops, self.rotation, store.keys, store.values, rows, pos, ids.shape[1], allocate
+            )
+        else:
+            cos_sin = self._cos_sin(starts, ids.shape[1])
+            attention = ViewAttention(self.k, caches, starts, mask, cos_sin, exact)
+        return Group(ids, attention, exact, every)
+
+    def run(self, groups: list[Group], split: bool) -> mx.array:
+        """THE forward: the groups' positions packed into one sequence [T, dim] through every
+        layer -> logits [selected positions, vocab] (each row's last position; every position
+        of an `every` group), in group order. A pure decode step is this function compiled
+        (compiled_step).
+
+        Norms, the stacked gate/up and down products run once over all positions (each weight
+        read once per step); each group's q/k/v product, attention and o product run on its own
+        positions, against its own rows, so every row sees only its own history and its result
+        is the one it gets alone. The arithmetic is the kernel set's (`self.k`).
+        """
+        k, ops, inner = self.k, self.ops, self.model.model
+        sizes = [g.size for g in groups]
+        embedded = [inner.embed_tokens(g.ids.reshape(-1)) for g in groups]
+        x = embedded[0] if len(groups) == 1 else mx.concatenate(embedded)  # [T, dim]
+        decode = all(g.q == 1 for g in groups)  # a decode-only step
+        silu_mul = k.activation(sizes, [g.exact for g in groups])
+        whole = groups[0].attention.whole_layer if len(groups) == 1 and decode else None
+        if not self.whole_layers or split:
+            whole = None  # (split products: each layer's ops one by one)
         for i, layer in enumerate(self.layers):
-            h = layer.norm_in(x)
-            outs, off = [], 0
-            for g, ((ids, caches, starts, mask), n) in enumerate(zip(groups, sizes, strict=True)):
-                hg = h[:, off : off + n].reshape(ids.shape[0], ids.shape[1], -1)
-                out = self._attention(
-                    layer, hg, caches[i], mask, tables[g], split, exact[g], starts
-                )
-                outs.append(out.reshape(1, n, -1))
-                off += n
-            x = x + (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1))
-            gu = layer.gate_up(layer.norm_post(x), split)
-            act = silu_mul(gu[..., : layer.inter], gu[..., layer.inter :])
-            x = x + layer.down(act, split)
-        last, off = [], 0
-        for g, ((ids, *_), n) in enumerate(zip(groups, sizes, strict=True)):
-            q = ids.shape[1]
-            last += range(off, off + n) if g in every else range(off + q - 1, off + n, q)
-            off += n
-        return self.lm_head(inner.norm(x[0, mx.array(last)]), split)
-
-    @staticmethod
-    def _group_silu(sizes: list[int], exact: list[bool], numpy_large: bool):
-        """silu(gate) * up over packed groups: MLX's kernel for the decode positions (`exact`
-        groups, which come first in a step), and for the prompt chunks after them numpy's
-        sigmoid (cpu_kernels.swiglu) under the linux_cpu set where MLX's kernels are not built
-        for this CPU."""
-        if sum(sizes) == 1 or not numpy_large or not cpu_kernels.numpy_silu():
-            return cpu_kernels.silu_mul
-        lead = 0  # packed positions of the leading exact groups
-        for size, is_exact in zip(sizes, exact, strict=True):
-            if not is_exact:
-                break
-            lead += size
-        # all decode positions, or some after a chunk: MLX's for all
-        if lead == sum(sizes) or lead < sum(n for n, e in zip(sizes, exact, strict=True) if e):
-            return cpu_kernels.silu_mul
-        if lead == 0:
-            return cpu_kernels.swiglu
-
-        def split_silu(gate: mx.array, up: mx.array) -> mx.array:
-            head = cpu_kernels.silu_mul(gate[:, :lead], up[:, :lead])
-            return mx.concatenate([head, cpu_kernels.swiglu(gate[:, lead:], up[:, lead:])], 1)
-
-        return split_silu
+            if whole is not None:  # the decode ops' four ops, the same values
+                x = whole(layer, i, x)
+                continue
+            h = k.norm(layer.norm_in, x, ops)
+            if len(groups) == 1:
+                out = groups[0].attention(layer, i, k.product(layer.qkv, h, split))
+                x = k.add_product(x, layer.o, out, split, decode)
+            else:
+                outs, off = [], 0
+                for g, n in zip(groups, sizes, strict=True):
+                    out = g.attention(layer, i, k.product(layer.qkv, h[off : off + n], split))
+                    outs.append(k.product(layer.o, out, split))
+                    off += n
+                x = x + mx.concatenate(outs)
+            gate, up = k.pair(layer.gate_up, k.norm(layer.norm_post, x, ops), split)
+            x = k.add_product(x, layer.down, silu_mul(gate, up), split, decode)
+        return k.head(self.lm_head, k.norm(inner.norm, _selected(x, groups), ops), split)
 
     def _cos_sin(self, starts: list[int], q: int):
         """The rotary cos/sin of positions starts[b] + 0..q-1, [B, 1, q, Dh/2] each (None: the
@@ -271,58 +245,56 @@ class FusedForward:
         at = self.table[pos][:, None]  # [B, 1, q, Dh]
         return at[..., : self.half], at[..., self.half :]
 
-    def _attention(
-        self, layer: Layer, h, cache, mask, cos_sin, split: bool, exact: bool, starts: list[int]
-    ):
-        """Every position on the engine's row store attends as a compiled decode step does,
-        through the decode ops where they apply: prompt chunks too (one primitive per layer
-        instead of a round trip through numpy: a 20-token prompt after a cached prefix ~100 ->
-        74 ms, 1,000 tokens 6.0 -> 3.5 s, 3,000 tokens 29 -> 17 s on 2 cores). Without them,
-        `exact` (decode positions) takes decode_attention's arithmetic under the linux_cpu set,
-        and prompt chunks numpy's (linux_cpu) or MLX's attention."""
+
+def _selected(x: mx.array, groups: list[Group]) -> mx.array:
+    """The packed positions [T, dim] whose logits leave the forward: each row's last position,
+    every position of an `every` group."""
+    if all(g.every or g.q == 1 for g in groups):
+        return x
+    if len(groups) == 1:
+        g = groups[0]
+        return x.reshape(g.rows, g.q, -1)[:, -1]
+    last, off = [], 0
+    for g in groups:
+        last += range(off, off + g.size) if g.every else range(off + g.q - 1, off + g.size, g.q)
+        off += g.size
+    return x[mx.array(last)]
+
+
+class ViewAttention:
+    """A group's attention as MLX ops over its caches (RowViews or mlx-lm KV caches): q/k
+    norms, the rotation (a cos/sin table, else the layer's rope module), the cache's write and
+    read, and the kernel set's attention."""
+
+    whole_layer = None  # (only the decode ops run a whole layer)
+
+    def __init__(self, kernels, caches: list, starts: list[int], mask, cos_sin, exact: bool):
+        self.k, self.caches, self.starts, self.mask = kernels, caches, starts, mask
+        self.cos_sin, self.exact = cos_sin, exact
+
+    def __call__(self, layer: Layer, i: int, qkv: mx.array) -> mx.array:
+        """qkv [b * q, (H + 2 KV) * Dh] (row by row) -> [b * q, H * Dh]."""
         hd, nh, nkv = layer.head_dim, layer.heads, layer.kv_heads
-        b, q, _ = h.shape
-        qkv = layer.qkv(h, split)  # [B, q, (H + 2 KV) * Dh]
-        if self.ops is not None and isinstance(cache, RowView):  # as in a compiled step
-            store, i, plan = cache.store, cache.layer, cache.plan
-            if store.keys[i] is None:  # the first write since the store was made or cleared
-                store.allocate(i, nkv, hd, hd, mx.float32)
-            out, store.keys[i], store.values[i] = decode_attention.attend_ops(
-                self.ops,
-                layer,
-                qkv.reshape(b * q, -1),
-                store.keys[i],
-                store.values[i],
-                mx.array(plan.rows, dtype=mx.int32),
-                mx.array(starts, dtype=mx.int32),
-                self.rotation,
-                q,
-            )
-            return layer.o(out.reshape(b, q, nh * hd), split)
+        b, cache = len(self.starts), self.caches[i]
+        qkv = qkv.reshape(b, -1, qkv.shape[-1])
+        q = qkv.shape[1]
         queries = qkv[..., : nh * hd].reshape(b, q, nh, hd)
         keys = qkv[..., nh * hd : (nh + nkv) * hd].reshape(b, q, nkv, hd)
         values = qkv[..., (nh + nkv) * hd :].reshape(b, q, nkv, hd)
         if layer.q_norm is not None:
             queries, keys = layer.q_norm(queries), layer.k_norm(keys)
         queries, keys, values = (t.transpose(0, 2, 1, 3) for t in (queries, keys, values))
-        if cos_sin is None:
+        if self.cos_sin is None:
             queries = layer.rope(queries, offset=cache.offset)
             keys = layer.rope(keys, offset=cache.offset)
         elif q == 1:
-            queries, keys = rotate(queries, *cos_sin), rotate(keys, *cos_sin)
+            queries, keys = rotate(queries, *self.cos_sin), rotate(keys, *self.cos_sin)
         else:  # not compiled: one compile per prompt length would pile up
-            queries, keys = rotate_eager(queries, *cos_sin), rotate_eager(keys, *cos_sin)
+            queries = rotate_eager(queries, *self.cos_sin)
+            keys = rotate_eager(keys, *self.cos_sin)
         keys, values = cache.update_and_fetch(keys, values)
-        kernels, big = self.kernels, b * nh * q * keys.shape[2] >= cpu_kernels.NUMPY_MIN_ELEMENTS
-        if exact and isinstance(cache, RowView) and kernels.decode_attention:
-            width = decode_attention.span(cache.plan.kv_len, cache.store.capacity)
-            keys, values = decode_attention.read(cache, width)
-            at = decode_attention.mask(mx.array(starts, dtype=mx.int32), q, width)
-            out = decode_attention.attend(queries, keys, values, at, layer.scale)
-        elif q > 1 and kernels.numpy_large and big:
-            out = cpu_kernels.attention(queries, keys, values, layer.scale, mask)
-        else:
-            out = mx.fast.scaled_dot_product_attention(
-                queries, keys, values, scale=layer.scale, mask=mask
-            )
-        return layer.o(out.transpose(0, 2, 1, 3).reshape(b, q, nh * hd), split)
+        view = cache if isinstance(cache, RowView) else None
+        out = self.k.attention(
+            layer, queries, keys, values, self.mask, view, self.starts, self.exact
+        )
+        return out.transpose(0, 2, 1, 3).reshape(b * q, nh * hd)

@@ -1,6 +1,7 @@
 """The fused forward's layers: stacked projections (q/k/v into one weight, gate/up into
-another, each module's own weight rebound as a view of the stack), the per-layer record, which
-mlx-lm layers can be fused, and the rotary cos/sin table with the rotation that uses it.
+another, each module's own weight rebound as a view of the stack), the per-layer record, a
+group of packed positions, which mlx-lm layers can be fused, and the rotary cos/sin table with
+the rotation that uses it.
 
 Every output of a stacked product is the same dot product as in the separate products, and
 the table holds exactly the values the layers' rope module computes (`rope_table` checks it).
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from llm_server.engines import cpu_kernels
+from llm_server.native.cpu_set import LinuxCPUKernels
 
 _KNOWN_ATTN = {"q_proj", "k_proj", "v_proj", "o_proj", "rope", "q_norm", "k_norm"}
 _KNOWN_MLP = {"gate_proj", "up_proj", "down_proj"}
@@ -44,25 +45,10 @@ class Linear:
         self.halves = (self.weight[:half].T, self.weight[half:].T)
         mx.eval(self.wt, *self.halves)  # strided views of the same buffer, no copies
 
-    def __call__(self, x: mx.array, split: bool) -> mx.array:
-        out = cpu_kernels.split_matmul_halves(x, self.halves) if split else x @ self.wt
-        return out if self.bias is None else out + self.bias
-
-    def add_to(self, x: mx.array, a: mx.array, split: bool, addmm: bool) -> mx.array:
-        """x + self(a). With `addmm` (the linux_cpu kernel set) one addmm: the product writes
-        onto a copy of x, each output s + x as in the separate add (alpha = beta = 1, so the
-        same rounding), one op fewer."""
-        if split or self.bias is not None or not addmm:
-            return x + self(a, split)
-        return mx.addmm(x, a, self.wt)
-
-    def pair(self, x: mx.array, split: bool) -> tuple[mx.array, mx.array]:
-        """The two halves of the output (gate and up of a stacked gate/up), each computed on
-        its own stream when `split`: no concatenation and no slicing of a joint output."""
-        if self.bias is not None or not split:
-            gate, up = mx.split(self(x, split), 2, axis=-1)  # one op for both views, not two
-            return gate, up
-        return cpu_kernels.split_matmuls(x, self.halves)
+    def __call__(self, x: mx.array, split: bool = False) -> mx.array:
+        """x @ weight.T (+ bias) as the linux_cpu set computes it (benchmarks time the parts
+        of a step with it; the forward calls its kernel set's `product`)."""
+        return LinuxCPUKernels.product(self, x, split)
 
 
 @dataclass
@@ -81,6 +67,32 @@ class Layer:
     head_dim: int
     scale: float
     inter: int
+
+
+@dataclass
+class Group:
+    """One group of a packed forward (FusedForward.run): `rows` rows of `q` new positions
+    each, packed row by row."""
+
+    ids: mx.array  # [rows, q] token ids
+    # (layer, index, qkv [rows * q, (H + 2 KV) * Dh]) -> [rows * q, H * Dh], writing the new
+    # keys and values into the group's store; `.whole_layer` (layer, index, x) -> x' where a
+    # decode layer can run as one native call, else None
+    attention: object
+    exact: bool  # decode positions: the arithmetic of a pure decode step (S10)
+    every: bool  # logits at every position (drafts, scoring), else at each row's last
+
+    @property
+    def rows(self) -> int:
+        return self.ids.shape[0]
+
+    @property
+    def q(self) -> int:
+        return self.ids.shape[1]
+
+    @property
+    def size(self) -> int:
+        return self.ids.shape[0] * self.ids.shape[1]
 
 
 def bias_of(m: nn.Linear) -> mx.array | None:

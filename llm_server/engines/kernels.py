@@ -1,9 +1,10 @@
 """The kernel set an engine runs: chosen once, when the engine loads.
 
-- `linux_cpu`: the Linux-CPU workshop. Decode steps compiled with the CPU's decode attention
-  (decode_attention, the native decode ops where they built), a rotary cos/sin table, products
-  split over two CPU streams or run by the skinny library, numpy's softmax/SiLU/log-softmax for
-  large tensors (cpu_kernels), quantized checkpoints dequantized to float32, no pipelining.
+- `linux_cpu`: the Linux-CPU workshop (llm_server/native). Decode steps compiled with the CPU's
+  decode attention (native/decode_attention.py, the native decode ops where they built), a
+  rotary cos/sin table, products split over two CPU streams or run by the skinny library,
+  numpy's softmax/SiLU/log-softmax for large tensors (native/cpu_kernels.py), quantized
+  checkpoints dequantized to float32, no pipelining.
 - `generic`: plain MLX ops, what Metal (and any other device) runs: mlx-lm's rope and
   `mx.fast.scaled_dot_product_attention`, eager decode steps, MLX's log-softmax, pipelined
   greedy steps, quantized layers kept quantized.
@@ -16,20 +17,26 @@ logits do not depend on batching, mixing or compiling, bit for bit (S10); the ge
 that promise on Metal's terms, which the tests on the CPU check to a stated tolerance where MLX's
 fused attention rounds differently per shape.
 
-The native decode ops and the skinny library stay optional inside `linux_cpu`, as before: where
-they did not build, the same set runs the MLX-op forms of the same arithmetic.
+Each set is an object of functions, the arithmetic of a fused layer (`KernelSet.functions`:
+norm, the stacked products, activation, attention, the output head) that the one forward
+(engines/fused_decode.py) calls: `GenericKernels` here, `LinuxCPUKernels` with the native code
+(llm_server/native/cpu_set.py). The native decode ops and the skinny library stay optional
+inside `linux_cpu`: where they did not build, the same set runs the MLX-op forms of the same
+arithmetic.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
 from llm_server.engines.base import ScoreChunkResult
 from llm_server.engines.score_reduce import log_softmax, reduce_logits_mlx, reduce_logprobs
+from llm_server.native.cpu_kernels import silu_mul
 
 ENV = "LLM_SERVER_KERNELS"
 LINUX_CPU = "linux_cpu"
@@ -37,13 +44,91 @@ GENERIC = "generic"
 NAMES = (LINUX_CPU, GENERIC)
 
 
+class GenericKernels:
+    """The generic set's functions: plain MLX ops, what Metal runs. The interface every set
+    implements (duck-typed; native/cpu_set.py: LinuxCPUKernels); `split` is always False here
+    (the generic set splits no product) and `ops` always None (no native decode ops)."""
+
+    name = GENERIC
+
+    @staticmethod
+    def decode_ops(layers: list, table: mx.array | None):
+        """The native decode ops the layers attend through (None: MLX ops)."""
+        return None
+
+    @staticmethod
+    def whole_layers(layers: list, ops) -> bool:
+        """Whether a decode step runs each layer as one native call."""
+        return False
+
+    @staticmethod
+    def norm(module, x: mx.array, ops) -> mx.array:
+        """The layer's RMSNorm module, [T, dim] -> [T, dim]."""
+        return module(x)
+
+    @staticmethod
+    def product(linear, x: mx.array, split: bool) -> mx.array:
+        """x [T, in] @ linear [out, in].T (+ bias) -> [T, out]."""
+        out = x @ linear.wt
+        return out if linear.bias is None else out + linear.bias
+
+    @classmethod
+    def add_product(cls, x: mx.array, linear, a: mx.array, split: bool, decode: bool) -> mx.array:
+        """x + a @ linear (the residual of the o and down products)."""
+        return x + cls.product(linear, a, split)
+
+    @classmethod
+    def pair(cls, linear, x: mx.array, split: bool) -> tuple[mx.array, mx.array]:
+        """The gate and up halves of the stacked gate/up product."""
+        gate, up = mx.split(cls.product(linear, x, split), 2, axis=-1)
+        return gate, up
+
+    head = product  # the output projection
+
+    @staticmethod
+    def activation(sizes: list[int], exact: list[bool]) -> Callable:
+        """silu(gate) * up for a step of packed groups of `sizes` positions (`exact`: the
+        decode positions among them)."""
+        return silu_mul
+
+    @staticmethod
+    def attention(layer, queries, keys, values, mask, view, starts: list[int], exact: bool):
+        """queries [B, H, q, Dh] over keys/values [B, KV, kv_len, Dh] with the plan's mask ->
+        [B, H, q, Dh] (`view`: the engine's RowView or None; `exact`: decode positions)."""
+        return mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=layer.scale, mask=mask
+        )
+
+    @staticmethod
+    def decode_attention(layer, queries, keys, values, mask) -> mx.array:
+        """A compiled decode step's attention: queries [B, H, 1, Dh] over keys/values
+        [B, KV, span, Dh] with mask [B, 1, 1, span] bool -> [B, H * Dh]."""
+        b, nh, _, hd = queries.shape
+        out = mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=layer.scale, mask=mask
+        )
+        return out.reshape(b, nh * hd)
+
+
+def _functions(name: str):
+    if name == LINUX_CPU:
+        from llm_server.native.cpu_set import LinuxCPUKernels
+
+        return LinuxCPUKernels()
+    return GenericKernels()
+
+
 @dataclass(frozen=True)
 class KernelSet:
-    """Which kernels an engine's forwards use (see the module docstring). Engine code asks for
-    the choice it makes (`rope_table`, `pipeline`...), never for the device; under `linux_cpu`
-    each is on, under `generic` each is off."""
+    """Which kernels an engine's forwards use (see the module docstring): `functions`, the
+    arithmetic the forward calls, and the choices engine code makes once (`rope_table`,
+    `pipeline`...), never the device; under `linux_cpu` each choice is on, under `generic` off."""
 
     name: str
+    functions: object = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "functions", _functions(self.name))
 
     @property
     def linux_cpu(self) -> bool:
@@ -59,12 +144,6 @@ class KernelSet:
         return self.linux_cpu
 
     @property
-    def decode_attention(self) -> bool:
-        """Decode positions attend with decode_attention's arithmetic (compiled, mixed or
-        eager alike), not `mx.fast.scaled_dot_product_attention`."""
-        return self.linux_cpu
-
-    @property
     def numpy_large(self) -> bool:
         """Large softmax/SiLU in numpy (cpu_kernels), mlx-lm's modules patched to match."""
         return self.linux_cpu
@@ -73,11 +152,6 @@ class KernelSet:
     def split_products(self) -> bool:
         """1-2 row products split over two CPU streams where the skinny library is not loaded
         (SplitLinear, the split head, `MLXEngine._split`)."""
-        return self.linux_cpu
-
-    @property
-    def addmm(self) -> bool:
-        """The compiled step adds a product's residual inside the product (one op fewer)."""
         return self.linux_cpu
 
     @property

@@ -1,1 +1,2 @@
-"""C code the Linux CPU path preloads (see `llm_server.native.skinny`)."""
+"""The Linux-CPU kernel set (cpu_set.py) and the native code behind it: decode ops, skinny
+products, the JIT flags, numpy paths. Never imports llm_server.engines."""

@@ -181,10 +181,10 @@ def whole_layer(ops, layer, x, keys, values, rows, pos, cos2, sin2):
 
 def separate_layer(ops, layer, x, keys, values, rows, pos, cos2, sin2):
     """`whole_layer` as the compiled step's ops without norm_product and layer_rest
-    (compiled_step._body): eleven ops, the values `whole_layer` must equal bit for bit."""
+    (the forward's ops for a decode layer): eleven ops, the values `whole_layer` must equal bit for bit."""
     import mlx.core as mx
 
-    from llm_server.engines.cpu_kernels import silu_mul
+    from llm_server.native.cpu_kernels import silu_mul
 
     qkv = ops.rms_norm(x, layer.norm_in.weight, layer.norm_in.eps) @ layer.qkv.weight.T
     geometry = (rows, pos, cos2, sin2, layer.heads, layer.kv_heads, layer.head_dim, 1)

@@ -12,10 +12,10 @@ import threading
 import numpy as np
 import pytest
 
-from llm_server.engines.decode_attention import SPAN
 from llm_server.engines.mlx_engine import MLXEngine
 from llm_server.engines.row_cache import GROW
 from llm_server.engines.settings import EngineSettings
+from llm_server.native.decode_attention import SPAN
 from llm_server.testing.tiny import TinySpec, build_tiny_checkpoint
 
 

@@ -1,4 +1,4 @@
-"""Decode attention (llm_server/engines/decode_attention.py): one arithmetic for a decode
+"""Decode attention (llm_server/native/decode_attention.py): one arithmetic for a decode
 position whatever span is read, whatever rows ride beside it and whether it is a lone query or
 a position of a draft being verified (ARCHITECTURE S10)."""
 
@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from llm_server.engines import decode_attention as da
-from llm_server.engines.decode_attention import SPAN
+from llm_server.native import decode_attention as da
+from llm_server.native.decode_attention import SPAN
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3)])

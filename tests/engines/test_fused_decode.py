@@ -137,7 +137,8 @@ def test_prompt_positions_attend_alike_wherever_their_chunk_starts(tiny_llama_pa
     from the prefix cache (the store cleared in between, as an idle server's is), and in chunks
     of 16; and its first generated tokens are the same. No position attends through numpy,
     MLX's attention or decode_attention's MLX ops, not even on the fresh store's first write."""
-    from llm_server.engines import cpu_kernels, decode_attention, mlx_engine
+    from llm_server.engines import mlx_engine
+    from llm_server.native import cpu_kernels, decode_attention
 
     engine = MLXEngine(tiny_llama_path, EngineSettings(rows=1))
     if engine._fused is None or engine._fused.ops is None:
