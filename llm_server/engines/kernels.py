@@ -62,6 +62,11 @@ class GenericKernels:
         return False
 
     @staticmethod
+    def splits(positions: int) -> bool:
+        """Whether a forward over `positions` splits its products over two streams."""
+        return False
+
+    @staticmethod
     def norm(module, x: mx.array, ops) -> mx.array:
         """The layer's RMSNorm module, [T, dim] -> [T, dim]."""
         return module(x)

@@ -22,7 +22,10 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from llm_server.native import cpu_kernels, decode_attention, decode_ops
+from llm_server import blas
+from llm_server.native import cpu_kernels, decode_attention, decode_ops, skinny
+
+SPLIT_MAX_POSITIONS = 256  # forwards up to this many positions split their products (splits)
 
 
 class LinuxCPUKernels:
@@ -59,6 +62,20 @@ class LinuxCPUKernels:
             )
             and decode_ops.layer_module() is not None
         )
+
+    @staticmethod
+    def splits(positions: int) -> bool:
+        """Whether a float32 fused forward over `positions` (rows x new tokens) splits its
+        products in halves over two CPU streams, each on one BLIS thread: BLIS runs a 1-2 row
+        product on one core whatever its thread count, and forks both cores for every product
+        of a short prompt (tiny attention products too); from a few hundred positions its own
+        threading wins again. Never while the skinny library is loaded (it threads the
+        products itself)."""
+        if skinny.loaded():
+            return False
+        if positions <= cpu_kernels.SPLIT_MAX_ROWS:
+            return True
+        return blas.threads_settable() and positions <= SPLIT_MAX_POSITIONS
 
     # -- the layer's arithmetic --
 
