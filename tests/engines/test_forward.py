@@ -13,6 +13,7 @@ import pytest
 from llm_server.engines.fused_decode import FusedForward
 from llm_server.engines.kernels import GenericKernels
 from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.settings import EngineSettings
 from llm_server.engines.step import DecodeRow, PrefillChunk, StepPlan
 
 NATIVE = Path(__file__).resolve().parents[2] / "llm_server" / "native"
@@ -47,7 +48,9 @@ def test_decode_mixed_and_scoring_steps_all_run_the_one_forward(
         return run(self, groups, split)
 
     monkeypatch.setattr(FusedForward, "run", counted)
-    compiled = MLXEngine(tiny_model_path, rows=3, kernels=kernels, compiled_decode=True)
+    compiled = MLXEngine(
+        tiny_model_path, EngineSettings(rows=3, kernels=kernels, compiled_decode=True)
+    )
     assert compiled._fused.k.name == kernels
     assert isinstance(compiled._fused.k, GenericKernels) == (kernels == "generic")
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
@@ -60,7 +63,9 @@ def test_decode_mixed_and_scoring_steps_all_run_the_one_forward(
     compiled.decode([0, 1], [14, 15])  # replayed: no Python forward
     assert calls == [(1, True)]
 
-    eager = MLXEngine(tiny_model_path, rows=3, kernels=kernels, compiled_decode=False)
+    eager = MLXEngine(
+        tiny_model_path, EngineSettings(rows=3, kernels=kernels, compiled_decode=False)
+    )
     for row, prompt in enumerate(prompts):
         eager.prefill(row, prompt)
     calls.clear()
