@@ -60,14 +60,13 @@ def measure(model: str, rows: int, prompt_len: int, reps: int) -> dict[str, list
     mask = decode_attention.mask(mx.array([width - 1] * rows, dtype=mx.int32), 1, width)
 
     def products():  # chained as in the step: each product waits for the one before
-        h = x
+        k, h = fused.k, x  # the engine's kernel set's products
         for layer in layers:
-            qkv = layer.qkv(h, split)
-            gate, up = layer.gate_up.pair(
-                layer.o(qkv[:, : layer.heads * layer.head_dim], split), split
-            )
-            h = layer.down(gate * up, split)
-        return fused.lm_head(h, split)
+            qkv = k.product(layer.qkv, h, split)
+            o = k.product(layer.o, qkv[:, : layer.heads * layer.head_dim], split)
+            gate, up = k.pair(layer.gate_up, o, split)
+            h = k.product(layer.down, gate * up, split)
+        return k.head(fused.lm_head, h, split)
 
     def attention():
         return [decode_attention.attend(queries, keys, keys, mask, layer.scale) for layer in layers]

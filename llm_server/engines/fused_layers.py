@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from llm_server.native.cpu_set import LinuxCPUKernels
-
 _KNOWN_ATTN = {"q_proj", "k_proj", "v_proj", "o_proj", "rope", "q_norm", "k_norm"}
 _KNOWN_MLP = {"gate_proj", "up_proj", "down_proj"}
 
@@ -32,6 +30,8 @@ rotate = mx.compile(rotate_eager)  # decode shapes are few (one per row count)
 
 @dataclass
 class Linear:
+    """A stacked product's weight and bias, with the views the kernel sets read."""
+
     weight: mx.array  # [out, in]
     bias: mx.array | None
     # weight.T and its two column halves, as views made once: a step then adds no slice or
@@ -44,11 +44,6 @@ class Linear:
         self.wt = self.weight.T
         self.halves = (self.weight[:half].T, self.weight[half:].T)
         mx.eval(self.wt, *self.halves)  # strided views of the same buffer, no copies
-
-    def __call__(self, x: mx.array, split: bool = False) -> mx.array:
-        """x @ weight.T (+ bias) as the linux_cpu set computes it (benchmarks time the parts
-        of a step with it; the forward calls its kernel set's `product`)."""
-        return LinuxCPUKernels.product(self, x, split)
 
 
 @dataclass
