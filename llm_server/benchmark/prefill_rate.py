@@ -1,7 +1,9 @@
-"""Prompt tok/s of a lone long prompt through the batch scheduler (issue 38, Deliver 2).
+"""Prompt tok/s of a lone long prompt through the batch scheduler (issue 38, Deliver 2), and
+llama-server's on the same prompt ids in the same run.
 
     python -m llm_server.blas .venv/bin/python -m llm_server.benchmark.prefill_rate \
-        [--model PATH] [--tokens 2048 8000] [--prefill 128 512] [--repeats 2]
+        [--model PATH] [--tokens 2048 8000] [--prefill 128 512] [--repeats 2] \
+        [--llama-server BIN --gguf FILE [--llama-threads 2]]
 
 Each measurement runs in a fresh process (the servers' env, so the BLAS preload and thread
 settings are theirs): the MLX engine as the server loads it, a `BatchScheduler` with
@@ -11,6 +13,13 @@ positions), one warm-up request, then one request of N random prompt tokens and
 (a, b, a, b), so a shared machine's drift hits both. Prints one JSON line per measurement and a
 summary table (median over repeats) at the end. The greedy first token is printed too: it must
 be the same at every prefill budget.
+
+With `--llama-server`, each repeat also starts llama-server (`-t`/`-tb` `--llama-threads`, one
+slot, context for the longest prompt, its default batch sizes) on `--gguf` (the same weights in
+F32: docs/performance.md, "Against llama.cpp's llama-server"), after ours at each length: one
+warm-up, then the same N prompt ids through /completion with `n_predict` 1 and `cache_prompt`
+false; its rate is `timings.prompt_per_second` (prompt evaluation only, as ours is timed on the
+scheduler without HTTP). The table adds llama-server's median and ours/llama-server.
 """
 
 from __future__ import annotations
@@ -24,25 +33,37 @@ import time
 from pathlib import Path
 
 WARMUP_TOKENS = 64
+LLAMA_CMD = (
+    "{bin} -m {gguf} -t {threads} -tb {threads} -np 1 -c {ctx} --host {{host}} --port {{port}}"
+)
+
+
+def _prompts(tokens: int, vocab: int) -> tuple[list[int], list[int]]:
+    """The warm-up prompt and the measured one (the same ids on every server)."""
+    import numpy as np
+
+    rng = np.random.default_rng(tokens)
+    vocab = min(vocab, 30000)
+    return rng.integers(100, vocab, WARMUP_TOKENS).tolist(), rng.integers(
+        100, vocab, tokens
+    ).tolist()
 
 
 def _measure_here(model: Path, tokens: int, prefill: int, step: int, rows: int) -> dict:
-    import numpy as np
-
     from llm_server.decoding import Decoder, SamplingParams
     from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.settings import EngineSettings
     from llm_server.scheduler import BatchScheduler, GenerationRequest
     from llm_server.scheduler.request import FinishEvent
 
     sched = BatchScheduler(
-        lambda: MLXEngine(model, rows=rows),
+        lambda: MLXEngine(model, EngineSettings(rows=rows)),
         max_concurrent=rows,
         step_tokens=step,
         prefill_tokens=prefill,
     ).start()
     engine = sched.wait_ready(600)
-    rng = np.random.default_rng(tokens)
-    vocab = min(engine.vocab_size, 30000)
+    warmup, measured = _prompts(tokens, engine.vocab_size)
 
     def serve(prompt: list[int]) -> tuple[float, list[int]]:
         done, got = [], []
@@ -58,8 +79,8 @@ def _measure_here(model: Path, tokens: int, prefill: int, step: int, rows: int) 
         return time.perf_counter() - t0, [e.token_id for e in got]
 
     try:
-        serve(rng.integers(100, vocab, WARMUP_TOKENS).tolist())
-        seconds, first = serve(rng.integers(100, vocab, tokens).tolist())
+        serve(warmup)
+        seconds, first = serve(measured)
     finally:
         sched.close(30)
     return {
@@ -82,6 +103,34 @@ def measure(model: Path, tokens: int, prefill: int, step: int = 128, rows: int =
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def measure_llama(cmd: str, tokens: int, vocab: int, log: Path) -> dict:
+    """llama-server's prompt rate on the same ids, in a fresh server (`cmd`: a peer template)."""
+    import httpx
+
+    from llm_server.benchmark.servers import ServerSpec, running
+
+    warmup, measured = _prompts(tokens, vocab)
+    spec = ServerSpec("llama_server", Path("-"), concurrency=1, max_queued=1, peer_cmd=cmd)
+    with running(spec, log) as srv, httpx.Client(base_url=srv.url, timeout=1800) as client:
+        for prompt in (warmup, measured):
+            body = {"prompt": prompt, "n_predict": 1, "cache_prompt": False, "temperature": 0,
+                    "return_tokens": True}  # fmt: skip
+            t0 = time.perf_counter()
+            resp = client.post("/completion", json=body)
+            wall = time.perf_counter() - t0
+            resp.raise_for_status()
+    timings = resp.json()["timings"]
+    return {
+        "server": "llama-server",
+        "tokens": tokens,
+        "prompt_n": timings["prompt_n"],
+        "seconds": round(timings["prompt_ms"] / 1000, 3),
+        "wall_s": round(wall, 3),
+        "prompt_tok_s": round(timings["prompt_per_second"], 1),
+        "first_token": resp.json().get("tokens", [])[:1],
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
@@ -97,11 +146,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--step-tokens", type=int, default=128)
     p.add_argument("--rows", type=int, default=4, help="engine rows (--concurrent-requests)")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--llama-server", type=Path, help="llama-server binary: measured beside ours")
+    p.add_argument("--gguf", type=Path, help="the weights llama-server serves (F32 SmolLM2)")
+    p.add_argument("--llama-threads", type=int, default=2)
+    p.add_argument("--logs", type=Path, default=Path("benchmark-results/prefill_rate"))
     args = p.parse_args(argv)
     if args.model is None:
         from llm_server.default_model import default_model_path
 
         args.model = default_model_path()
+    if args.llama_server and not args.gguf:
+        p.error("--llama-server needs --gguf")
+    cmd = LLAMA_CMD.format(bin=args.llama_server, gguf=args.gguf, threads=args.llama_threads,
+                           ctx=max(args.tokens) + 256)  # fmt: skip
+    vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     results: dict[tuple[int, int], list[dict]] = {}
     for _ in range(args.repeats):
         for n in args.tokens:
@@ -109,11 +167,29 @@ def main(argv: list[str] | None = None) -> None:
                 r = measure(args.model, n, prefill, args.step_tokens, args.rows)
                 print(json.dumps(r), flush=True)
                 results.setdefault((n, prefill), []).append(r)
-    print(f"{'tokens':>7} {'prefill':>8} {'median s':>9} {'tok/s':>8}  first token")
+            if args.llama_server:
+                r = measure_llama(cmd, n, vocab, args.logs / f"llama-server-{n}.log")
+                print(json.dumps(r), flush=True)
+                results.setdefault((n, -1), []).append(r)
+    print(summary(results))
+
+
+def summary(results: dict[tuple[int, int], list[dict]]) -> str:
+    """Median seconds and tok/s per (tokens, prefill budget); llama-server's rows (budget -1)
+    as `llama`, and each of ours over it."""
+    lines = [
+        f"{'tokens':>7} {'prefill':>8} {'median s':>9} {'tok/s':>8} {'/llama':>7}  first token"
+    ]
     for (n, prefill), rs in sorted(results.items()):
         s = statistics.median(r["seconds"] for r in rs)
+        llama = results.get((n, -1))
+        ratio = ""
+        if llama and prefill != -1:
+            ratio = f"{statistics.median(r['seconds'] for r in llama) / s:.2f}x"
         firsts = sorted({str(r["first_token"]) for r in rs})
-        print(f"{n:>7} {prefill:>8} {s:>9.2f} {n / s:>8.1f}  {', '.join(firsts)}")
+        label = "llama" if prefill == -1 else str(prefill)
+        lines.append(f"{n:>7} {label:>8} {s:>9.2f} {n / s:>8.1f} {ratio:>7}  {', '.join(firsts)}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
