@@ -24,8 +24,6 @@ KNOWN = (
     ("llm_server.cli", "llm_server.distributed.launch", "llm_server.server"),
     # the engine contract's type hints <-> the step messages
     ("llm_server.engines.base", "llm_server.engines.step"),
-    # the MLX engine and the mixins typed against it (step runner, decode)
-    ("llm_server.engines.mlx_*",),
     # BatchScheduler and its PlanExecutor mixin
     ("llm_server.scheduler.batch", "llm_server.scheduler.executor"),
     # a request's draft state and the drafting that reads requests

@@ -69,7 +69,7 @@ def _engines(model: str, rows: int):
 
     compiled = MLXEngine(model, EngineSettings(rows=rows, compiled_decode=True))
     eager = MLXEngine(model, EngineSettings(rows=rows, compiled_decode=False))
-    if compiled._fused is None:
+    if compiled.fused is None:
         raise SystemExit(f"{model}: the fused decode step does not apply to this model")
     return compiled, eager
 
@@ -81,11 +81,11 @@ def _build_ms(engine, rows: list[int], tokens: list[int]) -> float:
 
     ids = mx.array([[t] for t in tokens], dtype=mx.int32)
     starts = [engine.cursor(r) for r in rows]
-    split = engine._split(len(rows))
+    split = engine.forward.split(len(rows))
     start = time.perf_counter()
-    logits = engine._graph(rows, starts, ids, split)
+    logits = engine.forward.graph(rows, starts, ids, split)
     built = time.perf_counter() - start
-    mx.eval(logits, *engine._held())
+    mx.eval(logits, *engine.row_table.held())
     return built * 1e3
 
 

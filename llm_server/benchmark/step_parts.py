@@ -44,16 +44,18 @@ def measure(model: str, rows: int, prompt_len: int, reps: int) -> dict[str, list
     from llm_server.native import decode_attention
 
     engine = MLXEngine(model, EngineSettings(rows=rows, compiled_decode=True))
-    fused = engine._fused
+    fused = engine.fused
     if fused is None or fused.compiled is None:
         raise SystemExit(f"{model}: the compiled decode step does not apply to this model")
     ids = list(range(rows))
     for r in ids:
         engine.prefill(r, [(7 * i + 3 * r) % 1000 + 10 for i in range(prompt_len + 5 * r)])
-    split = engine._split(rows)
+    split = engine.forward.split(rows)
     layers, dim = fused.layers, fused.layers[0].qkv.weight.shape[1]
     x = mx.random.normal((rows, dim), key=mx.random.key(0))
-    width = decode_attention.span(max(engine.cursor(r) for r in ids) + 1, engine._store.capacity)
+    width = decode_attention.span(
+        max(engine.cursor(r) for r in ids) + 1, engine.row_table.store.capacity
+    )
     first = layers[0]
     queries = mx.random.normal((rows, first.heads, 1, first.head_dim), key=mx.random.key(1))
     keys = mx.random.normal((rows, first.kv_heads, width, first.head_dim), key=mx.random.key(2))
@@ -76,7 +78,7 @@ def measure(model: str, rows: int, prompt_len: int, reps: int) -> dict[str, list
         qkv = mx.random.normal((rows, width), key=mx.random.key(3))
         row_ids = mx.array(ids, dtype=mx.int32)
         pos = mx.array([engine.cursor(r) for r in ids], dtype=mx.int32)
-        store, rot = engine._store, fused.rotation
+        store, rot = engine.row_table.store, fused.rotation
         geometry = (row_ids, pos, rot.cos2, rot.sin2, first.heads, first.kv_heads)
 
         def attention():

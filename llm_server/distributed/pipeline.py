@@ -6,7 +6,7 @@ where rank r > 0 receives the hidden states [B, q, hidden] from rank r - 1 (`rec
 its layers, sends them on to rank r + 1, and the last stage's output reaches every rank through
 one `all_gather` (rank 0 samples from it; the others compute the head and drop it). Every rank
 runs the same calls (rank 0's broadcast), so each send meets its recv; the groups of one step
-are evaluated one at a time (mlx_steps.py) so the transfers pair in the same order everywhere.
+are evaluated one at a time (mlx_forward.py) so the transfers pair in the same order everywhere.
 The embedding, the norm and the head are small next to the layers and kept on every rank.
 """
 

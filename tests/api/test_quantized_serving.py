@@ -83,7 +83,7 @@ def test_dequantized_on_cpu_batches_like_serial(checkpoints, name, caplog):
         serving(checkpoints[name], concurrent=4) as srv,
     ):
         engine = srv.service.engine
-        assert engine.quantized is False and engine._fused is not None  # the fast path
+        assert engine.quantized is False and engine.fused is not None  # the fast path
         assert not any(_quantized(engine))
         _alone_then_staggered(srv)
     lines = [r.getMessage() for r in caplog.records if "dequantized" in r.getMessage()]
@@ -94,7 +94,7 @@ def test_dequantized_on_cpu_batches_like_serial(checkpoints, name, caplog):
 def test_keep_quantized_batches_like_serial(checkpoints, name):
     with serving(checkpoints[name], concurrent=4, keep_quantized=True) as srv:
         engine = srv.service.engine
-        assert engine.quantized is True and engine._fused is None  # mlx-lm's quantized forward
+        assert engine.quantized is True and engine.fused is None  # mlx-lm's quantized forward
         assert any(_quantized(engine))
         _alone_then_staggered(srv)
 
@@ -127,7 +127,7 @@ def test_kept_quantized_with_a_warning_when_float32_does_not_fit(checkpoints, mo
     monkeypatch.setattr(quantized, "available_memory", lambda: 1 << 10)  # 1 KiB free
     with caplog.at_level(logging.WARNING, logger="llm_server.engines.quantized"):
         engine = MLXEngine(checkpoints["qwen3-4bit-g64"], EngineSettings(rows=2))
-    assert engine.quantized is True and engine._fused is None and any(_quantized(engine))
+    assert engine.quantized is True and engine.fused is None and any(_quantized(engine))
     (warning,) = [r.getMessage() for r in caplog.records]
     assert warning.startswith("kept 16 quantized layers (4-bit affine, group 64) quantized")
     logits = engine.prefill(0, [5, 6, 7])

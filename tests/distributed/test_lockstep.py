@@ -91,7 +91,7 @@ def test_the_follower_ends_where_rank_zero_does(tiny_model_path):
     follower = engine()
     assert follow(follower, transport) == 9
     assert [follower.cursor(r) for r in (0, 1)] == [leader.cursor(0), leader.cursor(1)] == [5, 0]
-    assert follower._row_tokens[0] == leader._row_tokens[0] == [3, 4, 5, 6, tok]
+    assert follower.row_table.tokens[0] == leader.row_table.tokens[0] == [3, 4, 5, 6, tok]
     follower.score_begin(1)
     again = follower.score_chunk(np.array([[3, 4, 5]]), np.array([[4, 5, 6]]), 2)
     np.testing.assert_allclose(again.token_logprobs, scored.token_logprobs, atol=1e-6)

@@ -29,8 +29,8 @@ def qwen2_path(tmp_path_factory):
 def _pair(path, rows: int) -> tuple[MLXEngine, MLXEngine]:
     compiled = MLXEngine(path, EngineSettings(rows=rows))  # on by default on the CPU
     eager = MLXEngine(path, EngineSettings(rows=rows, compiled_decode=False))
-    assert compiled._fused is not None and compiled._fused.compiled is not None
-    assert eager._fused.compiled is None
+    assert compiled.fused is not None and compiled.fused.compiled is not None
+    assert eager.fused.compiled is None
     return compiled, eager
 
 
@@ -60,13 +60,13 @@ def test_compiled_steps_equal_eager_across_span_and_capacity(
         a, b = compiled.prefill(row, prompt), eager.prefill(row, prompt)
         np.testing.assert_array_equal(a, b)  # prefill is not compiled: the same forward
         last[row] = int(np.argmax(a))
-    assert compiled._store.capacity == GROW
+    assert compiled.row_table.store.capacity == GROW
     _run_steps(compiled, eager, [[0, 1, 2, 3], [0, 2], [3], [1, 2, 3]], last, steps=24)
-    assert compiled._store.capacity == 2 * GROW  # the store grew under the compiled step
+    assert compiled.row_table.store.capacity == 2 * GROW  # the store grew under the compiled step
     assert [compiled.cursor(r) for r in range(4)] == [eager.cursor(r) for r in range(4)]
     assert compiled.cursor(0) > GROW and compiled.cursor(2) > SPAN
     # graphs per (rows, capacity, span, ...), not per step
-    assert 4 <= compiled._fused.compiled.traces < 24
+    assert 4 <= compiled.fused.compiled.traces < 24
 
 
 def test_a_released_row_and_a_new_prompt_reuse_the_graphs(tiny_llama_path):
@@ -85,9 +85,9 @@ def test_a_released_row_and_a_new_prompt_reuse_the_graphs(tiny_llama_path):
     prompt = rng.integers(3, 380, 10).tolist()  # shorter: positions 10..53 hold old keys
     last[0] = int(np.argmax(compiled.prefill(0, prompt)))
     eager.prefill(0, prompt)
-    traces = compiled._fused.compiled.traces
+    traces = compiled.fused.compiled.traces
     _run_steps(compiled, eager, [[0, 1], [0]], last, steps=6)
-    assert compiled._fused.compiled.traces <= traces + 1  # [0] alone is a new row count
+    assert compiled.fused.compiled.traces <= traces + 1  # [0] alone is a new row count
 
 
 def test_a_step_on_another_thread_equals_the_first_threads(tiny_llama_path):
@@ -162,7 +162,7 @@ def test_smollm2_compiled_greedy_equals_eager(default_model_path):
         np.testing.assert_array_equal(a, b)
         last[row] = int(np.argmax(a))
     _run_steps(compiled, eager, [[0, 1, 2], [1, 2]], last, steps=40)
-    assert compiled._store.capacity == 2 * GROW and compiled.cursor(0) > GROW
+    assert compiled.row_table.store.capacity == 2 * GROW and compiled.cursor(0) > GROW
     assert compiled.cursor(1) > SPAN
     tokens = [last[r] for r in range(3)]
     newcomer = rng.integers(100, 40000, 24).tolist()
@@ -217,7 +217,7 @@ def test_unsplit_steps_equal_eager(tiny_model_path):
     same attention arithmetic, the same result bit for bit."""
     compiled, eager = _pair(tiny_model_path, rows=3)
     for engine in (compiled, eager):
-        engine._split = lambda positions: False
+        engine.forward.split = lambda positions: False
     rng = np.random.default_rng(4)
     last = {}
     for row, n in enumerate((SPAN + 5, 9, 30)):
@@ -233,10 +233,10 @@ def test_steps_without_a_rope_table_equal_eager(tiny_model_path):
     from llm_server.engines.compiled_step import CompiledSteps
 
     compiled, eager = _pair(tiny_model_path, rows=2)
-    compiled._fused.use_table(None)
-    eager._fused.use_table(None)
-    compiled._fused.compiled = CompiledSteps(compiled._fused)
-    assert compiled._fused.compiled.rotation is None
+    compiled.fused.use_table(None)
+    eager.fused.use_table(None)
+    compiled.fused.compiled = CompiledSteps(compiled.fused)
+    assert compiled.fused.compiled.rotation is None
     rng = np.random.default_rng(6)
     last = {}
     for row, n in enumerate((12, 70)):
@@ -291,8 +291,8 @@ def test_mixed_steps_and_drafts_give_decode_rows_the_compiled_steps_logits(
     np.testing.assert_array_equal(got.logits[:2], pure.decode([0, 1], nxt[:2]))
     for i, token in enumerate(draft):  # each verified position = a compiled decode step
         np.testing.assert_array_equal(got.verified[0][i], pure.decode([0, 2], [token, 5])[0])
-    assert mixed._fused.compiled.traces == 0  # mixed steps run eagerly
-    assert pure._fused.compiled.traces > 0
+    assert mixed.fused.compiled.traces == 0  # mixed steps run eagerly
+    assert pure.fused.compiled.traces > 0
 
 
 def test_staggered_requests_batched_equal_alone_with_compiled_steps(tiny_model_path):
@@ -338,7 +338,7 @@ def test_staggered_requests_batched_equal_alone_with_compiled_steps(tiny_model_p
             sched.close(10)
 
     batched = serve(4, True, [prompts[:1], prompts[1:3], prompts[3:]])
-    assert engines[-1]._fused.compiled.traces > 0
+    assert engines[-1].fused.compiled.traces > 0
     assert sum(mixed) >= 3  # prompt chunks rode with decoding rows
     alone = [serve(1, False, [[p]])[0] for p in prompts]
     assert batched == alone
@@ -352,7 +352,7 @@ def test_the_cli_flag_turns_compiled_steps_off(tiny_llama_path, flag, on):
     svc = service_from_args(build_parser().parse_args(flag), tiny_llama_path, "tiny")
     try:
         svc.wait_ready(120)
-        assert (svc.engine._fused.compiled is not None) is on
+        assert (svc.engine.fused.compiled is not None) is on
     finally:
         svc.scheduler.abort()
         svc.close(30)
@@ -370,8 +370,8 @@ def test_whole_layer_steps_equal_separate_op_steps(tiny_llama_path):
         MLXEngine(tiny_llama_path, EngineSettings(rows=3)),
         MLXEngine(tiny_llama_path, EngineSettings(rows=3)),
     )
-    assert whole._fused.whole_layers
-    separate._fused.whole_layers = False  # read when a step's graph is traced
+    assert whole.fused.whole_layers
+    separate.fused.whole_layers = False  # read when a step's graph is traced
     rng = np.random.default_rng(4)
     last = {}
     for row, n in enumerate((GROW - 5, 2, 33)):
@@ -380,4 +380,4 @@ def test_whole_layer_steps_equal_separate_op_steps(tiny_llama_path):
         np.testing.assert_array_equal(a, b)
         last[row] = int(np.argmax(a))
     _run_steps(whole, separate, [[0, 1, 2], [2], [0, 2], [1]], last, steps=16)
-    assert whole._store.capacity == 2 * GROW
+    assert whole.row_table.store.capacity == 2 * GROW

@@ -113,7 +113,7 @@ def test_sliding_window_takes_effect(family, checkpoint, prompts, tmp_path):
     config["sliding_window"] = 4096
     (wide / "config.json").write_text(json.dumps(config))
     windowed = MLXEngine(path, EngineSettings(rows=1))
-    assert any(c.window == WINDOW for c in windowed._layout.layers)
+    assert any(c.window == WINDOW for c in windowed.layout.layers)
     assert alone(path, prompts[-1], NEW) != alone(wide, prompts[-1], NEW)
 
 

@@ -51,8 +51,8 @@ def test_decode_mixed_and_scoring_steps_all_run_the_one_forward(
     compiled = MLXEngine(
         tiny_model_path, EngineSettings(rows=3, kernels=kernels, compiled_decode=True)
     )
-    assert compiled._fused.k.name == kernels
-    assert isinstance(compiled._fused.k, GenericKernels) == (kernels == "generic")
+    assert compiled.fused.k.name == kernels
+    assert isinstance(compiled.fused.k, GenericKernels) == (kernels == "generic")
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     for row, prompt in enumerate(prompts):
         compiled.prefill(row, prompt)

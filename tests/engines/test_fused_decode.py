@@ -32,8 +32,8 @@ def test_fused_steps_equal_the_mlx_lm_forward(arch, arch_paths):
     different cursors, all rows and gathered subsets: logits match, tokens are equal."""
     fused = MLXEngine(arch_paths[arch], EngineSettings(rows=4))
     plain = MLXEngine(arch_paths[arch], EngineSettings(rows=4, fused_decode=False))
-    assert fused._fused is not None and fused._fused.table is not None
-    assert plain._fused is None
+    assert fused.fused is not None and fused.fused.table is not None
+    assert plain.fused is None
     rng = np.random.default_rng(3)
     last = {}
     for row, n in enumerate((3, 130, 1, 600)):
@@ -58,7 +58,7 @@ def _address(a: mx.array) -> int:
 def test_stacked_weights_are_held_once(tiny_model_path):
     """q/k/v and gate/up of the model are views into the stacked weights, not copies."""
     engine = MLXEngine(tiny_model_path, EngineSettings(rows=1))
-    layer, fused = engine.model.model.layers[0], engine._fused.layers[0]
+    layer, fused = engine.model.model.layers[0], engine.fused.layers[0]
     base = _address(fused.qkv.weight)
     row_bytes = fused.qkv.weight.shape[1] * 4
     attn = layer.self_attn
@@ -137,11 +137,11 @@ def test_prompt_positions_attend_alike_wherever_their_chunk_starts(tiny_llama_pa
     from the prefix cache (the store cleared in between, as an idle server's is), and in chunks
     of 16; and its first generated tokens are the same. No position attends through numpy,
     MLX's attention or decode_attention's MLX ops, not even on the fresh store's first write."""
-    from llm_server.engines import mlx_engine
+    from llm_server.engines import mlx_steps
     from llm_server.native import cpu_kernels, decode_attention
 
     engine = MLXEngine(tiny_llama_path, EngineSettings(rows=1))
-    if engine._fused is None or engine._fused.ops is None:
+    if engine.fused is None or engine.fused.ops is None:
         pytest.skip("the decode ops do not apply here (not Linux's CPU)")
 
     def elsewhere(*args, **kwargs):
@@ -170,7 +170,7 @@ def test_prompt_positions_attend_alike_wherever_their_chunk_starts(tiny_llama_pa
     engine.release(0)  # `first` goes to the prefix cache; the idle store is cleared
     cached = run(engine)
     assert engine.cached_tokens(0) == 60
-    monkeypatch.setattr(mlx_engine, "PREFILL_CHUNK", 16)
+    monkeypatch.setattr(mlx_steps, "PREFILL_CHUNK", 16)
     chunked = run(MLXEngine(tiny_llama_path, EngineSettings(rows=1)))
     assert cached[1] == whole[1] and chunked[1] == whole[1]
     for a, b in ((cached, whole), (chunked, whole)):

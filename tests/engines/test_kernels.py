@@ -57,12 +57,12 @@ def test_the_environment_reaches_the_engine(tiny_model_path, monkeypatch):
 def test_each_set_takes_its_own_branches(tiny_model_path):
     cpu = MLXEngine(tiny_model_path, EngineSettings(rows=2, kernels="linux_cpu"))
     generic = MLXEngine(tiny_model_path, EngineSettings(rows=2, kernels="generic"))
-    assert cpu._fused.table is not None and cpu._fused.compiled is not None
+    assert cpu.fused.table is not None and cpu.fused.compiled is not None
     assert not cpu.pipelined
     # generic: mlx-lm's rope, eager decode steps, MLX attention, pipelined greedy steps
-    assert generic._fused.table is None and generic._fused.compiled is None
-    assert generic._fused.ops is None and generic.pipelined
-    assert not generic._split(1) and not generic._split(8)
+    assert generic.fused.table is None and generic.fused.compiled is None
+    assert generic.fused.ops is None and generic.pipelined
+    assert not generic.forward.split(1) and not generic.forward.split(8)
     unfused = MLXEngine(
         tiny_model_path, EngineSettings(rows=2, kernels="generic", fused_decode=False)
     )
@@ -131,7 +131,7 @@ def test_generic_compiled_steps_equal_its_eager_steps(tmp_path):
     compiled = MLXEngine(path, EngineSettings(rows=2, kernels="generic", compiled_decode=True))
     got = _greedy_logits(compiled, prompts, 8)
     want = _greedy_logits(MLXEngine(path, EngineSettings(rows=2, kernels="generic")), prompts, 8)
-    assert compiled._fused.compiled.traces >= 1
+    assert compiled.fused.compiled.traces >= 1
     exact = ON_CPU and skinny.loaded()
     for a, b in zip(got, want, strict=True):
         assert np.array_equal(a.argmax(-1), b.argmax(-1))

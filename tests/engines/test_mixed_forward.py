@@ -41,7 +41,7 @@ def test_a_chunk_in_the_forward_of_seven_decoding_rows_equals_alone(tiny_model_p
     prompts, newcomer = _prompts(7, seed=1), _prompts(1, seed=2, lo=40, hi=41)[0]
     mixed = MLXEngine(tiny_model_path, EngineSettings(rows=8, prefix_cache_bytes=0))
     ref = MLXEngine(tiny_model_path, EngineSettings(rows=8, prefix_cache_bytes=0))
-    assert mixed._fused is not None  # the one-forward path, not separate graphs
+    assert mixed.fused is not None  # the one-forward path, not separate graphs
     for row, p in enumerate(prompts):
         mixed.prefill(row, p)
         ref.prefill(row, p)
@@ -125,7 +125,7 @@ def test_models_without_fused_layers_split_prompts_exactly(family, tmp_path):
     tok = Tokenizer(path)
     prompts, late = _prompts(3, seed=7), _prompts(1, seed=8, lo=30, hi=31)[0]
     outs, late_out, req, engine = _serve_mixed(path, tok, prompts, late, 12, 8)
-    assert engine._fused is None
+    assert engine.fused is None
     solo = [serve_alone(path, tok, p, 12, ignore_eos=True).tokens for p in prompts]
     assert [o.tokens for o in outs] == solo
     assert late_out.tokens == serve_alone(path, tok, late, 6, ignore_eos=True).tokens
@@ -151,19 +151,19 @@ def test_the_scoring_rows_hold_memory_only_once_scoring_runs(tiny_model_path):
     prompt = _prompts(1, seed=8)[0]
     engine.prefill(0, prompt)
     logits = engine.decode([0], [5])
-    rows_held = {k.shape[0] for k in engine._store.keys if k is not None}
+    rows_held = {k.shape[0] for k in engine.row_table.store.keys if k is not None}
     assert rows_held == {2}  # the serving rows only
-    per_row = engine._store.nbytes() // 2
+    per_row = engine.row_table.store.nbytes() // 2
     scored = engine.run(StepPlan(decode=(DecodeRow(0, int(logits.argmax())),),
                                  score=(ScoreChunk(1, 2, prompt, 0, len(prompt), 0),)))  # fmt: skip
-    assert {k.shape[0] for k in engine._store.keys if k is not None} == {10}
-    assert engine._store.nbytes() == 10 * per_row
+    assert {k.shape[0] for k in engine.row_table.store.keys if k is not None} == {10}
+    assert engine.row_table.store.nbytes() == 10 * per_row
     assert scored.scores[2].token_logprobs.shape == (1, len(prompt))
     engine.release(2)
     engine.release(0)  # idle: the store is dropped, scoring rows and all
-    assert engine._store.nbytes() == 0
+    assert engine.row_table.store.nbytes() == 0
     engine.prefill(1, prompt)
-    assert {k.shape[0] for k in engine._store.keys if k is not None} == {2}
+    assert {k.shape[0] for k in engine.row_table.store.keys if k is not None} == {2}
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -177,7 +177,7 @@ def test_scoring_chunks_ride_in_the_decode_forward_and_equal_alone(tiny_model_pa
     ref = MLXEngine(
         tiny_model_path, EngineSettings(rows=3, prefix_cache_bytes=0, fused_decode=fused)
     )
-    assert engine.score_rows == 8 and (engine._fused is not None) == fused
+    assert engine.score_rows == 8 and (engine.fused is not None) == fused
     prompts = _prompts(3, seed=5)
     for row, p in enumerate(prompts):
         engine.prefill(row, p)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llm_server.engines import mlx_engine
+from llm_server.engines import mlx_steps
 from llm_server.engines.base import EngineError
 from llm_server.engines.mlx_engine import MLXEngine
 from llm_server.engines.settings import EngineSettings
@@ -90,7 +90,7 @@ def test_prefill_leaves_other_rows_untouched(tiny_model_path, prompts):
 def test_chunked_prefill_equals_one_shot(tiny_model_path, monkeypatch):
     prompt = list(np.random.default_rng(1).integers(3, 380, 300))
     whole = MLXEngine(tiny_model_path, EngineSettings(rows=1)).prefill(0, prompt)
-    monkeypatch.setattr(mlx_engine, "PREFILL_CHUNK", 64)
+    monkeypatch.setattr(mlx_steps, "PREFILL_CHUNK", 64)
     chunked_engine = MLXEngine(tiny_model_path, EngineSettings(rows=1))
     chunked = chunked_engine.prefill(0, prompt)
     assert np.abs(whole - chunked).max() <= TOL

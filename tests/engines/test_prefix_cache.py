@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from llm_server.engines import mlx_engine
+from llm_server.engines import mlx_steps
 from llm_server.engines.prefix_cache import PrefixCache, default_bound, kv_token_bytes
 from llm_server.tokenizer import Tokenizer
 from tests.scheduler.helpers import make_request, start_scheduler
@@ -83,7 +83,7 @@ def test_shared_system_prompt_and_same_prefix_at_once(tok, tiny_model_path):
 
 
 def test_chunk_boundaries_and_eviction_keep_outputs_identical(tok, tiny_model_path, monkeypatch):
-    monkeypatch.setattr(mlx_engine, "PREFILL_CHUNK", 16)
+    monkeypatch.setattr(mlx_steps, "PREFILL_CHUNK", 16)
     rng = np.random.default_rng(2)
     base = [int(t) for t in rng.integers(3, 380, 70)]
     prompts = [

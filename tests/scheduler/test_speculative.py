@@ -31,7 +31,7 @@ class ReleaseRecorder(MLXEngine):
         self.released: list[list[int]] = []
 
     def release(self, row: int) -> None:
-        self.released.append(list(self._row_tokens[row]))
+        self.released.append(list(self.row_table.tokens[row]))
         super().release(row)
 
 
