@@ -36,6 +36,7 @@ import numpy as np
 
 from llm_server.engines.base import ScoreChunkResult
 from llm_server.engines.score_reduce import log_softmax, reduce_logits_mlx, reduce_logprobs
+from llm_server.native import mlx_lm_patches
 from llm_server.native.cpu_kernels import silu_mul
 
 ENV = "LLM_SERVER_KERNELS"
@@ -65,6 +66,21 @@ class GenericKernels:
     def splits(positions: int) -> bool:
         """Whether a forward over `positions` splits its products over two streams."""
         return False
+
+    @staticmethod
+    def patch_mlx_lm(model) -> None:
+        """mlx-lm's own attention and SwiGLU for the model's family (a linux_cpu engine loaded
+        before may have patched the module, which every model of the family shares)."""
+        mlx_lm_patches.install(model, False)
+
+    @staticmethod
+    def split_mlx_lm(model) -> None:
+        """Products of a model outside the fused layers as they are."""
+
+    @staticmethod
+    def mlx_lm_head(layer, tied: bool, hidden: mx.array) -> mx.array:
+        """The model's output projection `layer` (`tied`: the embedding's `as_linear`)."""
+        return layer.as_linear(hidden) if tied else layer(hidden)
 
     @staticmethod
     def norm(module, x: mx.array, ops) -> mx.array:

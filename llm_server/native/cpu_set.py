@@ -23,7 +23,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from llm_server import blas
-from llm_server.native import cpu_kernels, decode_attention, decode_ops, skinny
+from llm_server.native import cpu_kernels, decode_attention, decode_ops, mlx_lm_patches, skinny
 
 SPLIT_MAX_POSITIONS = 256  # forwards up to this many positions split their products (splits)
 
@@ -76,6 +76,26 @@ class LinuxCPUKernels:
         if positions <= cpu_kernels.SPLIT_MAX_ROWS:
             return True
         return blas.threads_settable() and positions <= SPLIT_MAX_POSITIONS
+
+    # -- mlx-lm's forward, for families outside the fused layers --
+
+    @staticmethod
+    def patch_mlx_lm(model) -> None:
+        """Route the model family's attention and SwiGLU through numpy for large tensors
+        (mlx_lm_patches.install)."""
+        mlx_lm_patches.install(model, True)
+
+    @staticmethod
+    def split_mlx_lm(model) -> None:
+        """Swap the decoder layers' float nn.Linear modules for ones whose 1-2 row products
+        are split over two streams (a model the fused layers do not run)."""
+        mlx_lm_patches.split_linears(model)
+
+    @staticmethod
+    def mlx_lm_head(layer, tied: bool, hidden: mx.array) -> mx.array:
+        """The model's output projection `layer` (`tied`: the embedding's `as_linear`) over
+        hidden [..., dim], split over two streams for a 1-2 row decode step."""
+        return mlx_lm_patches.lm_head(layer, tied, hidden, True)
 
     # -- the layer's arithmetic --
 

@@ -12,9 +12,13 @@ import pytest
 
 from llm_server.engines.fused_decode import FusedForward
 from llm_server.engines.kernels import GenericKernels
+from llm_server.engines.layout import output_head
 from llm_server.engines.mlx_engine import MLXEngine
 from llm_server.engines.settings import EngineSettings
 from llm_server.engines.step import DecodeRow, PrefillChunk, StepPlan
+from llm_server.native import mlx_lm_patches
+from llm_server.native.cpu_set import LinuxCPUKernels
+from llm_server.testing.families import build_family_checkpoint
 
 NATIVE = Path(__file__).resolve().parents[2] / "llm_server" / "native"
 
@@ -87,3 +91,23 @@ def test_decode_mixed_and_scoring_steps_all_run_the_one_forward(
     eager.score_begin(1)
     eager.score_chunk(np.array([[3, 4, 5, 6]]), np.array([[4, 5, 6, 7]]), 2)
     assert calls == [(1, False)]
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the linux_cpu set needs the CPU")
+def test_each_set_patches_and_heads_mlx_lms_forward(tmp_path):
+    """For families outside the fused layers: the CPU set turns the family's numpy paths on
+    and the generic set off again (one module per family, shared); both heads give the same
+    logits bit for bit (a split product sums each output as the whole one does)."""
+    path = build_family_checkpoint(tmp_path / "gemma", "gemma3_text")
+    model = MLXEngine(path, EngineSettings(rows=1, kernels="generic")).model
+    module = type(model).__module__
+    cpu, generic = LinuxCPUKernels(), GenericKernels()
+    cpu.patch_mlx_lm(model)
+    assert mlx_lm_patches._INSTALLED[module] is True
+    generic.patch_mlx_lm(model)
+    assert mlx_lm_patches._INSTALLED[module] is False
+    layer, tied = output_head(model)
+    hidden = mx.random.normal((1, 1, layer.weight.shape[1]), key=mx.random.key(3))
+    want = np.array(generic.mlx_lm_head(layer, tied, hidden))
+    assert want.shape[-1] == layer.weight.shape[0] and np.abs(want).max() > 0
+    assert np.array_equal(np.array(cpu.mlx_lm_head(layer, tied, hidden)), want)
