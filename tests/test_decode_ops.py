@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from llm_server.engines.compiled_step import Rotation, _rotate
+from llm_server.engines.fused_layers import Rotation, rotate
 from llm_server.native import decode_ops
 
 pytestmark = pytest.mark.skipif(
@@ -124,7 +124,7 @@ def test_attention_and_writes_match_the_formula(ops, q, rows, pos):
     x = mx.array(qkv[:q, H * DH : (H + 1) * DH].reshape(1, 1, q, DH))
     p = mx.array([pos[0] + i for i in range(q)])
     cos2, sin2 = rot.cos2[p][None, None], rot.sin2[p][None, None]
-    mlx_keys = np.array(_rotate(x, Rotation.swap(x), cos2, sin2))[0, 0]
+    mlx_keys = np.array(rotate(x, cos2, sin2))[0, 0]
     np.testing.assert_array_equal(k[rows[0], 0, pos[0] : pos[0] + q], mlx_keys)
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from llm_server.engines.fused_layers import Group
+from llm_server.engines.fused_layers import Group, Rotation, rotate
 from llm_server.native import decode_attention
 from llm_server.native.cpu_set import OpsAttention
 
@@ -144,37 +144,6 @@ def _allocated(i: int, layer) -> None:
     raise RuntimeError("a compiled step runs on a store that holds every layer")
 
 
-@dataclass(frozen=True)
-class Rotation:
-    """Rotary embedding as x * cos2 + roll(x) * sin2: one roll (a split and a concatenation)
-    and one fused kernel per layer for queries and keys together (the half-split form takes
-    two slices, two kernels and a concatenation for each). roll(x) = [x2 | x1] copies values,
-    so this is the half-split form's arithmetic: x1 * cos + x2 * -sin, x2 * cos + x1 * sin."""
-
-    cos2: mx.array  # [positions, Dh] = [cos | cos]
-    sin2: mx.array  # [positions, Dh] = [-sin | sin]
-
-    @classmethod
-    def of(cls, table: mx.array | None) -> Rotation | None:
-        if table is None:
-            return None
-        half = table.shape[-1] // 2
-        cos, sin = table[:, :half], table[:, half:]
-        out = cls(mx.concatenate([cos, cos], -1), mx.concatenate([-sin, sin], -1))
-        mx.eval(out.cos2, out.sin2)
-        return out
-
-    @staticmethod
-    def swap(x: mx.array) -> mx.array:
-        """x [..., Dh] -> [x2 | x1], its halves exchanged."""
-        return mx.roll(x, x.shape[-1] // 2, axis=-1)
-
-
-@mx.compile
-def _rotate(x: mx.array, swapped: mx.array, cos2: mx.array, sin2: mx.array) -> mx.array:
-    return x * cos2 + swapped * sin2
-
-
 class GraphAttention:
     """A compiled decode step's attention as MLX ops over the store's arrays (the graph's
     inputs, replaced in `keys`/`values` by the written ones): `write(store, new)` puts a
@@ -203,7 +172,7 @@ class GraphAttention:
         if self.rotation is None:
             qk = layer.rope(qk, offset=self.pos)
         else:
-            qk = _rotate(qk, self.rotation.swap(qk), self.cos2, self.sin2)
+            qk = rotate(qk, self.cos2, self.sin2)
         self.keys[i] = self.write(self.keys[i], qk[:, nh:])
         self.values[i] = self.write(self.values[i], v)
         keys, values = self.read(self.keys[i]), self.read(self.values[i])

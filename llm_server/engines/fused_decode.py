@@ -22,11 +22,12 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from llm_server.engines.compiled_step import CompiledSteps, Rotation
+from llm_server.engines.compiled_step import CompiledSteps
 from llm_server.engines.fused_layers import (
     Group,
     Layer,
     Linear,
+    Rotation,
     bias_of,
     fusable,
     rope_table,
@@ -53,7 +54,6 @@ class FusedForward:
         self.k = kernels.functions  # the set's arithmetic
         self.layers = layers
         self.lm_head = lm_head
-        self.half = layers[0].head_dim // 2
         self.use_table(table)
         # compiled decode steps; None until `enable_compiled` (the engine's default on the
         # CPU, `MLXEngine(compiled_decode=...)`): every step builds its graph eagerly
@@ -193,8 +193,8 @@ class FusedForward:
                 self.ops, self.rotation, store.keys, store.values, rows, pos, ids.shape[1], allocate
             )
         else:
-            cos_sin = self._cos_sin(starts, ids.shape[1])
-            attention = ViewAttention(self.k, caches, starts, mask, cos_sin, exact)
+            at = None if self.rotation is None else self.rotation.at(starts, ids.shape[1])
+            attention = ViewAttention(self.k, caches, starts, mask, at, exact)
         return Group(ids, attention, exact, every)
 
     def run(self, groups: list[Group], split: bool) -> mx.array:
@@ -236,15 +236,6 @@ class FusedForward:
             x = k.add_product(x, layer.down, silu_mul(gate, up), split, decode)
         return k.head(self.lm_head, k.norm(inner.norm, _selected(x, groups), ops), split)
 
-    def _cos_sin(self, starts: list[int], q: int):
-        """The rotary cos/sin of positions starts[b] + 0..q-1, [B, 1, q, Dh/2] each (None: the
-        layers' rope modules rotate instead)."""
-        if self.table is None:
-            return None
-        pos = mx.array(starts)[:, None] + mx.arange(q)[None, :]  # [B, q]
-        at = self.table[pos][:, None]  # [B, 1, q, Dh]
-        return at[..., : self.half], at[..., self.half :]
-
 
 def _selected(x: mx.array, groups: list[Group]) -> mx.array:
     """The packed positions [T, dim] whose logits leave the forward: each row's last position,
@@ -268,9 +259,9 @@ class ViewAttention:
 
     whole_layer = None  # (only the decode ops run a whole layer)
 
-    def __init__(self, kernels, caches: list, starts: list[int], mask, cos_sin, exact: bool):
+    def __init__(self, kernels, caches: list, starts: list[int], mask, cos2_sin2, exact: bool):
         self.k, self.caches, self.starts, self.mask = kernels, caches, starts, mask
-        self.cos_sin, self.exact = cos_sin, exact
+        self.cos2_sin2, self.exact = cos2_sin2, exact  # [B, 1, q, Dh] each (None: rope)
 
     def __call__(self, layer: Layer, i: int, qkv: mx.array) -> mx.array:
         """qkv [b * q, (H + 2 KV) * Dh] (row by row) -> [b * q, H * Dh]."""
@@ -284,14 +275,14 @@ class ViewAttention:
         if layer.q_norm is not None:
             queries, keys = layer.q_norm(queries), layer.k_norm(keys)
         queries, keys, values = (t.transpose(0, 2, 1, 3) for t in (queries, keys, values))
-        if self.cos_sin is None:
+        if self.cos2_sin2 is None:
             queries = layer.rope(queries, offset=cache.offset)
             keys = layer.rope(keys, offset=cache.offset)
         elif q == 1:
-            queries, keys = rotate(queries, *self.cos_sin), rotate(keys, *self.cos_sin)
+            queries, keys = rotate(queries, *self.cos2_sin2), rotate(keys, *self.cos2_sin2)
         else:  # not compiled: one compile per prompt length would pile up
-            queries = rotate_eager(queries, *self.cos_sin)
-            keys = rotate_eager(keys, *self.cos_sin)
+            queries = rotate_eager(queries, *self.cos2_sin2)
+            keys = rotate_eager(keys, *self.cos2_sin2)
         keys, values = cache.update_and_fetch(keys, values)
         view = cache if isinstance(cache, RowView) else None
         out = self.k.attention(

@@ -18,14 +18,50 @@ _KNOWN_ATTN = {"q_proj", "k_proj", "v_proj", "o_proj", "rope", "q_norm", "k_norm
 _KNOWN_MLP = {"gate_proj", "up_proj", "down_proj"}
 
 
-def rotate_eager(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """Half-split rotary embedding: x [..., D], cos/sin [..., D/2] broadcastable."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+@dataclass(frozen=True)
+class Rotation:
+    """Rotary embedding by a cos/sin table as x * cos2 + swap(x) * sin2, swap(x) = [x2 | x1]:
+    one roll and one fused kernel per tensor (the half-split form takes two slices, two kernels
+    and a concatenation). swap copies values, so this is the half-split form's arithmetic:
+    x1 * cos + x2 * -sin, x2 * cos + x1 * sin. The native decode ops rotate the same way."""
+
+    cos2: mx.array  # [positions, Dh] = [cos | cos]
+    sin2: mx.array  # [positions, Dh] = [-sin | sin]
+
+    @classmethod
+    def of(cls, table: mx.array | None) -> Rotation | None:
+        if table is None:
+            return None
+        half = table.shape[-1] // 2
+        cos, sin = table[:, :half], table[:, half:]
+        out = cls(mx.concatenate([cos, cos], -1), mx.concatenate([-sin, sin], -1))
+        mx.eval(out.cos2, out.sin2)
+        return out
+
+    @staticmethod
+    def swap(x: mx.array) -> mx.array:
+        """x [..., Dh] -> [x2 | x1], its halves exchanged."""
+        return mx.roll(x, x.shape[-1] // 2, axis=-1)
+
+    def at(self, starts: list[int], q: int) -> tuple[mx.array, mx.array]:
+        """cos2 and sin2 of positions starts[b] + 0..q-1, [B, 1, q, Dh] each."""
+        pos = mx.array(starts)[:, None] + mx.arange(q)[None, :]  # [B, q]
+        return self.cos2[pos][:, None], self.sin2[pos][:, None]
 
 
-rotate = mx.compile(rotate_eager)  # decode shapes are few (one per row count)
+def rotate_eager(x: mx.array, cos2: mx.array, sin2: mx.array) -> mx.array:
+    """x [..., Dh] rotated by cos2/sin2 broadcastable to it (Rotation)."""
+    return x * cos2 + Rotation.swap(x) * sin2
+
+
+@mx.compile
+def _mix(x: mx.array, swapped: mx.array, cos2: mx.array, sin2: mx.array) -> mx.array:
+    return x * cos2 + swapped * sin2
+
+
+def rotate(x: mx.array, cos2: mx.array, sin2: mx.array) -> mx.array:
+    """`rotate_eager` as one compiled kernel (decode shapes are few: one per row count)."""
+    return _mix(x, Rotation.swap(x), cos2, sin2)
 
 
 @dataclass
@@ -145,10 +181,10 @@ def rope_table(rope: nn.Module, head_dim: int, positions: int, dtype) -> mx.arra
 def table_matches(table: mx.array, rope: nn.Module) -> bool:
     """Whether rotating by `table` reproduces `rope` (random inputs, a few positions)."""
     positions, head_dim = table.shape
-    half = head_dim // 2
+    rotation = Rotation.of(table)
     x = mx.random.normal((1, 1, 1, head_dim), key=mx.random.key(0)).astype(table.dtype)
     for pos in sorted({0, 1, positions // 2, positions - 1}):
-        c, s = table[pos, :half], table[pos, half:]
-        if not mx.allclose(rotate(x, c, s), rope(x, offset=pos), rtol=1e-5, atol=1e-6).item():
+        cos2, sin2 = rotation.cos2[pos], rotation.sin2[pos]
+        if not mx.allclose(rotate(x, cos2, sin2), rope(x, offset=pos), rtol=1e-5, atol=1e-6).item():
             return False
     return True
