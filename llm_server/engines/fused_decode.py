@@ -56,7 +56,7 @@ class FusedForward:
         self.lm_head = lm_head
         self.use_table(table)
         # compiled decode steps; None until `enable_compiled` (the engine's default on the
-        # CPU, `MLXEngine(compiled_decode=...)`): every step builds its graph eagerly
+        # CPU, `EngineSettings(compiled_decode=...)`): every step builds its graph eagerly
         self.compiled: CompiledSteps | None = None
 
     def use_table(self, table: mx.array | None, ops: bool = True) -> None:

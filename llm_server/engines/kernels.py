@@ -10,7 +10,7 @@
   greedy steps, quantized layers kept quantized.
 
 The default is `linux_cpu` where MLX runs on the CPU and `generic` elsewhere; the environment
-variable LLM_SERVER_KERNELS (or `MLXEngine(kernels=...)`) overrides it, so the generic set (every
+variable LLM_SERVER_KERNELS (or `EngineSettings(kernels=...)`) overrides it, so the generic set (every
 branch a Mac takes) runs on this machine's CPU too (`make test` runs the engine suite under
 both). `linux_cpu` needs MLX on the CPU. Exactness is promised per set: under `linux_cpu` a row's
 logits do not depend on batching, mixing or compiling, bit for bit (S10); the generic set keeps
@@ -172,7 +172,7 @@ class KernelSet:
     @property
     def split_products(self) -> bool:
         """1-2 row products split over two CPU streams where the skinny library is not loaded
-        (SplitLinear, the split head, `MLXEngine._split`)."""
+        (SplitLinear, the split head, `ModelForward.split`)."""
         return self.linux_cpu
 
     @property
