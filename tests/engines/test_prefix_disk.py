@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from llm_server.engines.prefix_cache import PrefixCache
-from llm_server.engines.prefix_disk import DiskTier, engine_fingerprint
+from llm_server.engines.prefix_disk import READ_TOKENS, DiskTier, engine_fingerprint
 from llm_server.testing.live import serving
 from llm_server.warm_prompts import load_warm_prompts
 
@@ -128,6 +128,24 @@ def test_round_trip_truncation_and_stale_fingerprints(tmp_path, caplog):
     src.write_bytes(src.read_bytes()[:-7])  # truncated: skipped at start
     again = DiskTier(tmp_path, 1 << 20, "kv_a")
     assert again.load_longest(tokens, 0) is None and again.corrupt == 1
+
+
+def test_a_file_is_read_only_for_a_prefix_worth_its_read(tmp_path):
+    """A few shared tokens (a chat template's opening) do not pull a long file in: a read
+    needs READ_TOKENS shared tokens or an eighth of the file's."""
+    tier = DiskTier(tmp_path, 1 << 30, "kv_a")
+    long = np.arange(0, 2 * READ_TOKENS, dtype=np.int32)
+    tier.put(long, *_kv(len(long)))
+    tier.close()
+    n = len(long) // 8
+
+    def ask(shared: int) -> np.ndarray:
+        return np.concatenate([long[:shared], np.full(8, 9999, np.int32)])
+
+    assert tier.load_longest(ask(5), 0) is None
+    assert tier.load_longest(ask(n - 1), 0) is None
+    assert tier.load_longest(ask(n), 0) is not None
+    assert tier.reads == 1
 
 
 def test_disk_bound_and_extension_replace_older_files(tmp_path):
