@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -66,6 +67,19 @@ class GenericKernels:
     def splits(positions: int) -> bool:
         """Whether a forward over `positions` splits its products over two streams."""
         return False
+
+    @staticmethod
+    def split_threads(split: bool):
+        """A context the split products of one forward run in (nothing to hold here)."""
+        return nullcontext()
+
+    @staticmethod
+    def hold_split(split: bool) -> None:
+        """A decode step splitting its products starts (a pipelined step: until released)."""
+
+    @staticmethod
+    def release_split(split: bool) -> None:
+        """The step `hold_split` saw is finished or dropped."""
 
     @staticmethod
     def patch_mlx_lm(model) -> None:
@@ -166,13 +180,8 @@ class KernelSet:
 
     @property
     def numpy_large(self) -> bool:
-        """Large softmax/SiLU in numpy (cpu_kernels), mlx-lm's modules patched to match."""
-        return self.linux_cpu
-
-    @property
-    def split_products(self) -> bool:
-        """1-2 row products split over two CPU streams where the skinny library is not loaded
-        (SplitLinear, the split head, `ModelForward.split`)."""
+        """Large softmax/SiLU/log-softmax in numpy (the set's `patch_mlx_lm` for mlx-lm's
+        modules, `reduce_scores` here)."""
         return self.linux_cpu
 
     @property

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from llm_server import blas
 from llm_server.engines.base import EngineError
 from llm_server.engines.mlx_forward import ModelForward
 from llm_server.engines.mlx_rows import RowTable
@@ -41,7 +40,7 @@ class DecodePipeline:
         self.table = table
         self.forward = forward
         self.context_length = context_length
-        self._split_steps = 0  # split decode steps in flight (BLIS held to one thread meanwhile)
+        self.kernels = forward.kernels.functions  # holds BLIS threads for split steps
 
     def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         """One token for each of `rows` in one batched forward; logits [B, vocab]."""
@@ -68,9 +67,7 @@ class DecodePipeline:
         else:
             ids = mx.array(np.asarray(tokens, dtype=np.int32).reshape(-1, 1))
         split = self.forward.split(len(rows))
-        if split:
-            self._split_steps += 1
-            blas.set_threads(1)  # one BLIS thread per split half until the step is finished
+        self.kernels.hold_split(split)  # until the step is finished
         before = table.states.snapshot(rows)
         try:
             logits = self.forward.graph(rows, starts, ids, split)
@@ -78,7 +75,7 @@ class DecodePipeline:
             mx.async_eval(logits, greedy, *table.held())
         except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
             table.states.restore(before)  # the rows' states as before the failed step
-            self._end_split(split)
+            self.kernels.release_split(split)
             raise EngineError(f"forward failed: {exc}") from exc
         for r in rows:
             table.ahead[r] += 1
@@ -119,10 +116,4 @@ class DecodePipeline:
             table.ahead[r] -= 1
             if tokens is not None:
                 table.tokens[r].append(tokens[i])
-        self._end_split(step.split)
-
-    def _end_split(self, split: bool) -> None:
-        if split:
-            self._split_steps -= 1
-            if self._split_steps == 0:
-                blas.set_threads(blas.default_threads())
+        self.kernels.release_split(step.split)

@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from llm_server.engines import cpu_kernels, quantized
+from llm_server.engines import quantized
 from llm_server.engines.bare_checkpoint import model_classes
 from llm_server.engines.base import EngineError
 from llm_server.engines.dtypes import default_dtype
@@ -53,6 +53,7 @@ from llm_server.engines.row_state import StateStore
 from llm_server.engines.selfcheck import VERIFIED_FAMILIES, row_forward_problem
 from llm_server.engines.settings import EngineSettings
 from llm_server.engines.step import ScoreChunkResult, StepPlan, StepResult
+from llm_server.native.cpu_kernels import release_streams
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class MLXEngine:
         self.stage = _shard(self.model, settings, text, config["model_type"]) if sharded else None
         self.has_lm_head = getattr(self.model, "has_lm_head", True)
         self.quantized = quantized.prepare(self.model, settings.keep_quantized, ks.dequantize)
-        cpu_kernels.install(self.model, ks.numpy_large)  # numpy softmax/SiLU for big tensors
+        ks.functions.patch_mlx_lm(self.model)  # the set's attention/SwiGLU in mlx-lm's modules
         self.model.set_dtype(_DTYPES[self.dtype])
         max_pos = int(text.get("max_position_embeddings") or 2048)
         self.context_length = min(settings.context_length or max_pos, max_pos)
@@ -106,8 +107,8 @@ class MLXEngine:
         self.fused = self._build_fused(settings.fused_decode and not sharded, settings)
         mx.eval(self.model.parameters())
         mx.clear_cache()  # the buffers freed while stacking
-        if self.fused is None and self._plain_head and ks.split_products:  # fused: its own
-            cpu_kernels.split_linears(self.model)  # 1-2 row decode products use both cores
+        if self.fused is None and self._plain_head:  # the fused layers take the set's products
+            ks.functions.split_mlx_lm(self.model)  # linux_cpu: 1-2 row products on both cores
         self.model_path = path
         pipeline = ks.pipeline if settings.pipeline is None else settings.pipeline
         self._pipeline = pipeline and not sharded
@@ -249,10 +250,10 @@ class MLXEngine:
         return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
 
     def thread_exit(self) -> None:
-        """The thread driving the engine ends: free its CPU streams (see cpu_kernels); the
-        prefix cache's entries go to its disk tier, if it has one."""
+        """The thread driving the engine ends: free its CPU streams (native/cpu_kernels.py: a
+        device fact, whatever the set); the prefix cache's entries go to its disk tier, if any."""
         self.prefix_cache.persist()
-        cpu_kernels.release_streams()
+        release_streams()
 
     # -- steps (StepExecutor, DecodePipeline) ------------------------------------------
 

@@ -9,17 +9,14 @@ they are evaluated together. A model served serially runs on mlx-lm's caches of 
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from llm_server import blas
-from llm_server.engines import cpu_kernels
 from llm_server.engines.fused_decode import FusedForward
 from llm_server.engines.kernels import KernelSet
-from llm_server.engines.layout import Layout, last_logits, row_views
+from llm_server.engines.layout import Layout, last_logits, output_head, row_views
 from llm_server.engines.mlx_rows import RowTable
 from llm_server.engines.row_cache import ForwardPlan, row_mask
 
@@ -67,6 +64,11 @@ class ModelForward:
             return False
         return self.kernels.functions.splits(positions)
 
+    def _head(self, hidden: mx.array) -> mx.array:
+        """The model's own output projection over hidden [..., dim], as the kernel set runs it
+        (mlx-lm's forward with a plain head)."""
+        return self.kernels.functions.mlx_lm_head(*output_head(self.model), hidden)
+
     def plan(self, rows: list[int], starts: list[int], q: int) -> ForwardPlan:
         """Where `rows` write q positions each from `starts` (the store grown to hold them)."""
         store = self.table.store
@@ -93,8 +95,7 @@ class ModelForward:
             plan = self.plan(rows, starts, ids.shape[1])
             views = row_views(self.layout, table.store, table.states, plan)
             hidden = self.model.model(ids, cache=views)[0]
-            head = cpu_kernels.lm_head(self.model, hidden, self.kernels.split_products)
-            return head.astype(mx.float32)
+            return self._head(hidden).astype(mx.float32)
         if table.serial_cache is not None:  # one row on mlx-lm's own caches
             return last_logits(self.model, self.inner, ids, table.serial_cache).astype(mx.float32)
         plan = self.plan(rows, starts, ids.shape[1])
@@ -103,7 +104,7 @@ class ModelForward:
             logits = self.fused.logits(ids, views, split=split)
         elif self.plain_head:
             hidden = self.model.model(ids, cache=views)[:, -1, :]
-            logits = cpu_kernels.lm_head(self.model, hidden, self.kernels.split_products)
+            logits = self._head(hidden)
         else:  # the model's own head: soft-capping, scaled or tied embeddings...
             logits = last_logits(self.model, self.inner, ids, views)
         return logits.astype(mx.float32)
@@ -115,7 +116,7 @@ class ModelForward:
         table = self.table
         positions = sum(len(rows) * len(toks[0]) for rows, _, toks in groups)
         split = self.split(positions)
-        with blas.threads(1) if split else nullcontext():
+        with self.kernels.functions.split_threads(split):
             # the store grows before any group's views are made: every view reads the same arrays
             table.store.ensure_rows(max(max(r) for r, _, _ in groups) + 1)
             table.store.ensure(max(max(s) + len(t[0]) for _, s, t in groups))

@@ -5,13 +5,11 @@ for models whose row store holds no scoring rows (`score_rows` 0, see mlx_engine
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from llm_server import blas
 from llm_server.engines.base import EmbeddingsUnsupported, EngineError, ScoreChunkResult
 from llm_server.engines.kernels import KernelSet
 from llm_server.engines.layout import make_cache
@@ -56,7 +54,7 @@ class ScoreSession(_Session):
         ids = mx.array(np.asarray(tokens, dtype=np.int32))
         fused = self.forward.fused
         split = self.forward.split(n * q)
-        with blas.threads(1) if split else nullcontext():  # as in ModelForward.run_groups
+        with self.kernels.functions.split_threads(split):  # as in ModelForward.run_groups
             try:
                 if fused is not None:
                     mask = "causal" if q > 1 else None  # every row at the same offset

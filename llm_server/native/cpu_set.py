@@ -19,6 +19,7 @@ Layers are duck-typed (engines/fused_layers.py: `Layer`, `Linear` with `.wt`, `.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import mlx.core as mx
 
@@ -29,9 +30,13 @@ SPLIT_MAX_POSITIONS = 256  # forwards up to this many positions split their prod
 
 
 class LinuxCPUKernels:
-    """The linux_cpu set's functions (stateless; one instance per process is enough)."""
+    """The linux_cpu set's functions (one instance per engine: its only state is the count of
+    split decode steps in flight, `hold_split`)."""
 
     name = "linux_cpu"
+
+    def __init__(self) -> None:
+        self._held = 0  # split decode steps in flight (BLIS held to one thread meanwhile)
 
     # -- what the set offers a model (chosen once, when the forward is built) --
 
@@ -76,6 +81,25 @@ class LinuxCPUKernels:
         if positions <= cpu_kernels.SPLIT_MAX_ROWS:
             return True
         return blas.threads_settable() and positions <= SPLIT_MAX_POSITIONS
+
+    @staticmethod
+    def split_threads(split: bool):
+        """A context for one forward: one BLIS thread per split half while it runs."""
+        return blas.threads(1) if split else nullcontext()
+
+    def hold_split(self, split: bool) -> None:
+        """A split decode step starts: BLIS on one thread until `release_split` (a pipelined
+        step is finished later, and the next may start before)."""
+        if split:
+            self._held += 1
+            blas.set_threads(1)
+
+    def release_split(self, split: bool) -> None:
+        """A step `hold_split` saw is finished or dropped: BLIS's own threads once none is left."""
+        if split:
+            self._held -= 1
+            if self._held == 0:
+                blas.set_threads(blas.default_threads())
 
     # -- mlx-lm's forward, for families outside the fused layers --
 

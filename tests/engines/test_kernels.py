@@ -17,10 +17,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from llm_server.engines import cpu_kernels, kernels
+from llm_server.engines import kernels
 from llm_server.engines.mlx_engine import MLXEngine
 from llm_server.engines.settings import EngineSettings
-from llm_server.native import skinny
+from llm_server.native import mlx_lm_patches, skinny
 from llm_server.testing.families import build_family_checkpoint
 
 ON_CPU = mx.default_device() == mx.cpu
@@ -104,7 +104,7 @@ def test_a_generic_engine_loaded_after_a_cpu_one_runs_mlx_lms_attention(tmp_path
     fresh = MLXEngine(path, EngineSettings(rows=1, kernels="generic")).prefill(0, prompt)
     MLXEngine(path, EngineSettings(rows=1, kernels="linux_cpu")).prefill(0, prompt)
     module = type(MLXEngine(path, EngineSettings(rows=1, kernels="generic")).model).__module__
-    assert cpu_kernels._INSTALLED[module] is False
+    assert mlx_lm_patches._INSTALLED[module] is False
     again = MLXEngine(path, EngineSettings(rows=1, kernels="generic")).prefill(0, prompt)
     assert np.array_equal(fresh, again)
 
