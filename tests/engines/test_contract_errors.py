@@ -1,0 +1,122 @@
+"""The engine refuses what its contract forbids, with an error that says what was wrong, and
+leaves its rows as they were (engines/base.py; the checks of settings.py, mlx_steps.py,
+mlx_decode.py, mlx_sessions.py, mlx_rows.py). Runs under either kernel set."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llm_server.engines.base import EngineError
+from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.prefix_cache import PrefixCache
+from llm_server.engines.settings import EngineSettings
+from llm_server.engines.step import DecodeRow, PrefillChunk, ScoreChunk, StepPlan
+
+CONTEXT = 16
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("rows", 0),
+        ("context_length", 0),
+        ("dtype", "float64"),
+        ("prefix_cache_bytes", -1),
+        ("parallel", "data"),
+        ("score_rows", -1),
+    ],
+)
+def test_settings_name_the_bad_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        EngineSettings(**{field: value})
+
+
+def test_prefix_cache_refuses_a_negative_bound():
+    with pytest.raises(ValueError, match="bytes must be >= 0"):
+        PrefixCache(-1)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path):
+    return MLXEngine(tiny_model_path, EngineSettings(rows=2, context_length=CONTEXT))
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 300, n).tolist()
+
+
+def test_an_empty_plan_is_an_empty_step(engine):
+    result = engine.run(StepPlan())
+    assert result.rows == ()
+    assert result.logits.shape == (0, engine.vocab_size)
+
+
+def test_bad_decode_and_rewind_calls_are_refused(engine):
+    engine.prefill(0, _prompt(4))
+    with pytest.raises(ValueError, match="one token per row"):
+        engine.decode([0], [1, 2])
+    with pytest.raises(ValueError, match="holds 4 positions, not 5"):
+        engine.rewind(0, 5)
+    assert engine.cursor(0) == 4
+    engine.release(0)
+
+
+def test_bad_prompt_chunks_leave_the_rows_as_they_were(engine):
+    """A step's chunks are checked inside its forward: the step fails as an engine error."""
+    engine.prefill(1, _prompt(3, 1))
+    with pytest.raises(EngineError, match="prompt of 0 tokens"):
+        engine.run(StepPlan(prefill=(PrefillChunk(1, 0, [], 0, 0),)))
+    resumed = PrefillChunk(2, 1, _prompt(8, 1), 5, 8)  # the row is at 3, not 5
+    with pytest.raises(EngineError, match="row 1 is at 3"):
+        engine.run(StepPlan(prefill=(resumed,)))
+    assert engine.cursor(1) == 3
+    engine.release(1)
+
+
+def test_a_row_with_a_step_in_flight_cannot_join_another(engine):
+    engine.prefill(0, _prompt(4, 2))
+    step = engine.decode_start([0], [5])
+    with pytest.raises(RuntimeError, match="decode step in flight"):
+        engine.run(StepPlan(decode=(DecodeRow(0, 6),), prefill=(PrefillChunk(3, 1, [7], 0, 1),)))
+    engine.decode_finish(step)
+    assert engine.cursor(0) == 5
+    engine.release(0)
+
+
+def test_a_full_row_is_an_engine_error(engine):
+    engine.prefill(0, _prompt(CONTEXT, 3))
+    plan = StepPlan(decode=(DecodeRow(0, 5),), prefill=(PrefillChunk(4, 1, [7, 8], 0, 2),))
+    with pytest.raises(EngineError, match=f"full \\({CONTEXT} positions\\)"):
+        engine.run(plan)
+    assert engine.cursor(0) == CONTEXT
+    engine.release(0)
+
+
+def test_bad_scoring_chunks_are_refused(engine):
+    row = engine.rows  # the first scoring row
+    assert engine.score_rows > 0
+    prompt = _prompt(6, 4)
+    with pytest.raises(EngineError, match="scoring chunk 4..9"):
+        engine.run(StepPlan(score=(ScoreChunk(1, row, prompt, 4, 9, 0),)))
+    engine.run(StepPlan(score=(ScoreChunk(1, row, prompt, 0, 3, 0),)))
+    with pytest.raises(EngineError, match=f"scoring row {row} is at 3"):
+        engine.run(StepPlan(score=(ScoreChunk(1, row, prompt, 4, 6, 0),)))
+
+
+def test_sessions_are_opened_before_use_and_kept_in_context(engine):
+    with pytest.raises(RuntimeError, match="score_begin"):
+        engine.score_chunk(np.ones((1, 2), np.int32), np.ones((1, 2), np.int32), 0)
+    with pytest.raises(ValueError, match="at least one row"):
+        engine.score_begin(0)
+    with pytest.raises(RuntimeError, match="embed_begin"):
+        engine.embed_chunk(np.ones((1, 2), np.int32))
+    engine.embed_begin(1)
+    with pytest.raises(ValueError, match=f"past the context of {CONTEXT}"):
+        engine.embed_chunk(np.ones((1, CONTEXT + 1), np.int32))
+    engine.embed_end()
+
+
+def test_weight_bytes_count_the_float32_weights(engine, tiny_model_path):
+    embedding = engine.vocab_size * engine.model.args.hidden_size * 4
+    assert embedding < engine.weight_bytes() < 100 * embedding
