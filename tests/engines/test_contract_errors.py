@@ -4,6 +4,8 @@ mlx_decode.py, mlx_sessions.py, mlx_rows.py). Runs under either kernel set."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -120,3 +122,53 @@ def test_sessions_are_opened_before_use_and_kept_in_context(engine):
 def test_weight_bytes_count_the_float32_weights(engine, tiny_model_path):
     embedding = engine.vocab_size * engine.model.args.hidden_size * 4
     assert embedding < engine.weight_bytes() < 100 * embedding
+
+
+def _boom(*args, **kwargs):
+    raise RuntimeError("boom")
+
+
+def test_a_failing_forward_is_an_engine_error_and_leaves_the_rows(engine, monkeypatch):
+    """Each entry point turns a forward's exception into an EngineError (the scheduler fails
+    that request alone) and the rows keep what they held; the engine serves on after it."""
+    prompt = _prompt(4, 5)
+    engine.prefill(0, prompt)
+    with monkeypatch.context() as m:
+        m.setattr(engine.forward, "graph", _boom)
+        with pytest.raises(EngineError, match="forward failed: boom"):
+            engine.decode_start([0], [5])
+        m.setattr(engine.forward, "run_groups", _boom)
+        with pytest.raises(EngineError, match="forward failed: boom"):
+            engine.prefill(1, _prompt(3, 6))
+        m.setattr(type(engine.kernels), "reduce_scores", _boom)
+        engine.score_begin(1)
+        with pytest.raises(EngineError, match="scoring forward failed: boom"):
+            engine.score_chunk(np.ones((1, 2), np.int32), np.ones((1, 2), np.int32), 0)
+        engine.score_end()
+        engine.embed_begin(1)  # its caches from the model, before the stack fails
+        m.setattr(engine.embedding, "model", SimpleNamespace(**{engine.embedding.inner: _boom}))
+        with pytest.raises(EngineError, match="embedding forward failed: boom"):
+            engine.embed_chunk(np.ones((1, 2), np.int32))
+        engine.embed_end()
+    assert engine.cursor(0) == 4 and engine.row_table.ahead[0] == 0
+    assert engine.decode([0], [5]).shape == (1, engine.vocab_size)
+    assert engine.cursor(0) == 5
+    engine.release(0)
+    engine.release(1)
+
+
+def test_a_model_without_a_decoder_stack_cannot_embed(engine, monkeypatch):
+    monkeypatch.setattr(engine.embedding, "inner", None)
+    engine.embed_begin(1)
+    with pytest.raises(Exception, match="no decoder stack known to embed with"):
+        engine.embed_chunk(np.ones((1, 2), np.int32))
+    engine.embed_end()
+
+
+def test_rows_past_the_store_and_rewinds_without_drafts_are_refused(engine, monkeypatch):
+    store = engine.row_table.store
+    with pytest.raises(ValueError, match="out of range"):
+        store.ensure_rows(store.total_rows + 1)
+    monkeypatch.setattr(engine, "speculative", False)
+    with pytest.raises(EngineError, match="cannot be rewound"):
+        engine.rewind(0, 0)
