@@ -4,14 +4,19 @@ mlx_decode.py, mlx_sessions.py, mlx_rows.py). Runs under either kernel set."""
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
+from llm_server.engines import compiled_step, mlx_decode
 from llm_server.engines.base import EngineError
+from llm_server.engines.dtypes import checkpoint_dtype, default_dtype
 from llm_server.engines.mlx_engine import MLXEngine
 from llm_server.engines.prefix_cache import PrefixCache
+from llm_server.engines.probe import supports_batching
 from llm_server.engines.settings import EngineSettings
 from llm_server.engines.step import DecodeRow, PrefillChunk, ScoreChunk, StepPlan
 
@@ -119,7 +124,7 @@ def test_sessions_are_opened_before_use_and_kept_in_context(engine):
     engine.embed_end()
 
 
-def test_weight_bytes_count_the_float32_weights(engine, tiny_model_path):
+def test_weight_bytes_count_the_float32_weights(engine):
     embedding = engine.vocab_size * engine.model.args.hidden_size * 4
     assert embedding < engine.weight_bytes() < 100 * embedding
 
@@ -172,3 +177,68 @@ def test_rows_past_the_store_and_rewinds_without_drafts_are_refused(engine, monk
     monkeypatch.setattr(engine, "speculative", False)
     with pytest.raises(EngineError, match="cannot be rewound"):
         engine.rewind(0, 0)
+
+
+def test_a_step_that_fails_to_finish_or_cancel_leaves_its_rows(engine, monkeypatch):
+    """A started decode step whose evaluation fails: finishing it is an EngineError, cancelling
+    it is quiet; either way its rows do not advance and take the next step."""
+    engine.prefill(0, _prompt(4, 7))
+    failing_mlx = SimpleNamespace(eval=_boom)
+    for end in (engine.decode_finish, engine.decode_cancel):
+        step = engine.decode_start([0], [5])
+        with monkeypatch.context() as m:
+            m.setattr(mlx_decode, "mx", failing_mlx)
+            if end == engine.decode_finish:
+                with pytest.raises(EngineError, match="forward failed: boom"):
+                    end(step)
+            else:
+                end(step)
+        assert engine.cursor(0) == 4 and engine.row_table.ahead[0] == 0
+    assert engine.decode([0], [5]).shape == (1, engine.vocab_size)
+    engine.release(0)
+
+
+def test_a_step_keeps_an_engine_errors_own_message_and_reopens_nothing(engine, monkeypatch):
+    monkeypatch.setattr(engine.forward, "run_groups", _raise(EngineError("the store is gone")))
+    with pytest.raises(EngineError, match="^the store is gone$"):
+        engine.run(StepPlan(prefill=(PrefillChunk(1, 1, _prompt(3, 8), 0, 3),)))
+    assert engine.cursor(1) == 0
+
+
+def test_drafts_on_an_engine_that_cannot_verify_them_are_refused(engine, monkeypatch):
+    monkeypatch.setattr(engine.executor, "speculative", False)
+    with pytest.raises(EngineError, match="drafts cannot be verified"):
+        engine.run(StepPlan(decode=(DecodeRow(0, 5, (6, 7)),)))
+
+
+def test_compiled_graphs_stay_within_their_bound(tiny_model_path, monkeypatch):
+    monkeypatch.setattr(compiled_step, "MAX_GRAPHS", 1)
+    compiled = MLXEngine(tiny_model_path, EngineSettings(rows=2, compiled_decode=True))
+    assert compiled.fused is not None and compiled.fused.compiled is not None
+    compiled.prefill(0, _prompt(4, 9))
+    compiled.prefill(1, _prompt(4, 10))
+    one, both = compiled.decode([0], [5]), compiled.decode([0, 1], [6, 7])
+    assert one.shape == (1, compiled.vocab_size) and both.shape == (2, compiled.vocab_size)
+    assert compiled.fused.compiled.traces == 2
+    assert len(compiled.fused.compiled._local.graphs) == 1  # the first shape's graph dropped
+
+
+def test_a_checkpoint_whose_dtype_cannot_be_read_is_float32(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    assert checkpoint_dtype(tmp_path) is None
+    (tmp_path / "config.json").write_text("{}")
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), {"ids": mx.zeros((2,), mx.int32)})
+    assert checkpoint_dtype(tmp_path) is None  # no floating-point tensor to read it from
+    assert default_dtype(tmp_path, on_cpu=False) == "float32"
+
+
+def test_without_the_converters_package_a_model_folder_batches(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "converters.manifest", None)  # an install without them
+    assert supports_batching(tmp_path)
+
+
+def _raise(exc: Exception):
+    def fail(*args, **kwargs):
+        raise exc
+
+    return fail
