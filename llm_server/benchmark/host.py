@@ -50,7 +50,8 @@ def _timed_engine_factory(model, rows: int, probe: _Probe):
 
     def factory():
         engine = MLXEngine(model, EngineSettings(rows=rows))
-        decode = engine.decode
+        pipeline = engine.decoder  # the part every decode step goes through (mlx_decode.py)
+        decode = pipeline.decode
 
         def timed_decode(rows_, tokens):
             probe._decoder_now = 0.0  # Decoder.step calls from here on belong to this step
@@ -59,7 +60,7 @@ def _timed_engine_factory(model, rows: int, probe: _Probe):
             probe.forward_ms.append((time.perf_counter() - start) * 1e3)
             return out
 
-        engine.decode = timed_decode
+        pipeline.decode = timed_decode
         engine.pipelined = False  # the steps above are the ones that run (CPU default)
         return engine
 
