@@ -19,6 +19,7 @@ from llm_server.engines.prefix_cache import PrefixCache
 from llm_server.engines.probe import supports_batching
 from llm_server.engines.settings import EngineSettings
 from llm_server.engines.step import DecodeRow, PrefillChunk, ScoreChunk, StepPlan
+from llm_server.testing.families import build_family_checkpoint
 
 CONTEXT = 16
 
@@ -242,3 +243,27 @@ def _raise(exc: Exception):
         raise exc
 
     return fail
+
+
+def test_a_failed_step_puts_a_recurrent_rows_state_back(tmp_path, monkeypatch):
+    """lfm2 carries a convolution state per row: a step whose forward ran but then failed
+    leaves the row's state as before it, so the row's next token is the one it gets without
+    the failure (an engine that never failed gives it)."""
+    path = build_family_checkpoint(tmp_path / "lfm2", "lfm2")
+    ref, failing = (MLXEngine(path, EngineSettings(rows=2)) for _ in range(2))
+    assert failing.layout.stateful
+    prompt = _prompt(6, 11)
+    ref.prefill(0, prompt)
+    failing.prefill(0, prompt)
+    forward = failing.forward.run_groups
+
+    def forward_then_fail(*args, **kwargs):
+        forward(*args, **kwargs)  # the rows' states are written
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(failing.forward, "run_groups", forward_then_fail)
+    plan = StepPlan(decode=(DecodeRow(0, 5),), prefill=(PrefillChunk(1, 1, _prompt(3, 12), 0, 3),))
+    with pytest.raises(EngineError, match="forward failed: boom"):
+        failing.run(plan)
+    monkeypatch.undo()
+    assert np.array_equal(failing.decode([0], [5]), ref.decode([0], [5]))
