@@ -214,9 +214,9 @@ class FusedForward:
         x = embedded[0] if len(groups) == 1 else mx.concatenate(embedded)  # [T, dim]
         decode = all(g.q == 1 for g in groups)  # a decode-only step
         silu_mul = k.activation(sizes, [g.exact for g in groups])
-        whole = groups[0].attention.whole_layer if len(groups) == 1 and decode else None
-        if not self.whole_layers or split:
-            whole = None  # (split products: each layer's ops one by one)
+        whole = None  # a decode step's layer as one call of the set (None: op by op)
+        if self.whole_layers and len(groups) == 1 and decode:
+            whole = k.whole_layer(groups[0].attention, split)
         for i, layer in enumerate(self.layers):
             if whole is not None:  # the decode ops' four ops, the same values
                 x = whole(layer, i, x)

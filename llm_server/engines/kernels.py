@@ -60,7 +60,8 @@ class GenericKernels:
 
     @staticmethod
     def whole_layers(layers: list, ops) -> bool:
-        """Whether a decode step runs each layer as one native call."""
+        """Whether a decode step runs each layer as one native call (the sets that may say yes
+        also give `whole_layer(attention, split)`: that call, or None for op by op)."""
         return False
 
     @staticmethod

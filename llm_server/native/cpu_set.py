@@ -69,6 +69,12 @@ class LinuxCPUKernels:
         )
 
     @staticmethod
+    def whole_layer(attention, split: bool):
+        """A one-group decode step's layer as the decode ops' four (`attention.whole_layer`),
+        unless the step splits its products: the four ops run their own, unsplit."""
+        return None if split else attention.whole_layer
+
+    @staticmethod
     def splits(positions: int) -> bool:
         """Whether a float32 fused forward over `positions` (rows x new tokens) splits its
         products in halves over two CPU streams, each on one BLIS thread: BLIS runs a 1-2 row
