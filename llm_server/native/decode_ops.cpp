@@ -100,60 +100,145 @@ inline v8 exp8(v8 x) {
   return x < lo ? splat(0.0f) : y * scale;
 }
 
+// score j of a query head: lane l of an 8-float accumulator sums q[d] * k[d] for d = l, l + 8,
+// ... in order, the lanes are added as `hsum` does, times `scale`
+template <int NV>
+inline float score(const float* q, const float* k, int nv_runtime, float scale) {
+  const int nv = NV ? NV : nv_runtime;
+  v8 acc = splat(0.0f);
+  for (int i = 0; i < nv; i++) {
+    const v8 prod = load8(q + 8 * i) * load8(k + 8 * i);
+    acc = acc + prod;
+  }
+  return hsum(acc) * scale;
+}
+
+// `score` of four consecutive keys (k, k + kstride, ...) into out[0..3], interleaved
+template <int NV>
+inline void score4(const float* q, const float* k, int64_t kstride, int nv_runtime, float scale,
+                   float* out) {
+  const int nv = NV ? NV : nv_runtime;
+  v8 a0 = splat(0.0f), a1 = splat(0.0f), a2 = splat(0.0f), a3 = splat(0.0f);
+  for (int i = 0; i < nv; i++) {
+    const v8 x = load8(q + 8 * i);
+    const v8 p0 = x * load8(k + 8 * i), p1 = x * load8(k + kstride + 8 * i);
+    const v8 p2 = x * load8(k + 2 * kstride + 8 * i), p3 = x * load8(k + 3 * kstride + 8 * i);
+    a0 = a0 + p0;
+    a1 = a1 + p1;
+    a2 = a2 + p2;
+    a3 = a3 + p3;
+  }
+  out[0] = hsum(a0) * scale;
+  out[1] = hsum(a1) * scale;
+  out[2] = hsum(a2) * scale;
+  out[3] = hsum(a3) * scale;
+}
+
+// scores sc[0 .. positions) -> probabilities, in place: the max over j (exact in any order);
+// e_j = exp8(score_j - max); their sum: lane l sums j = l, l + 8, ... in order, then `hsum`;
+// p_j = e_j / sum. `sc` holds round_up(positions, 8) floats (the tail is set to -inf, then 0).
+inline void softmax_row(float* sc, int64_t positions) {
+  const int64_t padded = (positions + 7) & ~int64_t{7};
+  for (int64_t j = positions; j < padded; j++) sc[j] = -INFINITY;
+  v8 top8 = load8(sc);
+  for (int64_t j = 8; j < padded; j += 8) top8 = vmax(top8, load8(sc + j));
+  float top = top8[0];
+  for (int l = 1; l < 8; l++) top = top8[l] > top ? top8[l] : top;
+  const v8 topv = splat(top);
+  v8 sum8 = splat(0.0f);
+  for (int64_t j = 0; j < padded; j += 8) {
+    const v8 e = exp8(load8(sc + j) - topv);
+    store8(sc + j, e);
+    sum8 = sum8 + e;
+  }
+  const v8 total = splat(hsum(sum8));
+  for (int64_t j = 0; j < padded; j += 8) store8(sc + j, load8(sc + j) / total);
+}
+
+// out[d] = acc[d] + sum of p_j * v_j[d] for j = j0 .. j1 - 1 in order (acc: `out` itself when
+// `resume`, else 0): called on consecutive ranges it sums j = 0, 1, ... in order
+template <int NV>
+inline void weigh_values(const float* p, const float* vb, int64_t vstride, int64_t j0,
+                         int64_t j1, int nv_runtime, bool resume, float* out) {
+  const int nv = NV ? NV : nv_runtime;
+  v8 acc[NV ? NV : 32];
+  for (int i = 0; i < nv; i++) acc[i] = resume ? load8(out + 8 * i) : splat(0.0f);
+  for (int64_t j = j0; j < j1; j++) {
+    const v8 w = splat(p[j]);
+    const float* v = vb + j * vstride;
+    for (int i = 0; i < nv; i++) {
+      const v8 t = w * load8(v + 8 * i);
+      acc[i] = acc[i] + t;
+    }
+  }
+  for (int i = 0; i < nv; i++) store8(out + 8 * i, acc[i]);
+}
+
 // Attention of the `rep` query heads of one KV head at one position over its row's first
-// `positions` keys/values (head_dim = 8 * nv):
-// - score j of head h: lane l of an 8-float accumulator sums q[d] * k_j[d] for d = l, l + 8, ...
-//   in order, the lanes are added as `hsum` does, times `scale`;
-// - the max over j (exact in any order); e_j = exp8(score_j - max); their sum: lane l sums
-//   j = l, l + 8, ... in order, then `hsum`; p_j = e_j / sum;
-// - out[d] sums p_j * v_j[d] for j = 0, 1, ... in order.
-// `scores` holds rep * round_up(positions, 8) floats.
+// `positions` keys/values (head_dim = 8 * nv): `score` for each key, `softmax_row`, then
+// `weigh_values` over j = 0, 1, ... `scores` holds rep * round_up(positions, 8) floats.
 template <int NV>
 inline void attend_group(const float* q, int rep, int nv_runtime, const float* kb,
                          int64_t kstride, const float* vb, int64_t vstride, int64_t positions,
                          float scale, float* scores, float* const* outs) {
-  const int nv = NV ? NV : nv_runtime;
-  const int dh = 8 * nv;
+  const int dh = 8 * (NV ? NV : nv_runtime);
   const int64_t padded = (positions + 7) & ~int64_t{7};
   for (int64_t j = 0; j < positions; j++) {
     const float* k = kb + j * kstride;
-    for (int h = 0; h < rep; h++) {
-      const float* qh = q + h * dh;
-      v8 acc = splat(0.0f);
-      for (int i = 0; i < nv; i++) {
-        const v8 prod = load8(qh + 8 * i) * load8(k + 8 * i);
-        acc = acc + prod;
-      }
-      scores[h * padded + j] = hsum(acc) * scale;
-    }
+    for (int h = 0; h < rep; h++)
+      scores[h * padded + j] = score<NV>(q + h * dh, k, nv_runtime, scale);
   }
   for (int h = 0; h < rep; h++) {
-    float* sc = scores + h * padded;
-    for (int64_t j = positions; j < padded; j++) sc[j] = -INFINITY;
-    v8 top8 = load8(sc);
-    for (int64_t j = 8; j < padded; j += 8) top8 = vmax(top8, load8(sc + j));
-    float top = top8[0];
-    for (int l = 1; l < 8; l++) top = top8[l] > top ? top8[l] : top;
-    const v8 topv = splat(top);
-    v8 sum8 = splat(0.0f);
-    for (int64_t j = 0; j < padded; j += 8) {
-      const v8 e = exp8(load8(sc + j) - topv);
-      store8(sc + j, e);
-      sum8 = sum8 + e;
-    }
-    const v8 total = splat(hsum(sum8));
-    for (int64_t j = 0; j < padded; j += 8) store8(sc + j, load8(sc + j) / total);
-    v8 acc[NV ? NV : 32];
-    for (int i = 0; i < nv; i++) acc[i] = splat(0.0f);
-    for (int64_t j = 0; j < positions; j++) {
-      const v8 w = splat(sc[j]);
-      const float* v = vb + j * vstride;
-      for (int i = 0; i < nv; i++) {
-        const v8 t = w * load8(v + 8 * i);
-        acc[i] = acc[i] + t;
+    softmax_row(scores + h * padded, positions);
+    weigh_values<NV>(scores + h * padded, vb, vstride, 0, positions, nv_runtime, false, outs[h]);
+  }
+}
+
+// keys (and values) of one pass of `attend_block`: 128 x Dh 64 = 32 KB, read from L1/L2 by
+// every query of the block
+constexpr int64_t kKeyTile = 128;
+
+// `attend_group` for `count` positions of one row at once (query head h of position t at
+// q + (t * rep + h) * dh, over positions[t] keys): the same arithmetic for every output,
+// computed in passes over kKeyTile keys so that each key and value is read from memory once
+// for the block rather than once per position (a 512-position chunk's attention over 7.5k
+// cached positions was bound by re-reading K/V). `scores` holds count * rep * stride floats,
+// stride >= round_up(max positions, 8).
+template <int NV>
+void attend_block(const float* q, int rep, int nv_runtime, int count, const int64_t* positions,
+                  const float* kb, int64_t kstride, const float* vb, int64_t vstride,
+                  float scale, float* scores, int64_t stride, float* const* outs) {
+  const int dh = 8 * (NV ? NV : nv_runtime);
+  int64_t last = 0;
+  for (int t = 0; t < count; t++) last = std::max(last, positions[t]);
+  for (int64_t j0 = 0; j0 < last; j0 += kKeyTile) {
+    const int64_t j1 = std::min(last, j0 + kKeyTile);
+    for (int t = 0; t < count; t++) {
+      const int64_t end = std::min(j1, positions[t]);
+      for (int h = 0; h < rep; h++) {
+        const float* qh = q + (static_cast<int64_t>(t) * rep + h) * dh;
+        float* sc = scores + (static_cast<int64_t>(t) * rep + h) * stride;
+        int64_t j = j0;
+        for (; j + 4 <= end; j += 4) // four keys at once: independent sums (`score`'s each)
+          score4<NV>(qh, kb + j * kstride, kstride, nv_runtime, scale, sc + j);
+        for (; j < end; j++) sc[j] = score<NV>(qh, kb + j * kstride, nv_runtime, scale);
       }
     }
-    for (int i = 0; i < nv; i++) store8(outs[h] + 8 * i, acc[i]);
+  }
+  for (int t = 0; t < count; t++)
+    for (int h = 0; h < rep; h++)
+      softmax_row(scores + (static_cast<int64_t>(t) * rep + h) * stride, positions[t]);
+  for (int64_t j0 = 0; j0 < last; j0 += kKeyTile) {
+    const int64_t j1 = std::min(last, j0 + kKeyTile);
+    for (int t = 0; t < count; t++) {
+      const int64_t end = std::min(j1, positions[t]);
+      if (end <= j0) continue;
+      for (int h = 0; h < rep; h++) {
+        const int64_t n = static_cast<int64_t>(t) * rep + h;
+        weigh_values<NV>(scores + n * stride, vb, vstride, j0, end, nv_runtime, j0 > 0,
+                         outs[n]);
+      }
+    }
   }
 }
 
@@ -328,7 +413,6 @@ void write_rows(float* dst, int64_t nrows, int64_t cap, Geometry g, bool rotate,
 }
 
 constexpr int64_t kThreadedWork = 1 << 19; // attention below this: one thread is faster
-constexpr int kMaxRep = 64;
 // query positions per attention item: a 512-position prompt chunk's attention at position
 // 2,500 (SmolLM2's 9 heads over 3 KV heads) 85-90 -> 67-78 ms on 2 threads, as 48 items
 // rather than 3; 128 at 1,000 7.95 -> 6.51 ms
@@ -346,7 +430,8 @@ void attend_rows(float* dst, Geometry g, float scale, const Matrix& x, const Sto
   work *= static_cast<int64_t>(heads) * dh * 2;
   // one item: one row's rep query heads of one KV head, over a block of kBlock of its q
   // positions (a prompt chunk's positions spread over the threads; each position's arithmetic
-  // is its own), the costliest (last) blocks first
+  // is its own), the costliest (last) blocks first; a block of several positions reads its
+  // row's keys and values once (attend_block), a lone decode position as attend_group
   const int blocks = (q + kBlock - 1) / kBlock;
   const int64_t heads_of_rows = batch * kv;
   auto item = [&](int index) {
@@ -355,37 +440,48 @@ void attend_rows(float* dst, Geometry g, float scale, const Matrix& x, const Sto
     const int grp = static_cast<int>(index % kv);
     const int64_t row = r[b];
     thread_local std::vector<float> qrot, scores;
-    qrot.resize(static_cast<size_t>(rep) * dh);
-    float* outs[kMaxRep];
+    thread_local std::vector<float*> outs;
+    int64_t positions[kBlock];
+    qrot.resize(static_cast<size_t>(kBlock) * rep * dh);
+    outs.resize(static_cast<size_t>(kBlock) * rep);
+    int count = 0; // the block's positions that attend (consecutive: p ascends with i)
     for (int i = blk * kBlock; i < std::min(q, (blk + 1) * kBlock); i++) {
       const int64_t n = b * q + i;
       const int64_t p = static_cast<int64_t>(at[b]) + i;
+      float** o = outs.data() + static_cast<int64_t>(count) * rep;
       for (int h = 0; h < rep; h++)
-        outs[h] = dst + (n * heads + static_cast<int64_t>(grp) * rep + h) * dh;
+        o[h] = dst + (n * heads + static_cast<int64_t>(grp) * rep + h) * dh;
       if (row < 0 || row >= keys.rows || p < 0 || p >= keys.cap) { // checked by the caller
-        for (int h = 0; h < rep; h++) std::fill(outs[h], outs[h] + dh, 0.0f);
+        for (int h = 0; h < rep; h++) std::fill(o[h], o[h] + dh, 0.0f);
         continue;
       }
       for (int h = 0; h < rep; h++)
         head_at(x, n, (static_cast<int64_t>(grp) * rep + h) * dh, dh, true, c, s,
-                static_cast<int>(p), qrot.data() + h * dh);
-      const float* kb = keys.data + row * keys.s0 + grp * keys.s1;
-      const float* vb = values.data + row * values.s0 + grp * values.s1;
-      scores.resize(static_cast<size_t>(rep) * ((p + 8) & ~int64_t{7}));
-      const int nv = dh / 8;
-      auto run = [&](auto kernel) {
-        kernel(qrot.data(), rep, nv, kb, keys.s2, vb, values.s2, p + 1, scale, scores.data(),
-               outs);
-      };
-      if (nv == 8)
-        run(attend_group<8>);
-      else if (nv == 16)
-        run(attend_group<16>);
-      else if (nv == 4)
-        run(attend_group<4>);
-      else
-        run(attend_group<0>);
+                static_cast<int>(p), qrot.data() + (static_cast<int64_t>(count) * rep + h) * dh);
+      positions[count++] = p + 1;
     }
+    if (count == 0) return;
+    const float* kb = keys.data + row * keys.s0 + grp * keys.s1;
+    const float* vb = values.data + row * values.s0 + grp * values.s1;
+    const int64_t stride = (*std::max_element(positions, positions + count) + 7) & ~int64_t{7};
+    scores.resize(static_cast<size_t>(count) * rep * stride);
+    const int nv = dh / 8;
+    auto run = [&](auto group, auto block) {
+      if (count == 1) // a decode position: one pass over its keys
+        group(qrot.data(), rep, nv, kb, keys.s2, vb, values.s2, positions[0], scale,
+              scores.data(), outs.data());
+      else
+        block(qrot.data(), rep, nv, count, positions, kb, keys.s2, vb, values.s2, scale,
+              scores.data(), stride, outs.data());
+    };
+    if (nv == 8)
+      run(attend_group<8>, attend_block<8>);
+    else if (nv == 16)
+      run(attend_group<16>, attend_block<16>);
+    else if (nv == 4)
+      run(attend_group<4>, attend_block<4>);
+    else
+      run(attend_group<0>, attend_block<0>);
   };
   const int items = static_cast<int>(blocks * heads_of_rows);
   if (work < kThreadedWork) {
