@@ -24,6 +24,7 @@ LINUX_CPU = (
     "tests/test_skinny.py",
     "tests/test_native_jit.py",
     "tests/test_decode_ops.py",
+    "tests/test_native_failures.py",
     "tests/engines/test_compiled_step.py",
     "tests/engines/test_fused_decode.py",
     "tests/engines/test_decode_attention.py",

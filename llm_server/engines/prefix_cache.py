@@ -183,10 +183,6 @@ class PrefixCache:
         else:
             self.misses += 1
 
-    def note_hit(self, tokens: int) -> None:
-        """Count a prefix of `tokens` reused from elsewhere (a running row) in the stats."""
-        self.record(tokens)
-
     def insert(self, tokens: list[int], keys: list[mx.array], values: list[mx.array]) -> None:
         """Store KV for `tokens` (copies); replaces the entries it extends or nearly covers;
         evicts by priority to fit."""
@@ -271,10 +267,6 @@ class PrefixCache:
         entry.priority = self._clock + min(1 + entry.hits, MAX_FREQUENCY) * entry.value
         if entry.parent is not None:  # a trunk lives as long as its best child
             entry.parent.priority = max(entry.parent.priority, entry.priority)
-
-    def clear(self) -> None:
-        for eid in list(self._entries):
-            self._drop(eid)
 
     def persist(self) -> None:
         """Write every resident entry to the disk tier and wait for the writes (shutdown)."""

@@ -28,6 +28,27 @@ def test_attention_matches_mlx_fast_sdpa(batch, length, keys, mask):
     assert float(mx.abs(got - want).max()) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_attention_with_an_additive_mask_matches_mlx_fast_sdpa(dtype):
+    """A float mask is added to the scores (-inf hides a key); half-precision scores take
+    MLX's precise softmax instead of numpy's."""
+    rng = np.random.default_rng(1)
+    q, k, v = (
+        mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+        for shape in ((2, 6, 3, 16), (2, 2, 40, 16), (2, 2, 40, 16))
+    )
+    bias = rng.standard_normal((2, 1, 3, 40)).astype(np.float32)
+    bias[0, :, :, 30:] = -np.inf  # row 0 sees its first 30 keys only
+    mask = mx.array(bias).astype(dtype)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    got = native_kernels.attention(q, k, v, 0.25, mask)
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == mx.float32 else 4e-3
+    assert float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max()) <= tol
+    unmasked = native_kernels.attention(q, k, v, 0.25, None)
+    assert float(mx.abs(unmasked.astype(mx.float32) - got.astype(mx.float32)).max()) > 0.1
+
+
 @pytest.mark.parametrize("rows", [3, 200])  # below and above the numpy threshold
 def test_swiglu_matches_mlx_lm(rows):
     rng = np.random.default_rng(1)
