@@ -300,3 +300,54 @@ def test_scoring_rows_only_where_the_row_store_can_hold_them(family, rows, check
     scorer = Scorer()
     assert scorer.attach(engine) is (rows > 0)
     assert scorer.session.enabled is (rows == 0)
+
+
+def _asks_cache_size_module():
+    """An mlx-lm-style model module (llama's classes) whose attention calls `cache.size()`,
+    which mlx-lm's KVCache has and the row views do not: a forward that raises over them."""
+    import types
+
+    from mlx_lm.models import llama
+
+    class Attention(llama.Attention):
+        def __call__(self, x, mask=None, cache=None):
+            if cache is not None and cache.size() < 0:
+                raise AssertionError("unreachable: a size is never negative")
+            return super().__call__(x, mask=mask, cache=cache)
+
+    class Model(llama.Model):
+        def __init__(self, args):
+            super().__init__(args)
+            for layer in self.model.layers:
+                layer.self_attn = Attention(args)
+
+    module = types.ModuleType("mlx_lm.models.asks_cache_size")
+    module.Model, module.ModelArgs = Model, llama.ModelArgs
+    return module
+
+
+def test_unverified_architecture_whose_forward_fails_is_served_serially(
+    checkpoint, prompts, tmp_path, monkeypatch
+):
+    """A forward that raises over the row views at the load-time check: one row, the reason
+    naming the error, and mlx-lm's answers on its own caches (never a failing request)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "mlx_lm.models.asks_cache_size", _asks_cache_size_module())
+    path = tmp_path / "probe"
+    shutil.copytree(checkpoint("llama"), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "asks_cache_size"}))
+    engine = MLXEngine(path, EngineSettings(rows=4))
+    assert engine.rows == 1
+    assert engine.serial_reason == (
+        "asks_cache_size: its forward over per-row caches fails (EngineError: forward failed: "
+        "'RowView' object has no attribute 'size')"
+    )
+    for p in prompts[2:]:
+        logits, got = engine.prefill(0, p), []
+        for _ in range(NEW):
+            got.append(int(np.argmax(logits)))
+            logits = engine.decode([0], [got[-1]])[0]
+        engine.release(0)
+        assert got == mlx_lm_greedy(path, p, NEW)
