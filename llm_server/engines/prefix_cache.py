@@ -251,8 +251,10 @@ class PrefixCache:
             parent.children += 1  # not evicted to make room for its own child
         while self.bytes + nbytes > self.max_bytes:
             leaves = [i for i, e in self._entries.items() if not e.children]
-            if not leaves:
-                break
+            if not leaves:  # only the new entry's own trunk is left: it does not fit
+                if parent is not None:
+                    parent.children -= 1
+                return None
             victim = min(leaves, key=lambda i: (self._entries[i].priority, i))
             self._clock = max(self._clock, self._entries[victim].priority)
             self._drop(victim, spill=True)

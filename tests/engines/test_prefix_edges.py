@@ -62,11 +62,6 @@ def test_a_trunk_is_not_split_again_for_a_shorter_shared_prefix():
     assert cache.match(system + [7])[1] == 400
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PrefixCache._add: when only the new entry's trunk is left it stores the entry "
-    "over the bound (no leaf to evict: `break`, then adds); reported in REQUESTS.md",
-)
 def test_the_bound_holds_when_only_the_new_entrys_trunk_is_left():
     cache = PrefixCache(700 * 128)
     system = list(range(1000, 1400))
