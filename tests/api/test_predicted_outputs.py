@@ -7,8 +7,19 @@ from __future__ import annotations
 import openai
 import pytest
 
+from llm_server.scheduler.spec_policy import StepCosts
+
 MESSAGES = [{"role": "user", "content": "Repeat the list: apples, pears, plums, figs."}]
 N = 24
+
+
+class _EveryDraftPays(StepCosts):
+    """The policy's cut (spec_policy.py) weighs drafts by measured step times, which a loaded
+    machine can make say "no draft pays"; these tests check verification and its counts, so
+    every candidate draft is verified whole."""
+
+    def lengths(self, decoding: int, rows: dict[int, tuple[float, int]]) -> dict[int, int]:
+        return {row: most for row, (_, most) in rows.items()}
 
 
 @pytest.fixture(scope="module")
@@ -17,6 +28,7 @@ def server(tiny_model_path):
     from llm_server.testing.live import serving
 
     with serving(tiny_model_path, concurrent=2, speculative="off") as srv:
+        srv.service.scheduler.spec_costs = _EveryDraftPays()
         yield srv
 
 
