@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
+from llm_server.benchmark.load import DONE, sse_chunk
+
 REQUEST_TIMEOUT_S = 1800.0
 
 
@@ -107,12 +109,11 @@ def run_turn(
                 rec.error = f"HTTP {resp.status_code}: {resp.read().decode()[:300]}"
                 return rec
             for line in resp.iter_lines():
-                if not line.startswith("data:"):
+                chunk = sse_chunk(line)
+                if chunk is None:
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+                if chunk is DONE:
                     break
-                chunk = json.loads(data)
                 if "error" in chunk:
                     rec.error = f"error in stream: {json.dumps(chunk['error'])[:300]}"
                     return rec

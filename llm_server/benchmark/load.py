@@ -64,6 +64,18 @@ class Prompt:
     messages: list[dict]
 
 
+DONE = "[DONE]"
+
+
+def sse_chunk(line: str) -> dict | str | None:
+    """One line of an SSE chat stream: its JSON chunk, DONE at `data: [DONE]`, None for a line
+    that carries no data."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    return DONE if data == DONE else json.loads(data)
+
+
 def chat_body(messages: list[dict], max_tokens: int) -> dict:
     """A greedy streaming chat request; no `model`, so each server uses the one it loaded."""
     return {
@@ -93,12 +105,11 @@ async def _stream_one(
                 rec.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}"
                 return
             async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+                chunk = sse_chunk(line)
+                if chunk is None:
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+                if chunk is DONE:
                     break
-                chunk = json.loads(data)
                 if "error" in chunk:
                     rec.error = f"error in stream: {json.dumps(chunk['error'])[:300]}"
                     return

@@ -226,12 +226,28 @@ def test_prefix_cache_reuse_only_where_the_state_allows(family, checkpoint, prom
     assert engine.cached_tokens(1) == (len(first) if family == "gemma3_text" else 0)
 
 
+def _llama_module(name: str, attention: type):
+    """An mlx-lm model module `mlx_lm.models.<name>`: llama's classes with every layer's
+    attention an `attention` instance."""
+    import types
+
+    from mlx_lm.models import llama
+
+    class Model(llama.Model):
+        def __init__(self, args):
+            super().__init__(args)
+            for layer in self.model.layers:
+                layer.self_attn = attention(args)
+
+    module = types.ModuleType(f"mlx_lm.models.{name}")
+    module.Model, module.ModelArgs = Model, llama.ModelArgs
+    return module
+
+
 def _offset_after_update_module():
     """An mlx-lm-style model module (llama's classes) whose attention reads `cache.offset`
     after `update_and_fetch`, relying on mlx-lm's KVCache having advanced it: a cache
     protocol the row views do not follow."""
-    import types
-
     from mlx_lm.models import llama
 
     class Attention(llama.Attention):
@@ -246,15 +262,7 @@ def _offset_after_update_module():
             out = llama.scaled_dot_product_attention(q, k, v, cache, scale=self.scale, mask=mask)
             return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
-    class Model(llama.Model):
-        def __init__(self, args):
-            super().__init__(args)
-            for layer in self.model.layers:
-                layer.self_attn = Attention(args)
-
-    module = types.ModuleType("mlx_lm.models.offset_after_update")
-    module.Model, module.ModelArgs = Model, llama.ModelArgs
-    return module
+    return _llama_module("offset_after_update", Attention)
 
 
 def test_unverified_architecture_that_differs_is_served_serially(
@@ -305,8 +313,6 @@ def test_scoring_rows_only_where_the_row_store_can_hold_them(family, rows, check
 def _asks_cache_size_module():
     """An mlx-lm-style model module (llama's classes) whose attention calls `cache.size()`,
     which mlx-lm's KVCache has and the row views do not: a forward that raises over them."""
-    import types
-
     from mlx_lm.models import llama
 
     class Attention(llama.Attention):
@@ -315,15 +321,7 @@ def _asks_cache_size_module():
                 raise AssertionError("unreachable: a size is never negative")
             return super().__call__(x, mask=mask, cache=cache)
 
-    class Model(llama.Model):
-        def __init__(self, args):
-            super().__init__(args)
-            for layer in self.model.layers:
-                layer.self_attn = Attention(args)
-
-    module = types.ModuleType("mlx_lm.models.asks_cache_size")
-    module.Model, module.ModelArgs = Model, llama.ModelArgs
-    return module
+    return _llama_module("asks_cache_size", Attention)
 
 
 def test_unverified_architecture_whose_forward_fails_is_served_serially(
