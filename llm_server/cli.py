@@ -11,6 +11,7 @@ import socket
 import sys
 from pathlib import Path
 
+from llm_server.engines.settings import KV_KEEP_ALIVE_S
 from llm_server.model_source import source_or_exit
 from llm_server.scheduler.batch import (
     DEFAULT_PREFILL_TOKENS,
@@ -183,6 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="bound of --prefix-cache-dir, e.g. 8G (default: 16G, at most half the free space)",
     )
     p.add_argument(
+        "--kv-keep-alive",
+        type=_seconds,
+        default=KV_KEEP_ALIVE_S,
+        metavar="SECONDS",
+        help="seconds an idle model keeps its KV memory, each finished conversation's tokens "
+        "in place, so an agent's next turn reuses its prompt without a copy (default: "
+        f"{KV_KEEP_ALIVE_S:g}; 0 gives the memory back as soon as no request runs)",
+    )
+    p.add_argument(
         "--warm-prompts",
         type=_warm_prompts,
         default=None,
@@ -316,6 +326,17 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"not a size: {text!r} (use e.g. 512M, 2G or bytes)"
         ) from None
+
+
+def _seconds(text: str) -> float:
+    """A non-negative number of seconds (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, e.g. 60 or 0.5, got {text!r}")
+    return value
 
 
 def _warm_prompts(path: str) -> list:

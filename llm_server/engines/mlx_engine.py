@@ -122,6 +122,7 @@ class MLXEngine:
             bound = default_bound(kv_token_bytes(text, _DTYPES[self.dtype].size))
         self._prefix_cache_bytes = bound
         self._score_rows = 0 if sharded else settings.score_rows
+        self._keep_alive = 0.0 if sharded else settings.kv_keep_alive  # (no rank trims)
         self._compose(rows)
         if self.serial_reason is None and model_family(self.model) not in VERIFIED_FAMILIES:
             problem = row_forward_problem(self)  # an architecture the tests do not cover
@@ -156,6 +157,7 @@ class MLXEngine:
             self.rows,
             self.score_rows,
             serial_cache=(lambda: make_cache(self.model)) if serial else None,
+            keep_alive=self._keep_alive,
         )
         self.forward = ModelForward(
             self.model,
@@ -232,6 +234,18 @@ class MLXEngine:
     def release(self, row: int) -> None:
         """Free `row` (a serving row's history goes to the prefix cache first)."""
         self.row_table.release(row)
+
+    def preferred_row(self, tokens: list[int], rows: list[int]) -> int:
+        """The free row to open `tokens` on: the one still holding the longest prefix of it."""
+        return self.row_table.preferred_row(tokens, rows)
+
+    def idle_due(self) -> float | None:
+        """Seconds until the idle KV store is given back (None: none held idle)."""
+        return self.row_table.idle_due()
+
+    def trim_idle(self) -> bool:
+        """Give the idle KV store back once its keep-alive is over."""
+        return self.row_table.trim_idle()
 
     def rewind(self, row: int, cursor: int) -> None:
         """Drop `row`'s positions from `cursor` on (a draft's rejected tokens)."""

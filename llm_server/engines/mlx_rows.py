@@ -5,10 +5,18 @@ a per-row slot in a `StateStore`. A row's cursor is the length of its token list
 prompt copies in the longest prefix held elsewhere (the prefix cache or a running row); a
 released serving row gives its history to the prefix cache. A model served serially keeps
 mlx-lm's own caches of its one row instead of views of the store.
+
+A released row also keeps its history where it is (`kept`): its KV stays in the store until the
+row is opened again or the store is given back, so the next turn of a conversation opened on
+that row (`preferred_row` picks it) reuses its prefix in place, with no copy. When no row is
+busy the store is given back after `keep_alive` seconds (`trim_idle`; 0: at once), not at
+once: a fresh store's first long write faults in its pages (~0.5 s for 4k positions of SmolLM2
+at 4 rows), which a conversation's next turn would otherwise pay every time.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -30,9 +38,12 @@ class RowTable:
         rows: int,
         score_rows: int,
         serial_cache: Callable[[], list] | None = None,
+        keep_alive: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`store`/`states` hold `rows` serving rows then `score_rows` scoring rows;
-        `serial_cache`: makes mlx-lm's caches of the one row (a model served serially)."""
+        `serial_cache`: makes mlx-lm's caches of the one row (a model served serially);
+        `keep_alive`: seconds an idle store is kept (with the released rows' histories)."""
         self.store = store
         self.states = states
         self.prefix_cache = prefix_cache
@@ -46,6 +57,14 @@ class RowTable:
         self.cached = [0] * total  # prompt tokens the last prefill took from the cache
         self.ahead = [0] * total  # decode steps started on a row and not yet finished
         self.epoch = [0] * total  # bumped by release(): in-flight steps are then void
+        # a free serving row's last history, whose KV the store still holds at positions
+        # 0..len-1 (reused in place by the next prompt opened on the row that shares it)
+        self.kept: list[list[int]] = [[] for _ in range(total)]
+        self.released = [0] * total  # release order of the rows (the oldest kept is given up)
+        self._releases = 0
+        self.keep_alive = keep_alive
+        self.idle_since: float | None = None  # when the last busy row was released
+        self._clock = clock
 
     def cursor(self, row: int) -> int:
         return len(self.tokens[row])
@@ -60,16 +79,21 @@ class RowTable:
         """Reset `row` for a new prompt and copy in the longest prefix held elsewhere (prefix
         cache, or a running row); returns the positions reused (the row's cursor)."""
         self.states.clear_row(row)
+        self.idle_since = None
         if self._make_serial is not None:
             self.serial_cache = self._make_serial()
+        kept = self._kept_prefix(row, tokens)
+        self.kept[row] = []
         source, shared = self._live_prefix(row, tokens)
-        entry, reused = self.prefix_cache.match(tokens, floor=shared)
-        if shared > reused:  # a running row holds more of this prompt than the cache
+        entry, reused = self.prefix_cache.match(tokens, floor=max(shared, kept))
+        if entry is not None:  # the cache holds more of this prompt than any row
+            self.store.write_prefix(row, entry.keys, entry.values, reused)
+        elif shared > kept:  # a running row holds more of it than this row kept
             keys, values = self.store.read_row(source, shared)
             self.store.write_prefix(row, keys, values, shared)
             reused = shared
-        elif entry is not None:
-            self.store.write_prefix(row, entry.keys, entry.values, reused)
+        else:  # the row's own KV, where its last request left it: nothing to copy
+            reused = kept
         self.prefix_cache.record(reused)
         self.tokens[row] = tokens[:reused]
         self.cached[row] = reused
@@ -93,22 +117,75 @@ class RowTable:
                 best_row, best = r, length
         return best_row, best
 
+    def _kept_prefix(self, row: int, tokens: list[int]) -> int:
+        """Positions of `row`'s kept history that `tokens` starts with (all but its last
+        token; 0 below the prefix cache's minimum or with the cache off)."""
+        held = self.kept[row]
+        n = min(len(held), len(tokens) - 1)
+        if not self.prefix_cache.enabled or n < self.prefix_cache.min_tokens:
+            return 0
+        differ = np.flatnonzero(
+            np.asarray(held[:n], dtype=np.int64) != np.asarray(tokens[:n], dtype=np.int64)
+        )
+        shared = int(differ[0]) if differ.size else n
+        return shared if shared >= self.prefix_cache.min_tokens else 0
+
+    def preferred_row(self, tokens: list[int], rows: list[int]) -> int:
+        """The free row of `rows` to open `tokens` on: the one whose kept history shares the
+        longest prefix with it, else one keeping nothing, else the one released longest ago
+        (so a conversation's rows survive other requests in between)."""
+        best, best_len = None, 0
+        for r in rows:
+            if (n := self._kept_prefix(r, tokens)) > best_len:
+                best, best_len = r, n
+        if best is not None:
+            return best
+        return min(rows, key=lambda r: (bool(self.kept[r]), self.released[r], r))
+
     def release(self, row: int) -> None:
         """Free `row`; a serving row's history (prompt + generated) goes to the prefix cache
-        first (a scoring row's never: scoring needs the logits of every position anyway)."""
+        first (a scoring row's never: scoring needs the logits of every position anyway) and
+        stays in the row (`kept`). With no row busy, the store is given back now or, with a
+        history kept, after `keep_alive` seconds (`trim_idle`)."""
         self.check_row(row, scoring=True)
         held = self.tokens[row]
         if held and self.prefix_cache.enabled and row < self.rows:
             keys, values = self.store.read_row(row, len(held))
             self.prefix_cache.insert(held, keys, values)
+            self.kept[row] = held
+            self._releases += 1
+            self.released[row] = self._releases
         self.tokens[row] = []
         self.ahead[row] = 0
         self.epoch[row] += 1
         self.states.clear_row(row)
         self.serial_cache = None
         if not any(self.tokens):
-            self.store.clear()  # idle: give the KV memory back
-            mx.clear_cache()
+            if self.keep_alive > 0 and any(self.kept):
+                self.idle_since = self._clock()
+            else:
+                self.clear()
+
+    def clear(self) -> None:
+        """Give the KV memory back (no row busy): the store, and the histories it held."""
+        self.store.clear()
+        mx.clear_cache()
+        self.kept = [[] for _ in self.kept]
+        self.idle_since = None
+
+    def idle_due(self) -> float | None:
+        """Seconds until an idle store is due back (<= 0: now); None when nothing idle is held."""
+        if self.idle_since is None:
+            return None
+        return self.keep_alive - (self._clock() - self.idle_since)
+
+    def trim_idle(self) -> bool:
+        """Give an idle store back once its keep-alive is over; True when it did."""
+        due = self.idle_due()
+        if due is None or due > 0 or any(self.tokens):
+            return False
+        self.clear()
+        return True
 
     def rewind(self, row: int, cursor: int) -> None:
         """Drop `row`'s positions from `cursor` on: its token list, hence what the prefix

@@ -13,6 +13,10 @@ from typing import Any
 DTYPES = ("float32", "float16", "bfloat16")
 PARALLEL = ("tensor", "pipeline")
 SCORE_ROWS = 8  # scoring rows of the store: scoring prompts open at once (see score_rows)
+# seconds an idle engine keeps its KV store and the released rows' histories in it (mlx_rows):
+# an agent's next turn, after its tool ran or its user read the answer, reuses its prefix in
+# place; then the memory goes back
+KV_KEEP_ALIVE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,9 @@ class EngineSettings:
     # "linux_cpu" or "generic" (engines/kernels.py; None: LLM_SERVER_KERNELS, else linux_cpu
     # on the CPU and generic elsewhere), chosen once at load for every forward
     kernels: str | None = None
+    # seconds an idle engine keeps its KV store, the released rows' histories in place (a
+    # conversation's next turn reuses its prefix there with no copy); 0: given back at once
+    kv_keep_alive: float = KV_KEEP_ALIVE_S
 
     def __post_init__(self) -> None:
         if self.rows < 1:
@@ -66,6 +73,8 @@ class EngineSettings:
             )
         if self.score_rows < 0:
             raise ValueError(f"score_rows must be >= 0, got {self.score_rows}")
+        if not self.kv_keep_alive >= 0:  # (NaN too)
+            raise ValueError(f"kv_keep_alive must be >= 0 seconds, got {self.kv_keep_alive}")
 
     @property
     def sharded(self) -> bool:
@@ -80,6 +89,7 @@ def from_cli(args: argparse.Namespace, group: Any = None) -> EngineSettings:
         context_length=args.context_length,
         dtype=args.dtype,
         prefix_cache_bytes=args.prefix_cache_bytes,
+        kv_keep_alive=getattr(args, "kv_keep_alive", KV_KEEP_ALIVE_S),
         keep_quantized=args.keep_quantized,
         compiled_decode={"on": True, "off": False}.get(getattr(args, "compiled_decode", None)),
         group=group,

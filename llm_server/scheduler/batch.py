@@ -290,12 +290,20 @@ class BatchScheduler(PlanExecutor):
         return pumped or (self.scorer is not None and self.scorer.pending())
 
     def _wait_for_work(self) -> bool:
-        with self._cond:
-            while not self._has_work():
+        """Block until there is work (True) or the scheduler closes (False); meanwhile give
+        the engine's idle KV memory back when its keep-alive is over (`trim_idle`)."""
+        due = getattr(self.engine, "idle_due", lambda: None)
+        while True:
+            with self._cond:
+                if self._has_work():
+                    return True
                 if self._closing:
                     return False
-                self._cond.wait()
-            return True
+                left = due()
+                if left is None or left > 0:
+                    self._cond.wait(left)
+                    continue
+            self.engine.trim_idle()  # outside the lock: submitters never wait on it
 
     def _serve_leases(self) -> None:
         if self._leases:
@@ -347,6 +355,7 @@ class BatchScheduler(PlanExecutor):
                 drafts=step_drafts,
                 scoring=() if self._leases else scoring,
                 prefill_budget=self.prefill_tokens,
+                row_for=getattr(self.engine, "preferred_row", None),
             )
 
     def _drafts(self) -> dict[int, tuple[int, ...]]:

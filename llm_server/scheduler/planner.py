@@ -12,7 +12,9 @@ MLX (tests/scheduler/test_plan.py). The rules, in order:
      advances every step and is never overtaken by a newcomer. With no row decoding nobody is
      stalled by a long step, so the chunks share `prefill_budget` (larger: a lone long prompt
      runs at the machine's prefill rate, issue 38) instead of `budget`;
-  4. then queued requests take free rows in FIFO order (S3) while budget is left; a request
+  4. then queued requests take free rows in FIFO order (S3) while budget is left, each the
+     row `row_for` picks among those left (the engine's `preferred_row`: the row still
+     holding the longest prefix of its prompt; else the lowest); a request
      that cannot get a chunk this step stays at the head of the queue (no skipping). A request
      whose prompt shares at least `share_min` tokens with a prompt that is not computed that
      far yet waits a step too, so it copies the prefix from that row instead of computing it
@@ -34,7 +36,7 @@ prompt chunk took the step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from llm_server.engines.base import SCORE_CHUNK
@@ -57,6 +59,7 @@ def plan(
     drafts: Mapping[int, tuple[int, ...]] | None = None,
     scoring: Sequence[OpenPrompt] = (),
     prefill_budget: int | None = None,
+    row_for: Callable[[list[int], list[int]], int] | None = None,
 ) -> StepPlan:
     """The next step. `running`: row -> request; `free`: rows nobody holds; `admit`: False
     while a pipelined step for the current rows is in flight (newcomers join after it);
@@ -64,7 +67,8 @@ def plan(
     the engine copies from another row (0: it never does); `drafts`: row -> draft ids to
     verify after its pending token; `scoring`: the scoring prompts open on scoring rows,
     in the order they were opened; `prefill_budget`: positions per forward when no row
-    decodes (None: `budget`; 0: unlimited)."""
+    decodes (None: `budget`; 0: unlimited); `row_for(prompt, rows)`: the free row of `rows`
+    a prompt opens on (reads only; None: the lowest)."""
     live = {row: req for row, req in running.items() if not req.cancelled.is_set()}
     retire = tuple(sorted(row for row in running if row not in live))
     queued = list(queue)
@@ -99,7 +103,8 @@ def plan(
                 continue
             if share_min and _wait_for_prefix(req, live.values(), chunks, share_min):
                 break
-            row = rows.pop(0)
+            row = rows[0] if row_for is None else row_for(req.prompt, rows)
+            rows.remove(row)
             admissions.append(Admission(req.seq, row, req.exclusive))
             if req.exclusive:
                 continue  # runs alone before the forward, outside the budget

@@ -98,7 +98,7 @@ def test_chunked_prefill_equals_one_shot(tiny_model_path, monkeypatch):
 
 
 def test_release_frees_memory_and_resets_cursor(tiny_model_path, prompts):
-    engine = MLXEngine(tiny_model_path, EngineSettings(rows=2))
+    engine = MLXEngine(tiny_model_path, EngineSettings(rows=2, kv_keep_alive=0))
     engine.prefill(0, prompts[5])
     engine.prefill(1, prompts[3])
     assert engine.kv_bytes() > 0

@@ -53,7 +53,9 @@ def _serve(model, tok, engine_cls, prompts, params, concurrent=4):
     Prompt-lookup drafting is off: its steps are not pipelined, and whether a step drafts
     depends on the measured step times (spec_policy), which would make the counts of
     pipelined steps depend on the machine's speed."""
-    sched = start_scheduler(model, concurrent, engine_cls=engine_cls, speculative="off")
+    sched = start_scheduler(
+        model, concurrent, engine_cls=engine_cls, speculative="off", kv_keep_alive=0
+    )
     try:
         outs = []
         for prompt, (max_tokens, kw) in zip(prompts, params, strict=True):

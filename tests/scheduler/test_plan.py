@@ -26,6 +26,23 @@ def test_fifo_admission_into_the_lowest_free_rows():
     assert p.decode == () and p.retire == () and p.drop == ()
 
 
+def test_each_newcomer_opens_on_the_row_the_engine_prefers_among_those_left():
+    reqs = [request([5] * n)[0] for n in (3, 4, 5)]
+    asked = []
+
+    def row_for(prompt: list[int], rows: list[int]) -> int:
+        asked.append((len(prompt), list(rows)))
+        return rows[-1]  # e.g. the row still holding this prompt's prefix
+
+    p = plan(reqs, {}, [2, 0, 1], budget=0, row_for=row_for)
+    assert [(a.seq, a.row) for a in p.admit] == [
+        (reqs[0].seq, 2),
+        (reqs[1].seq, 1),
+        (reqs[2].seq, 0),
+    ]
+    assert asked == [(3, [0, 1, 2]), (4, [0, 1]), (5, [0])]
+
+
 def test_budget_counts_decode_rows_and_splits_the_newcomer():
     running = {}
     for row in range(7):

@@ -1,0 +1,128 @@
+"""A released row keeps its history in the store: the next prompt that shares it, opened on that
+row, reuses the prefix in place (no copy) with the logits of a cold prefill; the idle store goes
+back after the keep-alive (mlx_rows.RowTable, EngineSettings.kv_keep_alive)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.settings import EngineSettings
+
+
+@pytest.fixture(scope="module")
+def turns() -> tuple[list[int], list[int], list[int]]:
+    rng = np.random.default_rng(11)
+    first = [int(t) for t in rng.integers(3, 380, 150)]
+    second = first + [int(t) for t in rng.integers(3, 380, 40)]  # the next turn: history + new
+    other = [int(t) for t in rng.integers(3, 380, 60)]  # an unrelated request in between
+    return first, second, other
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _engine(path, clock: Clock | None = None, **kw) -> MLXEngine:
+    engine = MLXEngine(path, EngineSettings(rows=2, **kw))
+    if clock is not None:
+        engine.row_table._clock = clock
+    return engine
+
+
+def _copied(path, first: list[int], second: list[int]) -> np.ndarray:
+    """`second`'s logits with `first`'s KV copied in from the prefix cache (another row)."""
+    engine = _engine(path)
+    engine.prefill(1, first)
+    engine.release(1)
+    logits = engine.prefill(0, second)
+    assert engine.cached_tokens(0) == len(first)
+    return logits
+
+
+def test_next_turn_reuses_its_row_in_place(tiny_model_path, turns, monkeypatch):
+    """The logits of the copy it replaces, bit for bit (the same KV), and a cold prefill's
+    within float32 rounding (the prompt ran in two chunks, not one)."""
+    first, second, _ = turns
+    cold = _engine(tiny_model_path, prefix_cache_bytes=0).prefill(0, second)
+    copied = _copied(tiny_model_path, first, second)
+    engine = _engine(tiny_model_path)
+    engine.prefill(0, first)
+    engine.release(0)
+    assert engine.kv_bytes() > 0  # kept through the keep-alive
+    assert engine.preferred_row(second, [0, 1]) == 0
+    copies = []
+    monkeypatch.setattr(
+        engine.row_table.store, "write_prefix", lambda *a: copies.append(a), raising=True
+    )
+    got = engine.prefill(0, second)
+    assert copies == []  # nothing copied: the row's own KV
+    assert engine.cached_tokens(0) == len(first)
+    assert np.array_equal(got, copied)
+    assert np.abs(got - cold).max() <= 1e-4 and got.argmax() == cold.argmax()
+
+
+def test_an_unrelated_request_takes_another_row(tiny_model_path, turns):
+    first, second, other = turns
+    engine = _engine(tiny_model_path)
+    engine.prefill(0, first)
+    engine.release(0)
+    assert engine.preferred_row(other, [0, 1]) == 1  # the row keeping nothing
+    engine.prefill(1, other)
+    engine.release(1)
+    # both rows keep a history: the one released longest ago is given up first
+    unrelated = [5] * 30
+    assert engine.preferred_row(unrelated, [0, 1]) == 0
+    assert engine.preferred_row(second, [0, 1]) == 0
+    assert engine.preferred_row(other + [9, 9], [1, 0]) == 1
+
+
+def test_a_row_opened_for_another_prompt_no_longer_offers_its_history(tiny_model_path, turns):
+    first, second, other = turns
+    copied = _copied(tiny_model_path, first, second)
+    engine = _engine(tiny_model_path)
+    engine.prefill(0, first)
+    engine.release(0)
+    engine.prefill(0, other)  # row 0 overwritten
+    engine.release(0)
+    assert engine.row_table._kept_prefix(0, second) == 0
+    got = engine.prefill(1, second)  # from the prefix cache's copy instead
+    assert engine.cached_tokens(1) == len(first)
+    assert np.array_equal(got, copied)
+
+
+def test_idle_store_goes_back_after_the_keep_alive(tiny_model_path, turns):
+    first, second, _ = turns
+    clock = Clock()
+    engine = _engine(tiny_model_path, clock, kv_keep_alive=30)
+    assert engine.idle_due() is None
+    engine.prefill(0, first)
+    assert engine.idle_due() is None  # a row is busy
+    engine.release(0)
+    assert engine.idle_due() == 30
+    clock.now += 29
+    assert not engine.trim_idle() and engine.kv_bytes() > 0
+    clock.now += 1
+    assert engine.trim_idle() and engine.kv_bytes() == 0 and engine.idle_due() is None
+    engine.prefill(0, second)  # the prefix cache still has the history
+    assert engine.cached_tokens(0) == len(first)
+
+
+def test_no_keep_alive_or_no_prefix_cache_gives_the_store_back_at_once(tiny_model_path, turns):
+    first, _, _ = turns
+    for kw in ({"kv_keep_alive": 0}, {"prefix_cache_bytes": 0}):
+        engine = _engine(tiny_model_path, **kw)
+        engine.prefill(0, first)
+        engine.release(0)
+        assert engine.kv_bytes() == 0 and engine.idle_due() is None, kw
+
+
+def test_keep_alive_must_be_non_negative():
+    for bad in (-1, float("nan")):
+        with pytest.raises(ValueError, match="kv_keep_alive"):
+            EngineSettings(kv_keep_alive=bad)
