@@ -61,8 +61,9 @@ def warm_tokens(service, items: list[Any]) -> list[list[int]]:
 
 
 def prepare_engine(engine, cache_dir: Path | None, disk_bytes: int | None, prompts) -> None:
-    """Attach the disk tier (when `cache_dir` is set), then prefill each of `prompts` (token
-    lists) on row 0 and release it, leaving its KV in the prefix cache. Runs on the scheduler
+    """Attach the disk tier (when `cache_dir` is set) and read its most recent conversations
+    back into the rows (`resume`), then prefill each of `prompts` (token lists) on a free row
+    and release it, leaving its KV in the prefix cache. Runs on the scheduler
     thread before the model reports ready."""
     cache = getattr(engine, "prefix_cache", None)
     if cache is None or not cache.enabled:
@@ -75,10 +76,15 @@ def prepare_engine(engine, cache_dir: Path | None, disk_bytes: int | None, promp
         cache_dir = Path(cache_dir)
         bound = default_disk_bytes(cache_dir) if disk_bytes is None else disk_bytes
         cache.attach_disk(DiskTier(cache_dir, bound, engine_fingerprint(engine), cache.min_tokens))
+        resumed = engine.resume() if hasattr(engine, "resume") else 0
+        if resumed:
+            log.info("resumed %d conversation(s) from %s into the KV store", resumed, cache_dir)
     for ids in prompts:
         ids = ids[: engine.context_length]
         if len(ids) >= cache.min_tokens:
-            engine.prefill(0, ids)
-            engine.release(0)
+            pick = getattr(engine, "preferred_row", None)  # not over a resumed conversation
+            row = 0 if pick is None else pick(ids, list(range(engine.rows)))
+            engine.prefill(row, ids)
+            engine.release(row)
     if prompts:
         log.info("prefilled %d warm prompts into the prefix cache", len(prompts))

@@ -239,6 +239,10 @@ class MLXEngine:
         """The free row to open `tokens` on: the one still holding the longest prefix of it."""
         return self.row_table.preferred_row(tokens, rows)
 
+    def resume(self) -> int:
+        """Read the disk tier's most recent conversations back into the rows (a restart)."""
+        return self.row_table.resume()
+
     def idle_due(self) -> float | None:
         """Seconds until the idle KV store is given back (None: none held idle)."""
         return self.row_table.idle_due()

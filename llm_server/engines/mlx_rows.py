@@ -166,6 +166,28 @@ class RowTable:
             else:
                 self.clear()
 
+    def resume(self) -> int:
+        """After a restart: the disk tier's most recently used entries, one per serving row,
+        read back into the prefix cache and into the rows as their kept histories (the most
+        recent one released last), so each conversation's next turn reuses its prefix in place
+        rather than reading its file then; given back after the keep-alive like any idle
+        store. Returns the rows resumed (0: no disk tier, or no keep-alive)."""
+        disk = self.prefix_cache.disk
+        if disk is None or self.keep_alive <= 0 or any(self.tokens):
+            return 0
+        loaded = disk.recent(self.rows)
+        for row, (tokens, keys, values) in enumerate(loaded):
+            self.prefix_cache.add_read(tokens, keys, values)
+            self.store.write_prefix(row, keys, values, len(tokens))
+        for row in reversed(range(len(loaded))):
+            self.kept[row] = loaded[row][0].tolist()
+            self._releases += 1
+            self.released[row] = self._releases
+        if loaded:
+            mx.eval(self.store.arrays())  # the pages faulted in now, during the load
+            self.idle_since = self._clock()
+        return len(loaded)
+
     def clear(self) -> None:
         """Give the KV memory back (no row busy): the store, and the histories it held."""
         self.store.clear()

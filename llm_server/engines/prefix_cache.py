@@ -172,6 +172,11 @@ class PrefixCache:
         self._touch(best)
         return best, best_len
 
+    def add_read(self, tokens: np.ndarray, keys: list[mx.array], values: list[mx.array]) -> bool:
+        """An entry read back from the disk tier (`DiskTier.recent`), held in memory as if it
+        had been hit; False when it does not fit the bound."""
+        return self._add(np.asarray(tokens, dtype=np.int32), keys, values) is not None
+
     def record(self, reused: int) -> None:
         """Count one prefill in the stats: a hit of `reused` tokens (from an entry or a
         running row), or a miss."""

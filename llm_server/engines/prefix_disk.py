@@ -190,6 +190,30 @@ class DiskTier:
                 return loaded
         return None
 
+    def recent(self, n: int) -> list:
+        """(tokens, keys, values) of the `n` most recently used files of at least READ_TOKENS
+        tokens, most recent first (a restarted server's last conversations), none a prefix of
+        another's; corrupt files are skipped as on any read."""
+        with self._lock:
+            index = {k: e.tokens for k, e in self._index.items() if len(e.tokens) >= READ_TOKENS}
+            used = {k: self._index[k].used for k in index}
+        # an earlier turn's file whose tokens a later file starts with adds nothing
+        covered = {
+            k
+            for k, t in index.items()
+            for o, u in index.items()
+            if o != k and len(u) > len(t) and np.array_equal(u[: len(t)], t)
+        }
+        keys = sorted((k for k in index if k not in covered), key=used.get, reverse=True)
+        out = []
+        for key in keys:
+            if len(out) == n:
+                break
+            loaded = self._load(key)
+            if loaded is not None:
+                out.append(loaded)
+        return out
+
     def _load(self, key: str):
         path = self.dir / (key + SUFFIX)
         try:

@@ -1,14 +1,18 @@
 """A released row keeps its history in the store: the next prompt that shares it, opened on that
 row, reuses the prefix in place (no copy) with the logits of a cold prefill; the idle store goes
-back after the keep-alive (mlx_rows.RowTable, EngineSettings.kv_keep_alive)."""
+back after the keep-alive (mlx_rows.RowTable, EngineSettings.kv_keep_alive); a restart over a
+prefix cache folder resumes the last conversations into the rows at load."""
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import pytest
 
 from llm_server.engines.mlx_engine import MLXEngine
 from llm_server.engines.settings import EngineSettings
+from llm_server.warm_prompts import prepare_engine
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +130,56 @@ def test_keep_alive_must_be_non_negative():
     for bad in (-1, float("nan")):
         with pytest.raises(ValueError, match="kv_keep_alive"):
             EngineSettings(kv_keep_alive=bad)
+
+
+def _persisted(path, folder, history: list[int]) -> None:
+    """A server that served `history` and shut down: its entry on disk in `folder`."""
+    engine = _engine(path)
+    prepare_engine(engine, folder, None, [])
+    engine.prefill(0, history)
+    engine.release(0)
+    engine.prefix_cache.persist()
+
+
+def test_a_restart_resumes_the_last_conversation_into_its_row(tiny_model_path, tmp_path, turns):
+    """Read back at load (not at the next turn), in place, with the logits of a lazy disk hit."""
+    first, second, other = turns
+    history = first * 2  # 300 tokens: a read worth its file (prefix_disk.READ_TOKENS)
+    turn = history + other[:20]
+    lazy = _engine(tiny_model_path, kv_keep_alive=0)  # no resume: read at the hit, copied
+    _persisted(tiny_model_path, tmp_path, history)
+    prepare_engine(lazy, tmp_path, None, [])
+    assert lazy.kv_bytes() == 0
+    want = lazy.prefill(0, turn)
+    assert lazy.cached_tokens(0) == len(history)
+
+    engine = _engine(tiny_model_path)
+    prepare_engine(engine, tmp_path, None, [])
+    disk = engine.prefix_cache.disk
+    assert disk.reads == 1 and engine.row_table.kept[0] == history
+    assert engine.preferred_row(other, [0, 1]) == 1  # an unrelated request leaves it alone
+    assert engine.preferred_row(turn, [0, 1]) == 0
+    copies = []
+    engine.row_table.store.write_prefix = lambda *a: copies.append(a)
+    got = engine.prefill(0, turn)
+    assert copies == [] and disk.reads == 1  # in place; nothing read at the turn
+    assert engine.cached_tokens(0) == len(history)
+    assert np.array_equal(got, want)
+
+
+def test_a_corrupt_file_is_not_resumed(tiny_model_path, tmp_path, turns, caplog):
+    first, _, other = turns
+    history = first * 2
+    _persisted(tiny_model_path, tmp_path, history)
+    (path,) = tmp_path.glob("kv_*/*.kv")
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01
+    path.write_bytes(bytes(data))
+    engine = _engine(tiny_model_path)
+    with caplog.at_level(logging.WARNING):
+        prepare_engine(engine, tmp_path, None, [])
+    assert engine.row_table.kept == [[]] * len(engine.row_table.kept)
+    assert engine.kv_bytes() == 0 and engine.prefix_cache.disk.corrupt == 1
+    assert any("checksum" in r.getMessage() for r in caplog.records)
+    engine.prefill(0, history + other[:20])
+    assert engine.cached_tokens(0) == 0  # computed cold
