@@ -30,6 +30,7 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <limits.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -115,31 +116,110 @@ static inline __attribute__((always_inline)) void finish(const product_t *p, int
     *out = p->beta == 0.0f ? p->alpha * s : p->alpha * s + p->beta * *out;
 }
 
-/* rows x cols outputs at (m0, n0); rows <= MT, cols <= NB (constants after inlining); the
- * next tile's weight rows are prefetched */
+#if VL == 16
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+/* r[j] = vsum(v[j]) for 8 accumulators at once, with vsum's additions (the same two operands
+ * for every sum; IEEE addition is commutative, so an operand pair in either order gives the
+ * same bits): each level adds a blend of two vectors to their complementary shuffle */
+static inline __attribute__((always_inline)) v8 reduce8(const vec v[8]) {
+    vec a[4], b[2];
+    for (int i = 0; i < 4; i++) /* a_j[l] = v_j[l] + v_j[l + 8]: [a_2i, a_2i+1] */
+        a[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 24, 25,
+                                       26, 27, 28, 29, 30, 31) +
+               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 16,
+                                       17, 18, 19, 20, 21, 22, 23);
+    for (int i = 0; i < 2; i++) /* b_j[l] = a_j[l] + a_j[l + 4]: blocks of 4 [b0, b2, b1, b3] */
+        b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 20, 21, 22, 23, 8, 9,
+                                       10, 11, 28, 29, 30, 31) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 16, 17, 18, 19, 12, 13,
+                                       14, 15, 24, 25, 26, 27);
+    /* c_j[l] = b_j[l] + b_j[l + 2] in every block: [c_u0, c_u1, c_w0, c_w1] */
+    vec c = __builtin_shufflevector(b[0], b[1], 0, 1, 18, 19, 4, 5, 22, 23, 8, 9, 26, 27, 12, 13,
+                                    30, 31) +
+            __builtin_shufflevector(b[0], b[1], 2, 3, 16, 17, 6, 7, 20, 21, 10, 11, 24, 25, 14,
+                                    15, 28, 29);
+    /* c_j[0] + c_j[1] at the even lanes: accumulators 0 4 2 6 1 5 3 7 */
+    vec d = c + __builtin_shufflevector(c, c, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15,
+                                        14);
+    return __builtin_shufflevector(d, d, 0, 8, 4, 12, 2, 10, 6, 14);
+}
+
+/* outputs (m, n0 .. n0 + 7) from their 8 accumulators: as `finish` does for each */
+static inline __attribute__((always_inline)) void finish8(const product_t *p, int m, int n0,
+                                                          const vec acc[8], int k) {
+    v8 s = reduce8(acc);
+    if (k < p->k) { /* the K % VL tail, in order */
+        const float *xr = p->a + (size_t)m * p->lda, *w = p->b + (size_t)n0 * p->ldb;
+        for (int j = 0; j < 8; j++) {
+            const float *wr = w + (size_t)j * p->ldb;
+            float t = s[j];
+            for (int kk = k; kk < p->k; kk++) t = fmaf(xr[kk], wr[kk], t);
+            s[j] = t;
+        }
+    }
+    float *out = p->c + (size_t)m * p->ldc + n0;
+    v8 o = p->alpha * s;
+    if (p->beta != 0.0f) {
+        v8 old;
+        __builtin_memcpy(&old, out, sizeof old);
+        o = p->alpha * s + p->beta * old;
+    }
+    __builtin_memcpy(out, &o, sizeof o);
+}
+#define FINISH_ROW(p, m, n0, acc, cols, k) \
+    do { \
+        if ((cols) == 8) \
+            finish8(p, m, n0, acc, k); \
+        else \
+            for (int j_ = 0; j_ < (cols); j_++) finish(p, m, (n0) + j_, (acc)[j_], k); \
+    } while (0)
+#else
+#define FINISH_ROW(p, m, n0, acc, cols, k) \
+    for (int j_ = 0; j_ < (cols); j_++) finish(p, m, (n0) + j_, (acc)[j_], k)
+#endif
+
+/* rows x cols outputs at (m0, n0); rows <= MT, cols <= NB (constants after inlining); `pf`: the
+ * next tile's weight rows are prefetched. k in [kb, ke): from zero (kb == 0) or the sums saved
+ * in `save` (rows x NB vectors), to the outputs (ke == K) or back into `save` (a vector stored
+ * and loaded again is the same vector: the sums go on as without the break) */
 static inline __attribute__((always_inline)) void tile(const product_t *p, int m0, int n0,
-                                                       const int rows, const int cols) {
+                                                       const int rows, const int cols,
+                                                       const int pf, int kb, int ke, vec *save,
+                                                       const float *pfrow) {
     const float *x = p->a + (size_t)m0 * p->lda, *w = p->b + (size_t)n0 * p->ldb;
     vec acc[MT][NB];
     for (int i = 0; i < rows; i++)
-        for (int j = 0; j < cols; j++) acc[i][j] = (vec){0};
-    int k = 0;
-    for (; k + VL <= p->k; k += VL) {
-        vec wv[NB];
+        for (int j = 0; j < cols; j++)
+            acc[i][j] = save == NULL || kb == 0 ? (vec){0} : save[i * NB + j];
+    int k = kb;
+    for (; k + VL <= ke; k += VL) {
+#if VL == 16 /* MT rows of A in registers, each weight vector loaded into one for MT rows */
+        vec xv[MT];
+        for (int i = 0; i < rows; i++) {
+            xv[i] = vload(x + (size_t)i * p->lda + k);
+            PIN(xv[i]);
+        }
         for (int j = 0; j < cols; j++) {
-            wv[j] = vload(w + (size_t)j * p->ldb + k);
-            PIN(wv[j]);
+            vec wv = vload(w + (size_t)j * p->ldb + k);
             /* the next tile's rows at this k: each of its row streams is warm when it starts
              * (5-8% at 4-8 rows in the harness; values unchanged) */
-            __builtin_prefetch(w + (size_t)(j + NB) * p->ldb + k);
+            if (pf) __builtin_prefetch(w + (size_t)(j + NB) * p->ldb + k);
+            for (int i = 0; i < rows; i++) acc[i][j] = vfma(xv[i], wv, acc[i][j]);
         }
-        for (int i = 0; i < rows; i++) {
-            vec xv = vload(x + (size_t)i * p->lda + k);
-            for (int j = 0; j < cols; j++) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
-        }
+#else /* NB = 1 weight vector in a register, A's rows loaded one after another */
+        vec wv = vload(w + k);
+        if (pf) __builtin_prefetch(w + (size_t)NB * p->ldb + k);
+        for (int i = 0; i < rows; i++)
+            acc[i][0] = vfma(vload(x + (size_t)i * p->lda + k), wv, acc[i][0]);
+#endif
+        if (pfrow) __builtin_prefetch(pfrow + k);
     }
-    for (int i = 0; i < rows; i++)
-        for (int j = 0; j < cols; j++) finish(p, m0 + i, n0 + j, acc[i][j], k);
+    if (save != NULL && ke < p->k) {
+        for (int i = 0; i < rows; i++)
+            for (int j = 0; j < cols; j++) save[i * NB + j] = acc[i][j];
+        return;
+    }
+    for (int i = 0; i < rows; i++) FINISH_ROW(p, m0 + i, n0, acc[i], cols, k);
 }
 
 #define NB1 8 /* weight rows per tile of a one-row product: NB1 accumulators + 1 of A */
@@ -159,7 +239,7 @@ static inline __attribute__((always_inline)) void tile1(const product_t *p, int 
             __builtin_prefetch(w + (size_t)(j + NB1) * p->ldb + k);
         }
     }
-    for (int j = 0; j < cols; j++) finish(p, m, n0 + j, acc[j], k);
+    FINISH_ROW(p, m, n0, acc, cols, k);
 }
 
 /* B stored [K, N] (`x @ v`, attention's probabilities times values): each output element sums
@@ -199,6 +279,53 @@ static void columns_kn(const product_t *p, int n0, int n1) {
         }
 }
 
+/* many rows (prompt chunks): a weight tile stays in L1 while the tiles of a block of A's rows
+ * (in L2) pass it; past K_BLOCK floats (a tile's weights over L1's half) in K blocks, the
+ * block's sums kept in between */
+#if VL == 16
+#define MANY_ROWS 24
+#else /* (not measured with AVX2: its products keep the tiles above) */
+#define MANY_ROWS INT_MAX
+#endif
+#define K_BLOCK 768 /* a multiple of VL */
+#define SAVE_ROWS (X_BLOCK_BYTES / (K_BLOCK * 4) + MT)
+static int row_block(const product_t *p) { /* rows of A per block, a multiple of MT */
+    int block = (int)(X_BLOCK_BYTES / ((size_t)p->k * sizeof(float))) / MT * MT;
+    return block < MT ? MT : block;
+}
+
+static void many_rows(const product_t *p, int m0, int m1, int n0, int n1) {
+    const int block = row_block(p);
+    const int full = n0 + (n1 - n0) / NB * NB;
+    const int kblocks = (p->k + K_BLOCK - 1) / K_BLOCK;
+    const int kc = (p->k / VL + kblocks - 1) / kblocks * VL; /* equal blocks of whole vectors */
+    vec save[kblocks > 1 ? SAVE_ROWS * NB : 1];
+    for (int b0 = m0; b0 < m1; b0 += block) {
+        const int b1 = b0 + block < m1 ? b0 + block : m1;
+        const int mfull = b0 + (b1 - b0) / MT * MT;
+        for (int n = n0; n < full; n += NB) {
+            for (int kb = 0; kb < p->k; kb += kc) {
+                const int ke = kb + kc < p->k && kblocks > 1 ? kb + kc : p->k;
+                /* tile t of A's rows prefetches row t % NB of the next weight tile */
+                const float *next = n + NB < full ? p->b + (size_t)(n + NB) * p->ldb : NULL;
+                for (int m = b0; m < mfull; m += MT) {
+                    const int t = (m - b0) / MT;
+                    const float *pfrow = next && t < NB ? next + (size_t)t * p->ldb : NULL;
+                    tile(p, m, n, MT, NB, 0, kb, ke, save + (m - b0) * NB, pfrow);
+                }
+                vec *rest = save + (mfull - b0) * NB;
+                switch (b1 - mfull) {
+                case 2: tile(p, mfull, n, 2, NB, 0, kb, ke, rest, NULL); break;
+                case 1: tile(p, mfull, n, 1, NB, 0, kb, ke, rest, NULL); break;
+                }
+                if (ke == p->k) break;
+            }
+        }
+        for (int n = full; n < n1; n++)
+            for (int m = b0; m < b1; m++) tile(p, m, n, 1, 1, 0, 0, p->k, NULL, NULL);
+    }
+}
+
 static void columns(const product_t *p, int n0, int n1) {
     if (!p->trans_b) {
         columns_kn(p, n0, n1);
@@ -208,6 +335,10 @@ static void columns(const product_t *p, int n0, int n1) {
         int n = n0;
         for (; n + NB1 <= n1; n += NB1) tile1(p, 0, n, NB1);
         for (; n < n1; n++) tile1(p, 0, n, 1);
+        return;
+    }
+    if (p->m >= MANY_ROWS) {
+        many_rows(p, 0, p->m, n0, n1);
         return;
     }
     /* blocks of A's rows small enough to stay in L2 while every weight tile passes them */
@@ -236,7 +367,7 @@ static void columns(const product_t *p, int n0, int n1) {
 #define ROWS(rr) \
     case rr: \
         if (rr <= MT) \
-            for (int n = g0; n < g1; n += NB) tile(p, m, n, rr, NB); \
+            for (int n = g0; n < g1; n += NB) tile(p, m, n, rr, NB, 1, 0, p->k, NULL, NULL); \
         break;
                     ROWS(8) ROWS(7) ROWS(6) ROWS(5) ROWS(4) ROWS(3) ROWS(2) ROWS(1)
 #undef ROWS
@@ -245,7 +376,7 @@ static void columns(const product_t *p, int n0, int n1) {
             }
         }
         for (int n = full; n < n1; n++)
-            for (int m = m0; m < m1; m++) tile(p, m, n, 1, 1);
+            for (int m = m0; m < m1; m++) tile(p, m, n, 1, 1, 0, 0, p->k, NULL, NULL);
     }
 }
 
@@ -290,6 +421,28 @@ static int take(int r, unsigned gen, int back) {
     }
 }
 
+/* chunks of many rows' products: CHUNK_COLS columns of a block of rows, the blocks of rows
+ * outermost (a thread's run is a stretch of A's rows, each block in L2 while the weights pass) */
+static int row_blocks(const product_t *p) {
+    return p->trans_b && p->m >= MANY_ROWS ? (p->m + row_block(p) - 1) / row_block(p) : 1;
+}
+
+static int count_chunks(const product_t *p) {
+    return (p->n + CHUNK_COLS - 1) / CHUNK_COLS * row_blocks(p);
+}
+
+static void chunk(const product_t *p, int c) {
+    const int col_chunks = (p->n + CHUNK_COLS - 1) / CHUNK_COLS;
+    const int n0 = c % col_chunks * CHUNK_COLS;
+    const int n1 = n0 + CHUNK_COLS < p->n ? n0 + CHUNK_COLS : p->n;
+    if (row_blocks(p) == 1) {
+        columns(p, n0, n1);
+        return;
+    }
+    const int block = row_block(p), m0 = c / col_chunks * block;
+    many_rows(p, m0, m0 + block < p->m ? m0 + block : p->m, n0, n1);
+}
+
 /* part t: its own run, then the others' */
 static void run_chunks(unsigned gen, int t) {
     const int parts = job_parts; /* a late worker's stale value only finds other generations */
@@ -297,9 +450,7 @@ static void run_chunks(unsigned gen, int t) {
         const int r = (t + i) % parts;
         for (int c; (c = take(r, gen, i != 0)) >= 0;) {
             /* claimed: the caller waits for this chunk, so `job` stays this generation's */
-            int n0 = c * CHUNK_COLS;
-            int n1 = n0 + CHUNK_COLS < job.n ? n0 + CHUNK_COLS : job.n;
-            columns(&job, n0, n1);
+            chunk(&job, c);
             atomic_fetch_add_explicit(&chunks_done, 1, memory_order_acq_rel);
         }
     }
@@ -348,7 +499,7 @@ static void start_pool(void) {
 static void skinny(const product_t *p) {
     pthread_once(&pool_once, start_pool);
     long long parts_wanted = (long long)p->m * p->n * p->k / MIN_WORK_PER_THREAD;
-    int chunks = (p->n + CHUNK_COLS - 1) / CHUNK_COLS;
+    int chunks = count_chunks(p);
     int parts = parts_wanted > pool_threads ? pool_threads : (int)parts_wanted;
     if (parts > chunks) parts = chunks;
     if (parts <= 1 || chunks > (int)IDX_BITS || pthread_mutex_trylock(&pool_busy) != 0) {
