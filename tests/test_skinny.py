@@ -79,6 +79,96 @@ def test_products_are_right(lib, shape, trans_b):
     np.testing.assert_allclose(got, 0.5 * want + 2.0 * c, **tol)
 
 
+# the one arithmetic per output, written out plainly (compiled for this CPU, as the library)
+_REFERENCE_C = r"""
+#include <math.h>
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+void reference(int trans_b, int m, int n, int k, float alpha, const float *a, int lda,
+               const float *b, int ldb, float beta, float *c, int ldc) {
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < n; j++) {
+            const float *x = a + (long)i * lda;
+            float s = 0.0f;
+            if (trans_b) { /* lane l: k = l, l + VL, ...; lanes halved; the tail in order */
+                const float *w = b + (long)j * ldb;
+                float lane[VL] = {0};
+                int kk = 0;
+                for (; kk + VL <= k; kk += VL)
+                    for (int l = 0; l < VL; l++) lane[l] = fmaf(x[kk + l], w[kk + l], lane[l]);
+                for (int width = VL / 2; width >= 4; width /= 2)
+                    for (int l = 0; l < width; l++) lane[l] = lane[l] + lane[l + width];
+                s = (lane[0] + lane[2]) + (lane[1] + lane[3]);
+                for (; kk < k; kk++) s = fmaf(x[kk], w[kk], s);
+            } else {
+                for (int kk = 0; kk < k; kk++) s = fmaf(x[kk], b[(long)kk * ldb + j], s);
+            }
+            float *o = c + (long)i * ldc + j;
+            *o = beta == 0.0f ? alpha * s : alpha * s + beta * *o;
+        }
+}
+"""
+
+# (M, N, K): 1-8 rows (decode), 24 rows and up (prompt chunks: weight tiles in L1, rows in
+# blocks), K with tails and past 768 (blocks of K), N off every tile and chunk size
+EXACT_SHAPES = [
+    *[(m, 77, 576) for m in range(1, 9)],
+    (5, 200, 1551),
+    (23, 70, 100),
+    (24, 70, 100),
+    (33, 960, 576),
+    (33, 77, 1551),
+    (128, 576, 1536),
+    (128, 200, 1551),
+    (300, 37, 40),
+    (2048, 192, 576),
+    (2048, 77, 1551),
+]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("reference")
+    source = folder / "reference.c"
+    source.write_text(_REFERENCE_C)
+    path = folder / "reference.so"
+    flags = ("-O2", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
+    if not skinny.compile_to(path, lambda out: ["cc", *flags, "-o", str(out), str(source), "-lm"],
+                             "reference", 120):  # fmt: skip
+        pytest.skip("no C compiler for the reference")
+    ref = ctypes.CDLL(str(path))
+    f, p, i = ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+    ref.reference.argtypes = [i, i, i, i, f, p, i, p, i, f, p, i]
+    return ref
+
+
+@pytest.mark.parametrize("shape", EXACT_SHAPES)
+def test_products_are_the_one_arithmetic_bit_for_bit(lib, reference, shape):
+    """Every output equals the plainly written arithmetic (16- or 8-lane FMA sums, the lanes
+    halved in vsum's tree, the K % VL tail in order, then alpha and beta) bit for bit, through
+    the pool's threads, with and without alpha/beta and strided rows: the tiles, the blocks of
+    rows and of K, the vector reductions and the threads change no output."""
+    m, n, k = shape
+    rng = np.random.default_rng(m * 7919 + n * 31 + k)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    a[0, :3] = 0.0  # products of zeros: signed zeros follow the same sums
+    for trans_b in (True, False):
+        b = w if trans_b else np.ascontiguousarray(w.T)
+        for alpha, beta, pad in ((1.0, 0.0, 0), (0.5, 2.0, 5), (-1.5, 1.0, 3)):
+            c = rng.standard_normal((m, n)).astype(np.float32)
+            got = _product(lib, a, b, trans_b, alpha, beta, c, ld_pad=pad)
+            want = c.copy()
+            reference.reference(
+                int(trans_b), m, n, k, alpha, a.ctypes.data, k, b.ctypes.data, b.shape[1],
+                beta, want.ctypes.data, n,
+            )  # fmt: skip
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 @pytest.mark.parametrize("trans_b", [True, False])
 def test_a_rows_products_do_not_depend_on_the_rows_beside_it(lib, trans_b):
     """Row i of a 16- to 1100-row product equals the same row alone, in a 2-row and a 5-row
@@ -140,7 +230,8 @@ from llm_server.native import skinny
 lib = skinny.handle()
 assert lib.llm_skinny_threads() == int(sys.argv[1]), lib.llm_skinny_threads()
 rng = np.random.default_rng(5)
-for m, n, k in [(1, 49152, 64), (1, 1000, 576), (3, 4099, 100), (20, 960, 576)]:
+for m, n, k in [(1, 49152, 64), (1, 1000, 576), (3, 4099, 100), (20, 960, 576),
+                (200, 300, 1551)]:
     a = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((n, k)).astype(np.float32)
     for _ in range(20):
@@ -165,7 +256,7 @@ def test_products_are_the_same_whatever_the_pools_size(lib):
         )  # fmt: skip
         assert done.returncode == 0, done.stderr.decode()[-2000:]
         outputs.append(np.frombuffer(done.stdout, np.float32))
-    assert outputs[0].size == 20 * (49152 + 1000 + 3 * 4099 + 20 * 960)
+    assert outputs[0].size == 20 * (49152 + 1000 + 3 * 4099 + 20 * 960 + 200 * 300)
     assert not np.isnan(outputs[0]).any()
     np.testing.assert_array_equal(outputs[1], outputs[0])
     np.testing.assert_array_equal(outputs[2], outputs[0])
