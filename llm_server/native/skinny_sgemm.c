@@ -243,34 +243,71 @@ static inline __attribute__((always_inline)) void tile1(const product_t *p, int 
 }
 
 /* B stored [K, N] (`x @ v`, attention's probabilities times values): each output element sums
- * k = 0, 1, ... in order with fused multiply-adds, VL columns to a vector */
+ * k = 0, 1, ... in order with fused multiply-adds, VL columns to a vector, from A's value plus
+ * zero (a -0 taken as +0, as the first version's broadcast `(vec){0} + x[k]` did) */
 #define NV 4 /* vectors of columns per tile */
-static inline __attribute__((always_inline)) void tile_kn(const product_t *p, int m, int n0,
+#if VL == 16
+#define KN_ROWS 6 /* rows per tile: KN_ROWS * NV accumulators + NV of B in 32 registers */
+static inline vec vbroadcast(const float *x) { return (vec)_mm512_set1_ps(*x); }
+#else
+#define KN_ROWS 2
+static inline vec vbroadcast(const float *x) { return (vec)_mm256_set1_ps(*x); }
+#endif
+#define KN_KC 256 /* A's values per row taken (plus zero) at a time */
+static inline __attribute__((always_inline)) void tile_kn(const product_t *p, int m0,
+                                                          const int rows, int n0,
                                                           const int vecs) {
-    const float *x = p->a + (size_t)m * p->lda;
-    vec acc[NV];
-    for (int j = 0; j < vecs; j++) acc[j] = (vec){0};
-    for (int k = 0; k < p->k; k++) {
-        vec xv = (vec){0} + x[k];
-        const float *w = p->b + (size_t)k * p->ldb + n0;
-        for (int j = 0; j < vecs; j++) acc[j] = vfma(xv, vload(w + VL * j), acc[j]);
-    }
-    float *out = p->c + (size_t)m * p->ldc + n0;
-    for (int j = 0; j < vecs; j++)
-        for (int l = 0; l < VL; l++) {
-            float v = acc[j][l], *o = out + VL * j + l;
-            *o = p->beta == 0.0f ? p->alpha * v : p->alpha * v + p->beta * *o;
+    vec acc[KN_ROWS][NV];
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < vecs; j++) acc[i][j] = (vec){0};
+    float xs[KN_ROWS][KN_KC]; /* broadcast from here: each B vector serves `rows` rows */
+    for (int kb = 0; kb < p->k; kb += KN_KC) {
+        const int kn = p->k - kb < KN_KC ? p->k - kb : KN_KC;
+        for (int i = 0; i < rows; i++) {
+            const float *x = p->a + (size_t)(m0 + i) * p->lda + kb;
+            for (int kk = 0; kk < kn; kk++) xs[i][kk] = x[kk] + 0.0f;
         }
+        for (int kk = 0; kk < kn; kk++) {
+            const float *w = p->b + (size_t)(kb + kk) * p->ldb + n0;
+            vec bv[NV];
+            for (int j = 0; j < vecs; j++) bv[j] = vload(w + VL * j);
+            for (int i = 0; i < rows; i++) {
+                const vec xv = vbroadcast(&xs[i][kk]);
+                for (int j = 0; j < vecs; j++) acc[i][j] = vfma(xv, bv[j], acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        float *out = p->c + (size_t)(m0 + i) * p->ldc + n0;
+        for (int j = 0; j < vecs; j++) {
+            vec o = p->alpha * acc[i][j];
+            if (p->beta != 0.0f) o = p->alpha * acc[i][j] + p->beta * vload(out + VL * j);
+            __builtin_memcpy(out + VL * j, &o, sizeof o);
+        }
+    }
 }
 
-static void columns_kn(const product_t *p, int n0, int n1) {
+/* rows [m0, m1) of VL * vecs columns at n0, in tiles of KN_ROWS rows */
+static inline __attribute__((always_inline)) void rows_kn(const product_t *p, int m0, int m1,
+                                                          int n0, const int vecs) {
+    int m = m0;
+    for (; m + KN_ROWS <= m1; m += KN_ROWS) tile_kn(p, m, KN_ROWS, n0, vecs);
+    switch (m1 - m) { /* < KN_ROWS <= 6 */
+#define KN_REST(rr) \
+    case rr: \
+        if (rr < KN_ROWS) tile_kn(p, m, rr, n0, vecs); \
+        break;
+        KN_REST(5) KN_REST(4) KN_REST(3) KN_REST(2) KN_REST(1)
+#undef KN_REST
+    }
+}
+
+static void columns_kn(const product_t *p, int m0, int m1, int n0, int n1) {
     int n = n0;
-    for (; n + VL * NV <= n1; n += VL * NV)
-        for (int m = 0; m < p->m; m++) tile_kn(p, m, n, NV);
-    for (; n + VL <= n1; n += VL)
-        for (int m = 0; m < p->m; m++) tile_kn(p, m, n, 1);
+    for (; n + VL * NV <= n1; n += VL * NV) rows_kn(p, m0, m1, n, NV);
+    for (; n + VL <= n1; n += VL) rows_kn(p, m0, m1, n, 1);
     for (; n < n1; n++)
-        for (int m = 0; m < p->m; m++) {
+        for (int m = m0; m < m1; m++) {
             const float *x = p->a + (size_t)m * p->lda;
             float s = 0.0f;
             for (int k = 0; k < p->k; k++) s = fmaf(x[k], p->b[(size_t)k * p->ldb + n], s);
@@ -288,8 +325,11 @@ static void columns_kn(const product_t *p, int n0, int n1) {
 #define MANY_ROWS INT_MAX
 #endif
 #define K_BLOCK 768 /* a multiple of VL */
+#define W_L1_BYTES (24 * 1024)
 #define SAVE_ROWS (X_BLOCK_BYTES / (K_BLOCK * 4) + MT)
+#define KN_BLOCK (16 * KN_ROWS) /* rows per chunk of a many-row product with B [K, N] */
 static int row_block(const product_t *p) { /* rows of A per block, a multiple of MT */
+    if (!p->trans_b) return KN_BLOCK;
     int block = (int)(X_BLOCK_BYTES / ((size_t)p->k * sizeof(float))) / MT * MT;
     return block < MT ? MT : block;
 }
@@ -303,6 +343,16 @@ static void many_rows(const product_t *p, int m0, int m1, int n0, int n1) {
     for (int b0 = m0; b0 < m1; b0 += block) {
         const int b1 = b0 + block < m1 ? b0 + block : m1;
         const int mfull = b0 + (b1 - b0) / MT * MT;
+        if ((size_t)(full - n0) * p->k * sizeof(float) <= W_L1_BYTES) {
+            /* all the weight tiles in L1 (attention's scores: K is a head's width): each tile
+             * of A's rows passes them all, its outputs whole cache lines (rows of C a power of
+             * two apart would share a few cache sets for a column of tiles) */
+            int m = b0;
+            for (; m < mfull; m += MT)
+                for (int n = n0; n < full; n += NB) tile(p, m, n, MT, NB, 0, 0, p->k, NULL, NULL);
+            for (; m < b1; m++)
+                for (int n = n0; n < full; n += NB) tile(p, m, n, 1, NB, 0, 0, p->k, NULL, NULL);
+        } else
         for (int n = n0; n < full; n += NB) {
             for (int kb = 0; kb < p->k; kb += kc) {
                 const int ke = kb + kc < p->k && kblocks > 1 ? kb + kc : p->k;
@@ -328,7 +378,7 @@ static void many_rows(const product_t *p, int m0, int m1, int n0, int n1) {
 
 static void columns(const product_t *p, int n0, int n1) {
     if (!p->trans_b) {
-        columns_kn(p, n0, n1);
+        columns_kn(p, 0, p->m, n0, n1);
         return;
     }
     if (p->m == 1) {
@@ -424,7 +474,7 @@ static int take(int r, unsigned gen, int back) {
 /* chunks of many rows' products: CHUNK_COLS columns of a block of rows, the blocks of rows
  * outermost (a thread's run is a stretch of A's rows, each block in L2 while the weights pass) */
 static int row_blocks(const product_t *p) {
-    return p->trans_b && p->m >= MANY_ROWS ? (p->m + row_block(p) - 1) / row_block(p) : 1;
+    return p->m >= MANY_ROWS ? (p->m + row_block(p) - 1) / row_block(p) : 1;
 }
 
 static int count_chunks(const product_t *p) {
@@ -440,7 +490,11 @@ static void chunk(const product_t *p, int c) {
         return;
     }
     const int block = row_block(p), m0 = c / col_chunks * block;
-    many_rows(p, m0, m0 + block < p->m ? m0 + block : p->m, n0, n1);
+    const int m1 = m0 + block < p->m ? m0 + block : p->m;
+    if (p->trans_b)
+        many_rows(p, m0, m1, n0, n1);
+    else
+        columns_kn(p, m0, m1, n0, n1);
 }
 
 /* part t: its own run, then the others' */
