@@ -13,7 +13,13 @@
  *   in 2 MiB pages (blas.py's malloc tunables) this and `tile` beat reading the weight rows
  *   one after another, which did better in 4 KiB pages (on a 2-core EPYC, the 211 matrices at
  *   1 row: ~28 ms against ~30, at 2 rows ~35 against ~45).
- * - B stored [K, N] (`probs @ values` in attention): a vector of columns, summing k in order.
+ *   Products of many rows (prompt chunks, MANY_ROWS and up) keep a tile's 8 weight rows in L1
+ *   while the 3-row tiles of a block of A's rows (in L2) pass them, K in blocks past K_BLOCK;
+ *   a row's 8 sums are reduced together (`reduce8`) and stored as one vector. On a 2-core
+ *   Sapphire Rapids (AVX-512), SmolLM2's 128-2048-row products: ~150-190 GF/s -> ~240-330
+ *   (benchmark/gemm_rate.py, the old build alternated; OpenBLAS ~400).
+ * - B stored [K, N] (`probs @ values` in attention): tiles of 6 rows x 4 vectors of columns,
+ *   summing k in order.
  * Every other product goes to the next cblas_sgemm in the link order (the preloaded BLAS).
  *
  * Each output element has one fixed arithmetic. B [N, K]: lane l of a VL-float accumulator (16
@@ -24,9 +30,10 @@
  * (ARCHITECTURE S10).
  *
  * Threads: a pool of LLM_SERVER_SKINNY_THREADS (default: BLIS_NUM_THREADS, else the CPU count)
- * and the caller each take a contiguous run of N's chunks of 64 columns, then the chunks left
- * in the others' runs (see "the pool"). Workers spin briefly between products, then sleep. A
- * second caller while the pool is busy computes on its own thread.
+ * and the caller each take a contiguous run of the product's chunks (64 columns; of a block of
+ * rows too for many rows), then the chunks left in the others' runs (see "the pool"). Workers
+ * spin briefly between products, then sleep. A second caller while the pool is busy computes
+ * on its own thread.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -40,7 +47,7 @@
 #include <immintrin.h>
 #define VL 16 /* floats per vector */
 #define NB 8  /* weight rows per tile */
-#define MT 3  /* rows of A per tile: MT * NB accumulators + NB weights + 1 of A in 32 registers */
+#define MT 3  /* rows of A per tile: MT * NB accumulators + MT rows of A + 1 weight in 32 zmm */
 typedef float vec __attribute__((vector_size(64), aligned(4)));
 static inline vec vfma(vec a, vec b, vec c) {
     return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
@@ -431,7 +438,8 @@ static void columns(const product_t *p, int n0, int n1) {
 }
 
 /* ---- the pool ---- */
-/* A product's columns are cut into chunks of CHUNK_COLS. Each of the product's parts (the
+/* A product's columns are cut into chunks of CHUNK_COLS (of a block of rows each for many
+ * rows: `chunk`). Each of the product's parts (the
  * caller and parts - 1 workers) owns a contiguous run of them and takes its own from the front;
  * a part whose run is done takes the other runs' chunks from their backs. Each thread so
  * streams one long stretch of the weights (the memory's prefetchers keep up: one-row products
