@@ -8,6 +8,7 @@ shapes refused with an error instead of a crash.
 
 from __future__ import annotations
 
+import hashlib
 import sys
 
 import mlx.core as mx
@@ -326,3 +327,132 @@ def test_the_engine_runs_whole_layers_where_they_apply(tiny_llama_path, tmp_path
     assert MLXEngine(qwen2, EngineSettings(rows=1)).fused.whole_layers is False
     llama = MLXEngine(tiny_llama_path, EngineSettings(rows=1)).fused
     assert llama.whole_layers == skinny.loaded()
+
+
+# ---- the attention's one arithmetic, bit for bit (decode_ops.cpp's header says which) ----
+
+
+def _hashed(seed: int, *shape: int) -> np.ndarray:
+    """Floats in [-2, 2) (multiples of 2**-22) from a fixed integer hash (splitmix64): the same
+    inputs on every machine and numpy version, so fixed digests of the outputs can be pinned."""
+    z = np.arange(int(np.prod(shape)), dtype=np.uint64) + np.uint64(seed << 40)
+    z = z * np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return ((z >> np.uint64(40)).astype(np.float32) / np.float32(2**22) - 2).reshape(shape)
+
+
+def _sum_in_order(terms: np.ndarray, axis: int) -> np.ndarray:
+    """0 + t0 + t1 + ... along `axis`, each addition rounded to float32 in that order."""
+    zero = np.zeros_like(np.take(terms, [0], axis=axis))
+    return np.take(np.add.accumulate(np.concatenate([zero, terms], axis=axis), axis=axis), -1, axis)
+
+
+def _hsum(
+    a: np.ndarray,
+) -> np.ndarray:  # [..., 8]: ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
+    b = a[..., :4] + a[..., 4:]
+    c = b[..., :2] + b[..., 2:]
+    return c[..., 0] + c[..., 1]
+
+
+def _exp8(x: np.ndarray) -> np.ndarray:
+    """decode_ops.cpp's exp8 step by step in float32 (Cody-Waite, Cephes' polynomial)."""
+    f32 = np.float32
+    with np.errstate(all="ignore"):
+        xc = np.where(x < f32(-87), f32(-87), x)
+        t = xc * f32(1.44269504088896341) + f32(0.5)
+        f = t.astype(np.int32).astype(np.float32)  # toward zero
+        k = np.where(f > t, f - f32(1), f)
+        r = xc - k * f32(0.693359375)
+        r = r - k * f32(-2.12194440e-4)
+        y = np.full_like(r, f32(1.9875691500e-4))
+        for c in (
+            1.3981999507e-3,
+            8.3334519073e-3,
+            4.1665795894e-2,
+            1.6666665459e-1,
+            5.0000001201e-1,
+        ):
+            y = y * r + f32(c)
+        y = y * (r * r) + r + f32(1)
+        scale = ((k.astype(np.int32) + 127) << 23).view(np.float32)
+        return np.where(x < f32(-87), f32(0), y * scale)
+
+
+def _exact_attention(qkv, keys, values, rows, pos, cos2, sin2, geometry, scale):
+    """attend's outputs from the written stores, each float32 operation in the stated order."""
+    heads, kv, dh, q = geometry
+    rep, half = heads // kv, dh // 2
+    out = np.zeros((len(rows) * q, heads * dh), np.float32)
+    for b, (r, p0) in enumerate(zip(rows, pos, strict=True)):
+        for i in range(q):
+            n, p = b * q + i, p0 + i
+            x = qkv[n, : heads * dh].reshape(heads, dh)
+            qr = x * cos2[p] + np.concatenate([x[:, half:], x[:, :half]], axis=1) * sin2[p]
+            for g in range(kv):
+                k, v = keys[r, g, : p + 1], values[r, g, : p + 1]
+                prods = (qr[g * rep : (g + 1) * rep, None, :] * k[None]).reshape(rep, p + 1, -1, 8)
+                s = _hsum(_sum_in_order(prods, 2)) * np.float32(scale)  # [rep, p + 1]
+                s = np.pad(s, ((0, 0), (0, -(p + 1) % 8)), constant_values=-np.inf)
+                e = _exp8(s - s.max(axis=1, keepdims=True))
+                total = _hsum(_sum_in_order(e.reshape(rep, -1, 8), 1))
+                prob = e[:, : p + 1] / total[:, None]
+                o = _sum_in_order(prob[:, :, None] * v[None], 1)
+                out[n, g * rep * dh : (g + 1) * rep * dh] = o.reshape(-1)
+    return out
+
+
+def _attend_hashed(ops, seed, heads, kv, dh, q, rows, pos, scale, capacity):
+    """attend (after write_kv) on hashed inputs: (out, qkv, keys, values, cos2, sin2)."""
+    store = (max(rows) + 1, kv, capacity, dh)
+    qkv = _hashed(seed, len(rows) * q, (heads + 2 * kv) * dh)
+    keys, values = _hashed(seed + 1, *store), _hashed(seed + 2, *store)
+    cos2, sin2 = _hashed(seed + 3, capacity, dh) / 2, _hashed(seed + 4, capacity, dh) / 2
+    at = (mx.array(rows, dtype=mx.int32), mx.array(pos, dtype=mx.int32), mx.array(cos2))
+    geometry = (*at, mx.array(sin2), heads, kv, dh, q)
+    k = ops.write_kv(mx.array(keys), mx.array(qkv), *geometry, True)
+    v = ops.write_kv(mx.array(values), mx.array(qkv), *geometry, False)
+    out = ops.attend(mx.array(qkv), k, v, *geometry, scale)
+    mx.eval(out, k, v)
+    return np.array(out), qkv, np.array(k), np.array(v), cos2, sin2
+
+
+@pytest.mark.parametrize(
+    "heads, kv, dh, q, rows, pos, scale",
+    [
+        (9, 3, 64, 1, [0, 1, 2, 3], [0, 7, 1500, 8999], 0.125),  # decode rows, up to 9,000 keys
+        (9, 3, 64, 7, [1], [8993], 0.125),  # a short chunk at the end of 9,000
+        (9, 3, 64, 33, [0], [480], 1.0),  # a block and one more, scores wide enough to clamp exp
+        (8, 2, 128, 32, [0, 1], [0, 300], 0.088),  # rep 4, Dh 128, two rows
+        (4, 4, 24, 33, [0], [129], 0.2),  # rep 1, Dh 24 (not a multiple of 16 lanes)
+        (3, 1, 8, 2, [0], [9], 0.5),  # Dh 8
+    ],
+)
+def test_attention_is_the_stated_arithmetic_bit_for_bit(ops, heads, kv, dh, q, rows, pos, scale):
+    """Every output equals a numpy float32 computation of the header's arithmetic (8-lane dot,
+    hsum's tree, exp8, sums in position order) bit for bit: a faster kernel must keep it."""
+    capacity = max(pos) + q
+    out, qkv, k, v, cos2, sin2 = _attend_hashed(
+        ops, q, heads, kv, dh, q, rows, pos, scale, capacity
+    )
+    want = _exact_attention(qkv, k, v, rows, pos, cos2, sin2, (heads, kv, dh, q), scale)
+    np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize(
+    "heads, kv, dh, q, rows, pos, digest",
+    [
+        (9, 3, 64, 2048, [0], [0], "70c7aab1b5e395da"),  # SmolLM2's geometry: a whole 2,048-position prompt
+        (9, 3, 64, 512, [0], [8488], "b8ee57fa52ff2462"),  # a 512-position chunk up to 9,000 keys
+        (12, 3, 128, 100, [1, 0], [3000, 77], "98090df17a2ed3f7"),  # rep 4, Dh 128, two rows
+        (6, 6, 40, 65, [0], [1000], "c61498756ec8ea09"),  # rep 1, Dh 40
+    ],
+)
+def test_long_chunks_keep_their_pinned_outputs(ops, heads, kv, dh, q, rows, pos, digest):
+    """Chunks too long for the numpy reference: the outputs' sha256 as the arithmetic above
+    gave it (pinned before the AVX-512 kernels; any change of a sum's order changes it)."""
+    capacity = max(pos) + q
+    out = _attend_hashed(ops, 7, heads, kv, dh, q, rows, pos, 0.125, capacity)[0]
+    assert hashlib.sha256(out.tobytes()).hexdigest()[:16] == digest
