@@ -444,7 +444,7 @@ def test_attention_is_the_stated_arithmetic_bit_for_bit(ops, heads, kv, dh, q, r
 @pytest.mark.parametrize(
     "heads, kv, dh, q, rows, pos, digest",
     [
-        (9, 3, 64, 2048, [0], [0], "70c7aab1b5e395da"),  # SmolLM2's geometry: a whole 2,048-position prompt
+        (9, 3, 64, 2048, [0], [0], "70c7aab1b5e395da"),  # SmolLM2: a 2,048-position prompt
         (9, 3, 64, 512, [0], [8488], "b8ee57fa52ff2462"),  # a 512-position chunk up to 9,000 keys
         (12, 3, 128, 100, [1, 0], [3000, 77], "98090df17a2ed3f7"),  # rep 4, Dh 128, two rows
         (6, 6, 40, 65, [0], [1000], "c61498756ec8ea09"),  # rep 1, Dh 40
