@@ -28,7 +28,7 @@ from llm_server.api.routes_chat import SSE_HEADERS
 from llm_server.api.schemas import CompletionRequest, parse_completion
 from llm_server.api.streaming import collect_many, finish_reason, merge_events, sse
 from llm_server.decoding import FinishReason
-from llm_server.scheduler import QueueFull, SchedulerClosed, TokenEvent
+from llm_server.scheduler import FinishEvent, QueueFull, SchedulerClosed, TokenEvent
 from llm_server.scheduler.scorer import ScoringError
 from llm_server.service import GenerationHandle, ModelService
 
@@ -110,9 +110,17 @@ async def completions(request: Request) -> Response:
         choices.append(
             {"index": i, "text": text, "logprobs": lp, "finish_reason": finish_reason(o.finish)}
         )
-    n_prompt = sum(o.finish.prompt_tokens for o in outs[:: req.n])  # each prompt counts once
+    firsts = [o.finish for o in outs[:: req.n]]  # each prompt counts once
     n_completion = sum(o.finish.completion_tokens for o in outs)
-    return JSONResponse({**base, "choices": choices, "usage": usage(n_prompt, n_completion)})
+    body = {**base, "choices": choices, "usage": _usage(firsts, n_completion)}
+    return JSONResponse(body)
+
+
+def _usage(firsts: list[FinishEvent], n_completion: int) -> dict:
+    """Prompt tokens (and of them those from the prefix cache) of each prompt once."""
+    cached = [f.cached_tokens for f in firsts]
+    n_cached = None if None in cached else sum(cached)
+    return usage(sum(f.prompt_tokens for f in firsts), n_completion, n_cached)
 
 
 async def _stream(
@@ -124,7 +132,8 @@ async def _stream(
     base: dict,
 ) -> AsyncIterator[str]:
     offsets = [0] * len(handles)
-    n_prompt = n_completion = 0
+    firsts: list[FinishEvent] = []
+    n_completion = 0
 
     def chunk(index: int, text: str, finish: str | None = None, lp: dict | None = None) -> str:
         body = {
@@ -154,11 +163,11 @@ async def _stream(
             yield sse(error_body(500, "the model failed while generating this request"))
             return
         if i % req.n == 0:  # each prompt counts once, whatever n is
-            n_prompt += ev.prompt_tokens
+            firsts.append(ev)
         n_completion += ev.completion_tokens
         yield chunk(i, "", finish=finish_reason(ev))
     if req.include_usage:
-        yield sse({**base, "choices": [], "usage": usage(n_prompt, n_completion)})
+        yield sse({**base, "choices": [], "usage": _usage(firsts, n_completion)})
     yield sse("[DONE]")
 
 

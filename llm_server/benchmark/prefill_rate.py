@@ -32,10 +32,9 @@ import sys
 import time
 from pathlib import Path
 
+from llm_server.benchmark.servers import add_llama_server_args, llama_server_cmd
+
 WARMUP_TOKENS = 64
-LLAMA_CMD = (
-    "{bin} -m {gguf} -t {threads} -tb {threads} -np 1 -c {ctx} --host {{host}} --port {{port}}"
-)
 
 
 def _prompts(tokens: int, vocab: int) -> tuple[list[int], list[int]]:
@@ -146,19 +145,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--step-tokens", type=int, default=128)
     p.add_argument("--rows", type=int, default=4, help="engine rows (--concurrent-requests)")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--llama-server", type=Path, help="llama-server binary: measured beside ours")
-    p.add_argument("--gguf", type=Path, help="the weights llama-server serves (F32 SmolLM2)")
-    p.add_argument("--llama-threads", type=int, default=2)
+    add_llama_server_args(p)
     p.add_argument("--logs", type=Path, default=Path("benchmark-results/prefill_rate"))
     args = p.parse_args(argv)
     if args.model is None:
         from llm_server.default_model import default_model_path
 
         args.model = default_model_path()
-    if args.llama_server and not args.gguf:
-        p.error("--llama-server needs --gguf")
-    cmd = LLAMA_CMD.format(bin=args.llama_server, gguf=args.gguf, threads=args.llama_threads,
-                           ctx=max(args.tokens) + 256)  # fmt: skip
+    cmd = llama_server_cmd(p, args, ctx=max(args.tokens) + 256)
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     results: dict[tuple[int, int], list[dict]] = {}
     for _ in range(args.repeats):
@@ -167,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
                 r = measure(args.model, n, prefill, args.step_tokens, args.rows)
                 print(json.dumps(r), flush=True)
                 results.setdefault((n, prefill), []).append(r)
-            if args.llama_server:
+            if cmd:
                 r = measure_llama(cmd, n, vocab, args.logs / f"llama-server-{n}.log")
                 print(json.dumps(r), flush=True)
                 results.setdefault((n, -1), []).append(r)

@@ -1,0 +1,145 @@
+"""A conversation turn's cost, ours beside llama-server on the same token ids: the new tokens of
+a turn over a long cached prefix, against the same number of new tokens alone.
+
+    python -m llm_server.blas python -m llm_server.benchmark.turn_cost \
+        [--model PATH] [--cached 3700] [--new 20] [--turns 4] \
+        [--llama-server BIN --gguf FILE [--llama-threads 2]]
+
+Each server gets a history of `--cached` random token ids once (cold), then per turn the
+history grows by `--new` random ids and is sent again (`max_tokens`/`n_predict` 1; ours through
+/v1/completions with the prefix cache, llama-server through /completion with `cache_prompt`),
+then `--new` unrelated random ids alone (nothing cached shares them; llama-server with
+`cache_prompt` false). Times are the wall time of each non-streamed request, the same for both
+servers. Reported per server and turn: turn s, alone s and their ratio: what reusing the cached
+prefix costs beyond computing the new tokens, including their attention over it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+
+from llm_server.benchmark.servers import (
+    ServerSpec,
+    add_llama_server_args,
+    llama_server_cmd,
+    running,
+)
+
+
+def _ours(client: httpx.Client, ids: list[int], cache: bool) -> tuple[float, int]:
+    body = {"prompt": ids, "max_tokens": 1, "temperature": 0}
+    t0 = time.perf_counter()
+    r = client.post("/v1/completions", json=body)
+    seconds = time.perf_counter() - t0
+    r.raise_for_status()
+    return seconds, r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _llama(client: httpx.Client, ids: list[int], cache: bool) -> tuple[float, int]:
+    body = {"prompt": ids, "n_predict": 1, "cache_prompt": cache, "temperature": 0}
+    t0 = time.perf_counter()
+    r = client.post("/completion", json=body)
+    seconds = time.perf_counter() - t0
+    r.raise_for_status()
+    return seconds, r.json()["timings"]["cache_n"]
+
+
+def turns(send, cached: int, new: int, count: int, vocab: int) -> list[dict]:
+    """`send(ids, cache) -> (seconds, cached tokens)` on one server: the cold history, then
+    `count` turns, each followed by its new tokens alone. The same ids for every server."""
+    rng = random.Random(0)
+    ids = lambda n: [rng.randrange(vocab // 8, vocab) for _ in range(n)]  # noqa: E731
+    send(ids(64), False)  # the first forwards' warm-up
+    history = ids(cached)
+    cold_s, hit = send(history, True)
+    rows = [{"turn": 1, "prompt": len(history), "cached": hit, "turn_s": round(cold_s, 3)}]
+    for t in range(count):
+        history = history + ids(new)
+        turn_s, hit = send(history, True)
+        alone_s, _ = send(ids(new), False)
+        rows.append({"turn": t + 2, "prompt": len(history), "cached": hit,
+                     "turn_s": round(turn_s, 3), "alone_s": round(alone_s, 3),
+                     "ratio": round(turn_s / alone_s, 2)})  # fmt: skip
+        send(history, True)  # the llama-server slot's cache back on the conversation
+    return rows
+
+
+def markdown(results: dict[str, list[dict]], cached: int, new: int) -> str:
+    names = list(results)
+    lines = [
+        f"## A turn of {new} new tokens over {cached}+ cached, against {new} tokens alone",
+        "",
+        "| turn | prompt | "
+        + " | ".join(f"{n} cached | {n} turn s | {n} alone s | {n} ratio" for n in names)
+        + " |",
+        "|---:|---:|" + "---:|" * (4 * len(names)),
+    ]
+    for i, first in enumerate(results[names[0]]):
+        if "ratio" not in first:
+            continue
+        cells = []
+        for n in names:
+            r = results[n][i]
+            cells += [str(r["cached"]), f"{r['turn_s']:.3f}", f"{r['alone_s']:.3f}",
+                      f"{r['ratio']:.2f}"]  # fmt: skip
+        lines.append(f"| {first['turn']} | {first['prompt']} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for n in names:
+        later = [r for r in results[n] if "ratio" in r]
+        lines.append(f"{n}: median turn {statistics.median(r['turn_s'] for r in later):.3f} s, "
+                     f"median ratio {statistics.median(r['ratio'] for r in later):.2f}")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from llm_server.blas import ensure_fast_blas
+
+    ensure_fast_blas()
+    p = argparse.ArgumentParser(
+        prog="python -m llm_server.benchmark.turn_cost", description=__doc__
+    )
+    p.add_argument("--model", type=Path, help="model folder (default: the embedded SmolLM2)")
+    p.add_argument("--cached", type=int, default=3700)
+    p.add_argument("--new", type=int, default=20)
+    p.add_argument("--turns", type=int, default=4)
+    add_llama_server_args(p)
+    p.add_argument("--out", type=Path, default=Path("benchmark-results/turn_cost"))
+    args = p.parse_args(argv)
+    cmd = llama_server_cmd(p, args, ctx=args.cached + args.new * (args.turns + 1) + 256)
+    if args.model is None:
+        from llm_server.default_model import default_model_path
+
+        args.model = default_model_path()
+    vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
+    vocab = min(vocab, 30000)
+    results = {}
+    logs = args.out / "logs"
+    spec = ServerSpec("ours", args.model, concurrency=1, max_queued=4)
+    with running(spec, logs / "ours.log") as srv, httpx.Client(base_url=srv.url, timeout=900) as c:
+        results["ours"] = turns(lambda ids, cache: _ours(c, ids, cache), args.cached, args.new,
+                                args.turns, vocab)  # fmt: skip
+    if cmd:
+        spec = ServerSpec("llama_server", Path("-"), concurrency=1, max_queued=1, peer_cmd=cmd)
+        with (
+            running(spec, logs / "llama-server.log") as srv,
+            httpx.Client(base_url=srv.url, timeout=900) as c,
+        ):
+            results["llama-server"] = turns(lambda ids, cache: _llama(c, ids, cache),
+                                            args.cached, args.new, args.turns, vocab)  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "turn_cost.json").write_text(json.dumps(results, indent=2))
+    text = markdown(results, args.cached, args.new)
+    (args.out / "turn_cost.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,64 @@
+"""benchmark.turn_cost: the ids each server is sent, the table, and a real run of ours."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llm_server.benchmark.turn_cost import main, markdown, turns
+
+
+def test_each_turn_resends_the_history_grown_by_new_ids_then_new_ids_alone():
+    sent: list[tuple[list[int], bool]] = []
+
+    def send(ids, cache):
+        sent.append((ids, cache))
+        return 0.5 if len(ids) > 50 else 0.25, len(ids) - 5 if cache else 0
+
+    rows = turns(send, cached=100, new=10, count=2, vocab=800)
+    warm, cold, turn2, alone2, back2, turn3, alone3, back3 = sent
+    assert len(warm[0]) == 64 and not warm[1]
+    assert len(cold[0]) == 100 and cold[1]
+    assert turn2 == (cold[0] + turn2[0][100:], True) and len(turn2[0]) == 110
+    assert len(alone2[0]) == 10 and not alone2[1] and alone2[0] != turn2[0][100:]
+    assert back2 == turn2  # the conversation back in the cache before it grows again
+    assert turn3[0][:110] == turn2[0] and len(turn3[0]) == 120 and back3 == turn3
+    assert len(alone3[0]) == 10
+    assert all(100 <= i < 800 for ids, _ in sent for i in ids)
+    assert rows == [
+        {"turn": 1, "prompt": 100, "cached": 95, "turn_s": 0.5},
+        {"turn": 2, "prompt": 110, "cached": 105, "turn_s": 0.5, "alone_s": 0.25, "ratio": 2.0},
+        {"turn": 3, "prompt": 120, "cached": 115, "turn_s": 0.5, "alone_s": 0.25, "ratio": 2.0},
+    ]
+    again: list = []
+    turns(lambda ids, cache: (again.append(ids), (1.0, 0))[1], 100, 10, 2, 800)
+    assert again == [ids for ids, _ in sent]  # every server gets the same ids
+
+
+def test_the_table_puts_servers_side_by_side_per_turn():
+    ours = [
+        {"turn": 1, "prompt": 100, "cached": 0, "turn_s": 2.0},
+        {"turn": 2, "prompt": 110, "cached": 100, "turn_s": 0.3, "alone_s": 0.1, "ratio": 3.0},
+        {"turn": 3, "prompt": 120, "cached": 110, "turn_s": 0.5, "alone_s": 0.1, "ratio": 5.0},
+    ]
+    peer = [dict(r, turn_s=r["turn_s"] * 2) for r in ours]
+    text = markdown({"ours": ours, "llama-server": peer}, 100, 10)
+    assert "| 2 | 110 | 100 | 0.300 | 0.100 | 3.00 | 100 | 0.600 | 0.100 | 3.00 |" in text
+    assert "| 3 | 120 | 110 | 0.500 | 0.100 | 5.00 | 110 | 1.000 | 0.100 | 5.00 |" in text
+    assert "| 1 |" not in text  # the cold turn has no alone time to compare
+    assert "ours: median turn 0.400 s, median ratio 4.00" in text
+
+
+@pytest.mark.timeout(240)
+def test_a_run_of_ours_reuses_each_turns_prefix(tiny_model_path, tmp_path):
+    out = tmp_path / "out"
+    args = ["--model", str(tiny_model_path), "--cached", "96", "--new", "8", "--turns", "2"]
+    assert main([*args, "--out", str(out)]) == 0
+    rows = json.loads((out / "turn_cost.json").read_text())["ours"]
+    assert [(r["turn"], r["prompt"]) for r in rows] == [(1, 96), (2, 104), (3, 112)]
+    assert rows[0]["cached"] == 0
+    # each turn reuses all of the previous turn's prompt but at most its last token
+    assert rows[1]["cached"] >= 95 and rows[2]["cached"] >= 103
+    assert all(r["turn_s"] > 0 and r["alone_s"] > 0 for r in rows[1:])
+    assert "| 2 | 104 |" in (out / "turn_cost.md").read_text()
