@@ -7,6 +7,7 @@ QueueFull / SchedulerClosed) and returns a handle whose events arrive on the eve
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -242,7 +243,10 @@ class ModelService:
     def prefix_cache_stats(self):
         """The engine's prefix cache counters (PrefixCacheStats), or None without one."""
         cache = getattr(self.engine, "prefix_cache", None)
-        return cache.stats() if cache is not None else None
+        if cache is None:
+            return None
+        kept = getattr(self.engine, "kept_tokens", None)  # an MLX engine's rows
+        return dataclasses.replace(cache.stats(), kept_tokens=kept()) if kept else cache.stats()
 
     def close(self, timeout: float | None = None) -> bool:
         closed = self.scheduler.close(timeout)

@@ -50,6 +50,10 @@ class _SchedulerCollector(Collector):
                 "bytes held by the prefix cache",
                 cache.bytes,
             )
+            values["llm_server_prefix_cache_kept_tokens"] = (
+                "positions of released rows' histories reused in place, not yet in the cache",
+                cache.kept_tokens,
+            )
             values["llm_server_prefix_cache_hits"] = ("prefix cache hits since start", cache.hits)
             values["llm_server_prefix_cache_hit_tokens"] = (
                 "prompt tokens reused from the prefix cache since start",

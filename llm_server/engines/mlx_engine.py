@@ -269,9 +269,20 @@ class MLXEngine:
 
     def thread_exit(self) -> None:
         """The thread driving the engine ends: free its CPU streams (native/cpu_kernels.py: a
-        device fact, whatever the set); the prefix cache's entries go to its disk tier, if any."""
-        self.prefix_cache.persist()
+        device fact, whatever the set); the prefix cache's entries go to its disk tier."""
+        self.persist()
         release_streams()
+
+    def kept_tokens(self) -> int:
+        """Positions of released rows' histories held only in their rows (PrefixCacheStats)."""
+        return self.row_table.unsaved_tokens()
+
+    def persist(self) -> None:
+        """The prefix cache's entries, the rows' kept histories included, to its disk tier
+        (if it has one)."""
+        if self.prefix_cache.disk is not None:
+            self.row_table.save_kept()
+            self.prefix_cache.persist()
 
     # -- steps (StepExecutor, DecodePipeline) ------------------------------------------
 

@@ -12,6 +12,12 @@ that row (`preferred_row` picks it) reuses its prefix in place, with no copy. Wh
 busy the store is given back after `keep_alive` seconds (`trim_idle`; 0: at once), not at
 once: a fresh store's first long write faults in its pages (~0.5 s for 4k positions of SmolLM2
 at 4 rows), which a conversation's next turn would otherwise pay every time.
+
+A kept history goes to the prefix cache only when its KV is about to be lost (`unsaved`): the
+row opened for a prompt that does not carry it on, the store given back, the engine stopping.
+A conversation whose every turn comes back to its row never copies its KV (the copy was ~0.05 s
+a turn at 4k positions of SmolLM2, and ~0.5 s the first time, its pages faulted in), and
+meanwhile other rows' prompts reuse it from the row (`_live_prefix`).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from llm_server.engines.prefix_cache import PrefixCache
+from llm_server.engines.prefix_cache import SHORT_TAIL, PrefixCache
 from llm_server.engines.row_cache import RowStore
 from llm_server.engines.row_state import StateStore
 
@@ -60,6 +66,7 @@ class RowTable:
         # a free serving row's last history, whose KV the store still holds at positions
         # 0..len-1 (reused in place by the next prompt opened on the row that shares it)
         self.kept: list[list[int]] = [[] for _ in range(total)]
+        self.unsaved = [False] * total  # a kept history the prefix cache does not hold yet
         self.released = [0] * total  # release order of the rows (the oldest kept is given up)
         self._releases = 0
         self.keep_alive = keep_alive
@@ -83,7 +90,9 @@ class RowTable:
         if self._make_serial is not None:
             self.serial_cache = self._make_serial()
         kept = self._kept_prefix(row, tokens)
-        self.kept[row] = []
+        if len(self.kept[row]) - kept > SHORT_TAIL:  # more is lost than the prompt carries on
+            self._save(row)
+        self.kept[row], self.unsaved[row] = [], False
         source, shared = self._live_prefix(row, tokens)
         entry, reused = self.prefix_cache.match(tokens, floor=max(shared, kept))
         if entry is not None:  # the cache holds more of this prompt than any row
@@ -101,13 +110,15 @@ class RowTable:
 
     def _live_prefix(self, row: int, tokens: list[int]) -> tuple[int, int]:
         """The other row holding the longest prefix of `tokens` (all but the last) and its
-        length: the choices of an `n` > 1 request, or prompts sharing a system prompt, sent
-        together. (0, 0) when none shares at least the prefix cache's minimum."""
+        length: the choices of an `n` > 1 request, prompts sharing a system prompt sent
+        together, or a kept history not yet saved to the prefix cache. (0, 0) when none shares
+        at least the prefix cache's minimum."""
         best_row, best = 0, 0
         if not self.prefix_cache.enabled:
             return best_row, best
         query = np.asarray(tokens[:-1], dtype=np.int64)
-        for r, held in enumerate(self.tokens[: self.rows]):
+        for r, busy in enumerate(self.tokens[: self.rows]):
+            held = busy or (self.kept[r] if self.unsaved[r] else [])
             n = min(len(held), query.size)
             if r == row or n <= max(best, self.prefix_cache.min_tokens - 1):
                 continue
@@ -143,16 +154,14 @@ class RowTable:
         return min(rows, key=lambda r: (bool(self.kept[r]), self.released[r], r))
 
     def release(self, row: int) -> None:
-        """Free `row`; a serving row's history (prompt + generated) goes to the prefix cache
-        first (a scoring row's never: scoring needs the logits of every position anyway) and
-        stays in the row (`kept`). With no row busy, the store is given back now or, with a
-        history kept, after `keep_alive` seconds (`trim_idle`)."""
+        """Free `row`; a serving row's history (prompt + generated) stays in the row (`kept`),
+        for the prefix cache once it is about to be lost (a scoring row's never: scoring needs
+        the logits of every position anyway). With no row busy, the store is given back now
+        or, with a history kept, after `keep_alive` seconds (`trim_idle`)."""
         self.check_row(row, scoring=True)
         held = self.tokens[row]
         if held and self.prefix_cache.enabled and row < self.rows:
-            keys, values = self.store.read_row(row, len(held))
-            self.prefix_cache.insert(held, keys, values)
-            self.kept[row] = held
+            self.kept[row], self.unsaved[row] = held, True
             self._releases += 1
             self.released[row] = self._releases
         self.tokens[row] = []
@@ -189,11 +198,28 @@ class RowTable:
         return len(loaded)
 
     def clear(self) -> None:
-        """Give the KV memory back (no row busy): the store, and the histories it held."""
+        """Give the KV memory back (no row busy): the store, and the histories it held (to
+        the prefix cache first)."""
+        self.save_kept()
         self.store.clear()
         mx.clear_cache()
         self.kept = [[] for _ in self.kept]
         self.idle_since = None
+
+    def save_kept(self) -> None:
+        """Every kept history the prefix cache does not hold yet, into it (the store is going
+        back, or the engine stops and the cache goes to its disk tier)."""
+        for row in range(self.rows):
+            self._save(row)
+
+    def unsaved_tokens(self) -> int:
+        return sum(len(k) for k, u in zip(self.kept, self.unsaved, strict=True) if u)
+
+    def _save(self, row: int) -> None:
+        if self.unsaved[row] and self.kept[row]:
+            keys, values = self.store.read_row(row, len(self.kept[row]))
+            self.prefix_cache.insert(self.kept[row], keys, values)
+        self.unsaved[row] = False
 
     def idle_due(self) -> float | None:
         """Seconds until an idle store is due back (<= 0: now); None when nothing idle is held."""

@@ -102,6 +102,9 @@ class PrefixCacheStats:
     disk_bytes: int = 0  # bytes the disk tier holds now
     disk_entries: int = 0
     disk_corrupt: int = 0  # files skipped for a bad checksum, header or fingerprint
+    # positions of released rows' histories still only in their rows (the engine's `kept`):
+    # reused in place by their next turn, copied into the cache once about to be lost
+    kept_tokens: int = 0
 
 
 def _shared(a: np.ndarray, b: np.ndarray, n: int) -> int:

@@ -100,6 +100,61 @@ def test_a_row_opened_for_another_prompt_no_longer_offers_its_history(tiny_model
     assert np.array_equal(got, copied)
 
 
+def _cached(engine: MLXEngine) -> tuple[int, int]:
+    """(prefix cache entries, positions kept only in the rows)."""
+    return engine.prefix_cache.stats().entries, engine.kept_tokens()
+
+
+def test_a_kept_history_is_copied_to_the_cache_only_when_about_to_be_lost(tiny_model_path, turns):
+    first, second, other = turns
+    engine = _engine(tiny_model_path)
+    engine.prefill(0, first)
+    assert _cached(engine) == (0, 0)  # busy rows keep nothing yet
+    engine.release(0)
+    assert _cached(engine) == (0, len(first))
+    engine.prefill(0, second)  # the next turn carries it on, in place: still no copy
+    engine.release(0)
+    assert _cached(engine) == (0, len(second))
+    # a prompt that drops it: copied before the row is overwritten
+    engine.prefill(0, other)
+    assert _cached(engine) == (1, 0)
+    assert engine.prefix_cache.match(second + [7])[1] == len(second)
+    engine.release(0)
+    assert _cached(engine) == (1, len(other))
+    engine.row_table.save_kept()  # as when the store goes back or the engine stops
+    assert _cached(engine) == (2, 0)
+
+
+def test_a_prompt_carrying_on_all_but_a_short_tail_replaces_it_uncopied(tiny_model_path, turns):
+    """An agent's next turn re-renders the end of the last answer: up to 64 kept tokens it
+    does not carry on are dropped with the history, not copied."""
+    first, _, other = turns
+    engine = _engine(tiny_model_path)
+    engine.prefill(0, first)
+    engine.release(0)
+    engine.prefill(0, first[:-60] + other[:10])
+    assert engine.cached_tokens(0) == len(first) - 60 and _cached(engine) == (0, 0)
+    engine.release(0)
+    engine.prefill(0, first[:30] + other[:10])  # 70 of the 100 kept positions dropped
+    assert _cached(engine) == (1, 0)
+
+
+def test_another_row_reuses_a_kept_history_from_its_row(tiny_model_path, turns):
+    """A prompt sharing a free row's history, opened elsewhere, copies it from that row (the
+    prefix cache does not hold it): the logits of reusing it in place."""
+    first, second, _ = turns
+    here = _engine(tiny_model_path)
+    here.prefill(0, first)
+    here.release(0)
+    in_place = here.prefill(0, second)
+    engine = _engine(tiny_model_path)
+    engine.prefill(0, first)
+    engine.release(0)
+    got = engine.prefill(1, second)
+    assert engine.cached_tokens(1) == len(first) and _cached(engine) == (0, len(first))
+    assert np.array_equal(got, in_place)
+
+
 def test_idle_store_goes_back_after_the_keep_alive(tiny_model_path, turns):
     first, second, _ = turns
     clock = Clock()
@@ -138,7 +193,7 @@ def _persisted(path, folder, history: list[int]) -> None:
     prepare_engine(engine, folder, None, [])
     engine.prefill(0, history)
     engine.release(0)
-    engine.prefix_cache.persist()
+    engine.persist()  # as at shutdown (thread_exit): the kept history to disk too
 
 
 def test_a_restart_resumes_the_last_conversation_into_its_row(tiny_model_path, tmp_path, turns):

@@ -143,8 +143,12 @@ def test_http_reports_cached_tokens_and_cache_stats(tiny_model_path, live_server
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert 0 < cached < second["usage"]["prompt_tokens"]
     assert health["prefix_cache"]["hits"] == 1 and health["prefix_cache"]["hit_tokens"] == cached
-    assert 0 < health["prefix_cache"]["bytes"] <= health["prefix_cache"]["max_bytes"]
+    # the second prompt carried on the first history's row: no copy into the cache so far
+    held, prompt = health["prefix_cache"]["kept_tokens"], second["usage"]["prompt_tokens"]
+    assert prompt <= held <= prompt + second["usage"]["completion_tokens"]
+    assert health["prefix_cache"]["bytes"] == 0 and health["prefix_cache"]["entries"] == 0
     assert "llm_server_prefix_cache_hit_tokens" in metrics
+    assert f"llm_server_prefix_cache_kept_tokens {float(held)}" in metrics
 
 
 def _kv(n: int) -> tuple[list[mx.array], list[mx.array]]:
