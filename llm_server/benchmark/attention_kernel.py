@@ -5,7 +5,8 @@
 Each build is a compiled `_llm_decode_ops` (decode_ops.build() writes it under the cache
 folder; copy an older one aside to compare); none given: the current build. Cases in SmolLM2's
 geometry (9 query heads over 3 KV heads, Dh 64): a 512-position prompt chunk at offset 7,488, a
-2,048-position chunk at offset 0 and a decode step of 4 rows at 4,096 positions. The builds run
+2,048-position chunk at offset 0, a 20-position chunk at 3,700 (an agent's turn) and a decode
+step of 4 rows at 4,096 positions. The builds run
 in turn within each repeat (a shared host's load falls on all alike); the median per case is
 printed with the outputs' agreement (the arithmetic is fixed: builds must agree bit for bit).
 """
@@ -26,6 +27,7 @@ HEADS, KV, DH = 9, 3, 64
 CASES = {  # name: (q, rows' positions)
     "chunk 512 at 7488": (512, [7488]),
     "chunk 2048 at 0": (2048, [0]),
+    "chunk 20 at 3700": (20, [3700]),  # an agent's turn over its cached conversation
     "decode 4 rows at 4096": (1, [4096, 4100, 4090, 4095]),
 }
 

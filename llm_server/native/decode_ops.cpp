@@ -634,13 +634,20 @@ void attend_rows(float* dst, Geometry g, float scale, const Matrix& x, const Sto
   int64_t work = 0; // multiply-adds, to decide whether threads pay
   for (int64_t b = 0; b < batch; b++) work += (static_cast<int64_t>(at[b]) + q) * q;
   work *= static_cast<int64_t>(heads) * dh * 2;
-  // one item: one row's rep query heads of one KV head, over a block of kBlock of its q
+  // one item: one row's rep query heads of one KV head, over a block of `block` of its q
   // positions (a prompt chunk's positions spread over the threads; each position's arithmetic
   // is its own), the costliest (last) blocks first; a block of several positions reads its
   // row's keys and values once (attend_block), a lone decode position as attend_group (with
   // AVX-512 both as attend_block16)
-  const int blocks = (q + kBlock - 1) / kBlock;
   const int64_t heads_of_rows = batch * kv;
+  // a short chunk over a long history (an agent's turn: 20 positions over 4k) would be one
+  // block per KV head, 3 items for 2 threads: halve the blocks until every thread gets 4 items
+  int block = kBlock;
+  if (work >= kThreadedWork) {
+    const int64_t want = 4 * static_cast<int64_t>(Pool::get().threads());
+    while (block > 4 && (q + block - 1) / block * heads_of_rows < want) block = (block + 1) / 2;
+  }
+  const int blocks = (q + block - 1) / block;
   auto item = [&](int index) {
     const int blk = blocks - 1 - static_cast<int>(index / heads_of_rows);
     const int64_t b = (index % heads_of_rows) / kv;
@@ -652,7 +659,7 @@ void attend_rows(float* dst, Geometry g, float scale, const Matrix& x, const Sto
     qrot.resize(static_cast<size_t>(kBlock) * rep * dh);
     outs.resize(static_cast<size_t>(kBlock) * rep);
     int count = 0; // the block's positions that attend (consecutive: p ascends with i)
-    for (int i = blk * kBlock; i < std::min(q, (blk + 1) * kBlock); i++) {
+    for (int i = blk * block; i < std::min(q, (blk + 1) * block); i++) {
       const int64_t n = b * q + i;
       const int64_t p = static_cast<int64_t>(at[b]) + i;
       float** o = outs.data() + static_cast<int64_t>(count) * rep;
