@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from llm_server.engines.settings import KV_KEEP_ALIVE_S
+from llm_server.listen import tcp_socket
 from llm_server.model_source import source_or_exit
 from llm_server.scheduler.batch import (
     DEFAULT_PREFILL_TOKENS,
@@ -426,7 +427,7 @@ def _bind(args: argparse.Namespace) -> tuple[socket.socket, str]:
         sock.bind(args.uds)
         return sock, f"unix:{args.uds}"
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = tcp_socket(family)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((args.host, args.port))

@@ -199,24 +199,24 @@ def running(spec: ServerSpec, log_path: Path) -> Iterator[RunningServer]:
             pump.join(5.0)
 
 
-LLAMA_SERVER_CMD = (
-    "{bin} -m {gguf} -t {threads} -tb {threads} -np 1 -c {ctx} --host {{host}} --port {{port}}"
-)
+LLAMA_SERVER_CMD = "{bin} -m {gguf} -t {threads} -tb {threads} -np {slots} -c {ctx} --host {{host}} --port {{port}}"
 
 
 def add_llama_server_args(p) -> None:
-    """The flags of a benchmark that measures one llama-server slot beside ours."""
+    """The flags of a benchmark that measures llama-server beside ours."""
     p.add_argument("--llama-server", type=Path, help="llama-server binary: measured beside ours")
     p.add_argument("--gguf", type=Path, help="the weights llama-server serves (F32 SmolLM2)")
     p.add_argument("--llama-threads", type=int, default=2)
 
 
-def llama_server_cmd(p, args, ctx: int) -> str | None:
-    """The one-slot llama-server command template of those flags (None without --llama-server)."""
+def llama_server_cmd(p, args, ctx: int, slots: int = 1) -> str | None:
+    """The llama-server command template of those flags, `ctx` positions a slot (None without
+    --llama-server)."""
     if not args.llama_server:
         return None
     if not args.gguf:
         p.error("--llama-server needs --gguf")
     return LLAMA_SERVER_CMD.format(
-        bin=args.llama_server, gguf=args.gguf, threads=args.llama_threads, ctx=ctx
-    )
+        bin=args.llama_server, gguf=args.gguf, threads=args.llama_threads, slots=slots,
+        ctx=ctx * slots,
+    )  # fmt: skip

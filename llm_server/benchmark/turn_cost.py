@@ -5,11 +5,11 @@ a turn over a long cached prefix, against the same number of new tokens alone.
         [--model PATH] [--cached 3700] [--new 20] [--turns 4] \
         [--llama-server BIN --gguf FILE [--llama-threads 2]]
 
-Each server gets a history of `--cached` random token ids once (cold), then per turn the
-history grows by `--new` random ids and is sent again (`max_tokens`/`n_predict` 1; ours through
-/v1/completions with the prefix cache, llama-server through /completion with `cache_prompt`),
-then `--new` unrelated random ids alone (nothing cached shares them; llama-server with
-`cache_prompt` false). Times are the wall time of each non-streamed request, the same for both
+Each server (two rows / slots: the conversation's and one for the rest) gets a history of
+`--cached` random token ids once (cold), then per turn the history grows by `--new` random ids
+and is sent again (`max_tokens`/`n_predict` 1; ours through /v1/completions with the prefix
+cache, llama-server through /completion with `cache_prompt`), then `--new` unrelated random ids
+alone (nothing cached shares them; llama-server with `cache_prompt` false). Times are the wall time of each non-streamed request, the same for both
 servers. Reported per server and turn: turn s, alone s and their ratio: what reusing the cached
 prefix costs beyond computing the new tokens, including their attention over it.
 """
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     add_llama_server_args(p)
     p.add_argument("--out", type=Path, default=Path("benchmark-results/turn_cost"))
     args = p.parse_args(argv)
-    cmd = llama_server_cmd(p, args, ctx=args.cached + args.new * (args.turns + 1) + 256)
+    cmd = llama_server_cmd(p, args, ctx=args.cached + args.new * (args.turns + 1) + 256, slots=2)
     if args.model is None:
         from llm_server.default_model import default_model_path
 
@@ -121,12 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     vocab = min(vocab, 30000)
     results = {}
     logs = args.out / "logs"
-    spec = ServerSpec("ours", args.model, concurrency=1, max_queued=4)
+    spec = ServerSpec("ours", args.model, concurrency=2, max_queued=4)
     with running(spec, logs / "ours.log") as srv, httpx.Client(base_url=srv.url, timeout=900) as c:
         results["ours"] = turns(lambda ids, cache: _ours(c, ids, cache), args.cached, args.new,
                                 args.turns, vocab)  # fmt: skip
     if cmd:
-        spec = ServerSpec("llama_server", Path("-"), concurrency=1, max_queued=1, peer_cmd=cmd)
+        spec = ServerSpec("llama_server", Path("-"), concurrency=2, max_queued=1, peer_cmd=cmd)
         with (
             running(spec, logs / "llama-server.log") as srv,
             httpx.Client(base_url=srv.url, timeout=900) as c,

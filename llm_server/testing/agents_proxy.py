@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,12 +22,14 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from llm_server.listen import tcp_socket
+
 
 class _ServerThread:
     """uvicorn serving `app` on a free loopback port in a daemon thread."""
 
     def __init__(self, app, name: str) -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock = tcp_socket()
         self._sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")

@@ -13,6 +13,7 @@ from pathlib import Path
 import uvicorn
 
 from llm_server.api.app import AppState, create_app
+from llm_server.listen import tcp_socket
 from llm_server.service import ModelService
 
 
@@ -23,7 +24,7 @@ class LiveServer:
         self.service = service
         self.state = AppState(service, model_id or service.config.model_id)
         self.app = create_app(self.state, **app_options)
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock = tcp_socket()
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import uvicorn
 
 from llm_server.api.app import AppState, create_app
+from llm_server.listen import tcp_socket
 from llm_server.models.daemon import manage
 from llm_server.models.manager import ManagerConfig, ModelManager
 from llm_server.models.memory import ModelSize, estimate_size
@@ -64,7 +64,7 @@ class ManagedServer:
         self.state = AppState(None, self.manager.default_id, manager=self.manager)
         self.app = create_app(self.state, **app_options)
         manage(self.state, self.app)
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock = tcp_socket()
         self._sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off")
