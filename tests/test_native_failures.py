@@ -247,3 +247,18 @@ def test_make_install_names_the_built_extension_or_says_not_in_use(real_ops, cap
         warnings.simplefilter("ignore", RuntimeWarning)
         runpy.run_module("llm_server.native.decode_ops", run_name="__main__")
     assert capsys.readouterr().out == f"decode ops: {real_ops.__file__}\n"
+
+
+def test_the_build_finds_mlxs_headers_beside_an_mlx_folder_in_the_working_directory(
+    monkeypatch, tmp_path
+):
+    """MLX's CPU JIT leaves `mlx/<version>/cpu` in the working directory; run from there,
+    `mlx.__path__` (a namespace package) lists that folder first. The headers come from the
+    installed package all the same."""
+    (tmp_path / "mlx" / "0.0" / "cpu").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import mlx
+
+    assert Path(list(mlx.__path__)[0]) == tmp_path / "mlx"  # the trap is set
+    includes = [a[2:] for a in decode_ops._command(tmp_path / "out.so") if a.startswith("-I")]
+    assert any((Path(i) / "mlx" / "allocator.h").is_file() for i in includes), includes

@@ -83,11 +83,14 @@ def _folder() -> Path | None:
 
 
 def _command(out: Path) -> list[str]:
-    import mlx
+    import mlx.core
     import nanobind
 
     nb = Path(nanobind.__file__).parent
-    mlx_dir = Path(mlx.__path__[0])
+    # the installed package's folder: `mlx` is a namespace package, so an `mlx` folder in the
+    # working directory (MLX's own CPU JIT cache, /tmp/mlx/<version>/cpu, run from /tmp) would
+    # come first in mlx.__path__, and the build would look for the headers there
+    mlx_dir = Path(mlx.core.__file__).parent
     return [
         *shlex.split(os.environ.get("CXX", "g++")),
         *FLAGS,
