@@ -87,6 +87,7 @@ class RowTable:
         cache, or a running row); returns the positions reused (the row's cursor)."""
         self.states.clear_row(row)
         self.idle_since = None
+        self.store.ensure(len(tokens))  # the whole prompt's positions now, not chunk by chunk
         if self._make_serial is not None:
             self.serial_cache = self._make_serial()
         kept = self._kept_prefix(row, tokens)

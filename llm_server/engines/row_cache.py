@@ -1,8 +1,9 @@
 """A row-addressed KV cache that mlx-lm's model classes accept as their `cache` list.
 
 The store keeps, per layer, keys and values for every row: [rows, kv_heads, capacity, head_dim]
-(the layout attention reads without a copy), grown in steps of GROW positions (no per-token
-concatenation). A forward sees one `RowView` per layer, which tells the attention layer where
+(the layout attention reads without a copy), grown in steps of at least GROW positions and a
+quarter of its capacity (no per-token concatenation); a row opened for a prompt grows it for the
+whole prompt at once. A forward sees one `RowView` per layer, which tells the attention layer where
 each row's new keys go (`offset`), writes them in place, and returns the keys each row may attend
 to plus a per-row mask. Sliding-window layers keep every position too: their window is a per-row
 mask (`make_mask(..., window_size=W)`), so rows at different cursors still batch exactly.
@@ -14,7 +15,10 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-GROW = 256  # positions added to every row's capacity at a time
+GROW = 256  # positions added to every row's capacity at a time, at least...
+HEADROOM = 4  # ...and at least a 1/HEADROOM of what it holds: each growth copies the store into
+# fresh memory (177 MB at 3.7k positions of a SmolLM2 row), so a long conversation or answer
+# growing 256 positions at a time paid that copy every 256 positions
 
 
 class RowStore:
@@ -41,7 +45,8 @@ class RowStore:
         """Grow every layer so each row can hold `positions` entries (lazy, step-wise)."""
         if positions <= self.capacity:
             return
-        new_cap = min(self.max_positions, -(-positions // GROW) * GROW)
+        wanted = max(positions, self.capacity + self.capacity // HEADROOM)
+        new_cap = min(self.max_positions, -(-wanted // GROW) * GROW)
         self._pad([(0, 0), (0, 0), (0, new_cap - self.capacity), (0, 0)])
         self.capacity = new_cap
 
