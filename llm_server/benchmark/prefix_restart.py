@@ -6,6 +6,8 @@ disk tier (`--prefix-cache-dir`) after a restart, on the default model over stre
 Turn 2 runs on the server that ran turn 1 (in-memory hit); the server restarts over the same
 folder, answers one short unrelated request (the first forwards' warm-up, which turn 2 also had
 behind it) and runs turn 3 (disk hit); a server with the cache off runs turns 2 and 3 cold.
+Every server has the default 4 rows (`--concurrent-requests`), so the unrelated request takes
+another row than the conversation's.
 """
 
 from __future__ import annotations
@@ -48,22 +50,25 @@ def _ttft(srv, messages: list[dict]) -> tuple[float, str, dict]:
     return first or 0.0, text, usage
 
 
+ROWS = 4  # llm-server's default --concurrent-requests
+
+
 def main(tokens: int = 3000) -> None:
     path = default_model_path()
     rules = " ".join(f"rule{i}: keep edits small and run the tests;" for i in range(tokens // 10))
     system = {"role": "system", "content": "You are a coding agent. " + rules}
     folder = Path(tempfile.mkdtemp())
     one = [system, {"role": "user", "content": "list the files"}]
-    with serving(path, prefix_cache_dir=folder) as srv:
+    with serving(path, ROWS, prefix_cache_dir=folder) as srv:
         t1, a1, _ = _ttft(srv, one)
         two = one + [{"role": "assistant", "content": a1}, {"role": "user", "content": "open it"}]
         t2, a2, u2 = _ttft(srv, two)
     three = two + [{"role": "assistant", "content": a2}, {"role": "user", "content": "run tests"}]
-    with serving(path, prefix_cache_dir=folder) as srv:
+    with serving(path, ROWS, prefix_cache_dir=folder) as srv:
         _ttft(srv, [{"role": "user", "content": "hi"}])
         t3, a3, u3 = _ttft(srv, three)
         stats = srv.service.prefix_cache_stats()
-    with serving(path, prefix_cache_bytes=0) as srv:
+    with serving(path, ROWS, prefix_cache_bytes=0) as srv:
         c2, b2, _ = _ttft(srv, two)
         c3, b3, _ = _ttft(srv, three)
     print(f"turn 1 (cold, {t1:.2f} s): the conversation starts")

@@ -87,7 +87,7 @@ class RowTable:
         cache, or a running row); returns the positions reused (the row's cursor)."""
         self.states.clear_row(row)
         self.idle_since = None
-        self.store.ensure(len(tokens))  # the whole prompt's positions now, not chunk by chunk
+        self.store.reserve(len(tokens))  # the whole prompt now, not chunk by chunk
         if self._make_serial is not None:
             self.serial_cache = self._make_serial()
         kept = self._kept_prefix(row, tokens)
@@ -188,6 +188,7 @@ class RowTable:
         loaded = disk.recent(self.rows)
         for row, (tokens, keys, values) in enumerate(loaded):
             self.prefix_cache.add_read(tokens, keys, values)
+            self.store.reserve(len(tokens))  # room for the conversation's next turn
             self.store.write_prefix(row, keys, values, len(tokens))
         for row in reversed(range(len(loaded))):
             self.kept[row] = loaded[row][0].tolist()

@@ -45,6 +45,16 @@ def test_a_grown_store_keeps_every_rows_positions():
     assert not store.read_row(0, 300)[0][0].any()
 
 
+def test_a_long_prompt_reserves_a_quarter_more():
+    store = RowStore(num_layers=1, rows=1, max_positions=8192)
+    store.reserve(4 * GROW)  # a few GROWs: what it needs
+    assert store.capacity == 4 * GROW
+    store.reserve(3832)  # 3,832 + 958, in whole GROWs: the next turn of ~800 tokens fits
+    assert store.capacity == 4864
+    store.reserve(8000)
+    assert store.capacity == 8192
+
+
 def test_a_prompt_opened_on_a_row_grows_the_store_for_all_of_it(tiny_model_path):
     engine = MLXEngine(tiny_model_path, EngineSettings(rows=2))
     prompt = [(7 * i) % 300 + 3 for i in range(700)]
