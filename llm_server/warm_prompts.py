@@ -63,8 +63,9 @@ def warm_tokens(service, items: list[Any]) -> list[list[int]]:
 def prepare_engine(engine, cache_dir: Path | None, disk_bytes: int | None, prompts) -> None:
     """Attach the disk tier (when `cache_dir` is set) and read its most recent conversations
     back into the rows (`resume`), then prefill each of `prompts` (token lists) on a free row
-    and release it, leaving its KV in the prefix cache. Runs on the scheduler
-    thread before the model reports ready."""
+    and release it: its KV stays in the row, and goes to the prefix cache when the row is
+    needed or the store given back (mlx_rows). Runs on the scheduler thread before the model
+    reports ready."""
     cache = getattr(engine, "prefix_cache", None)
     if cache is None or not cache.enabled:
         if cache_dir is not None or prompts:

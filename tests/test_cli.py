@@ -176,3 +176,27 @@ def test_prefill_tokens_reaches_the_scheduler_and_a_negative_value_is_refused(ti
         service.close(30)
     with pytest.raises(SystemExit, match="--prefill-tokens must be 0"):
         main(["--model", str(tiny_model_path), "--prefill-tokens", "-1"])
+
+
+def test_kv_keep_alive_reaches_the_engine_and_bad_values_are_refused(tiny_model_path, capsys):
+    """--kv-keep-alive SECONDS (issue 38): how long an idle engine keeps its KV store; not a
+    non-negative finite number: argparse's one-line error naming the flag, exit 2."""
+    import pytest
+
+    from llm_server.cli import build_parser
+    from llm_server.server import service_from_args
+
+    args = build_parser().parse_args(["--model", str(tiny_model_path), "--kv-keep-alive", "2.5"])
+    service = service_from_args(args, tiny_model_path, "tiny")
+    try:
+        assert service.scheduler.wait_ready(120).row_table.keep_alive == 2.5
+    finally:
+        service.close(30)
+    assert build_parser().parse_args([]).kv_keep_alive == 60.0
+    for bad in ("-1", "soon", "inf", "nan"):
+        with pytest.raises(SystemExit) as exc:
+            build_parser().parse_args(["--kv-keep-alive", bad])
+        assert exc.value.code == 2
+        assert f"--kv-keep-alive: expected seconds >= 0, e.g. 60 or 0.5, got '{bad}'" in (
+            capsys.readouterr().err
+        )

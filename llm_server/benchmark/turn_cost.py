@@ -33,22 +33,24 @@ from llm_server.benchmark.servers import (
 )
 
 
-def _ours(client: httpx.Client, ids: list[int], cache: bool) -> tuple[float, int]:
-    body = {"prompt": ids, "max_tokens": 1, "temperature": 0}
-    t0 = time.perf_counter()
-    r = client.post("/v1/completions", json=body)
-    seconds = time.perf_counter() - t0
-    r.raise_for_status()
-    return seconds, r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+def _sender(client: httpx.Client, ours: bool):
+    """`send(ids, cache) -> (seconds, cached tokens)` over one server's completion route: ours'
+    /v1/completions (the prefix cache always on), llama-server's /completion (`cache_prompt`)."""
 
+    def send(ids: list[int], cache: bool) -> tuple[float, int]:
+        if ours:
+            path, body = "/v1/completions", {"prompt": ids, "max_tokens": 1}
+        else:
+            path, body = "/completion", {"prompt": ids, "n_predict": 1, "cache_prompt": cache}
+        t0 = time.perf_counter()
+        r = client.post(path, json={**body, "temperature": 0})
+        seconds = time.perf_counter() - t0
+        r.raise_for_status()
+        if ours:
+            return seconds, r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        return seconds, r.json()["timings"]["cache_n"]
 
-def _llama(client: httpx.Client, ids: list[int], cache: bool) -> tuple[float, int]:
-    body = {"prompt": ids, "n_predict": 1, "cache_prompt": cache, "temperature": 0}
-    t0 = time.perf_counter()
-    r = client.post("/completion", json=body)
-    seconds = time.perf_counter() - t0
-    r.raise_for_status()
-    return seconds, r.json()["timings"]["cache_n"]
+    return send
 
 
 def turns(send, cached: int, new: int, count: int, vocab: int) -> list[dict]:
@@ -123,16 +125,16 @@ def main(argv: list[str] | None = None) -> int:
     logs = args.out / "logs"
     spec = ServerSpec("ours", args.model, concurrency=2, max_queued=4)
     with running(spec, logs / "ours.log") as srv, httpx.Client(base_url=srv.url, timeout=900) as c:
-        results["ours"] = turns(lambda ids, cache: _ours(c, ids, cache), args.cached, args.new,
-                                args.turns, vocab)  # fmt: skip
+        results["ours"] = turns(_sender(c, True), args.cached, args.new, args.turns, vocab)
     if cmd:
         spec = ServerSpec("llama_server", Path("-"), concurrency=2, max_queued=1, peer_cmd=cmd)
         with (
             running(spec, logs / "llama-server.log") as srv,
             httpx.Client(base_url=srv.url, timeout=900) as c,
         ):
-            results["llama-server"] = turns(lambda ids, cache: _llama(c, ids, cache),
-                                            args.cached, args.new, args.turns, vocab)  # fmt: skip
+            results["llama-server"] = turns(
+                _sender(c, False), args.cached, args.new, args.turns, vocab
+            )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "turn_cost.json").write_text(json.dumps(results, indent=2))
     text = markdown(results, args.cached, args.new)

@@ -232,7 +232,7 @@ class MLXEngine:
         return self.row_table.cached[row]
 
     def release(self, row: int) -> None:
-        """Free `row` (a serving row's history goes to the prefix cache first)."""
+        """Free `row` (a serving row keeps its history in place for the next turn)."""
         self.row_table.release(row)
 
     def preferred_row(self, tokens: list[int], rows: list[int]) -> int:

@@ -2,8 +2,8 @@
 
 Serving rows come first in one `RowStore`, the scoring rows after them; recurrent layers keep
 a per-row slot in a `StateStore`. A row's cursor is the length of its token list. A fresh
-prompt copies in the longest prefix held elsewhere (the prefix cache or a running row); a
-released serving row gives its history to the prefix cache. A model served serially keeps
+prompt copies in the longest prefix held elsewhere (the prefix cache, a running row or a
+released row's kept history). A model served serially keeps
 mlx-lm's own caches of its one row instead of views of the store.
 
 A released row also keeps its history where it is (`kept`): its KV stays in the store until the
@@ -83,8 +83,9 @@ class RowTable:
             raise ValueError(f"row {row} out of range 0..{last}")
 
     def open(self, row: int, tokens: list[int]) -> int:
-        """Reset `row` for a new prompt and copy in the longest prefix held elsewhere (prefix
-        cache, or a running row); returns the positions reused (the row's cursor)."""
+        """Reset `row` for a new prompt (its kept history saved to the prefix cache first when
+        the prompt drops it) and reuse the longest prefix held: the row's own, else copied in
+        from the prefix cache or another row; returns the positions reused (the cursor)."""
         self.states.clear_row(row)
         self.idle_since = None
         self.store.reserve(len(tokens))  # the whole prompt now, not chunk by chunk

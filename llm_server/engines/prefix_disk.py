@@ -197,18 +197,17 @@ class DiskTier:
         with self._lock:
             index = {k: e.tokens for k, e in self._index.items() if len(e.tokens) >= READ_TOKENS}
             used = {k: self._index[k].used for k in index}
-        # an earlier turn's file whose tokens a later file starts with adds nothing
-        covered = {
-            k
-            for k, t in index.items()
-            for o, u in index.items()
-            if o != k and len(u) > len(t) and np.array_equal(u[: len(t)], t)
-        }
-        keys = sorted((k for k in index if k not in covered), key=used.get, reverse=True)
+
+        def covered(key: str) -> bool:  # an earlier turn's file that a longer file starts with
+            t = index[key]
+            return any(len(u) > len(t) and np.array_equal(u[: len(t)], t) for u in index.values())
+
         out = []
-        for key in keys:
+        for key in sorted(index, key=used.get, reverse=True):  # (files x the ones looked at)
             if len(out) == n:
                 break
+            if covered(key):
+                continue
             loaded = self._load(key)
             if loaded is not None:
                 out.append(loaded)

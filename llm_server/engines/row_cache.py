@@ -3,10 +3,11 @@
 The store keeps, per layer, keys and values for every row: [rows, kv_heads, capacity, head_dim]
 (the layout attention reads without a copy), grown in steps of at least GROW positions and a
 quarter of its capacity (no per-token concatenation); a row opened for a prompt grows it for the
-whole prompt at once, with a quarter more room when the prompt is long (`reserve`). A forward sees one `RowView` per layer, which tells the attention layer where
-each row's new keys go (`offset`), writes them in place, and returns the keys each row may attend
-to plus a per-row mask. Sliding-window layers keep every position too: their window is a per-row
-mask (`make_mask(..., window_size=W)`), so rows at different cursors still batch exactly.
+whole prompt at once, with a quarter more room when the prompt is long (`reserve`). A forward
+sees one `RowView` per layer, which tells the attention layer where each row's new keys go
+(`offset`), writes them in place, and returns the keys each row may attend to plus a per-row
+mask. Sliding-window layers keep every position too: their window is a per-row mask
+(`make_mask(..., window_size=W)`), so rows at different cursors still batch exactly.
 """
 
 from __future__ import annotations

@@ -145,6 +145,18 @@ def test_completions_string_prompt(client, server):
     assert echo.choices[0].text == prompt + resp.choices[0].text
 
 
+def test_completions_report_cached_tokens(client, server):
+    """The SDK's `usage.prompt_tokens_details.cached_tokens` on /v1/completions: none the
+    first time, all of the prompt but its last token when it is sent again."""
+    prompt = "Write a short note about the river and the old mill. " * 6
+    first = client.completions.create(model="default", prompt=prompt, max_tokens=3, temperature=0)
+    again = client.completions.create(model="default", prompt=prompt, max_tokens=3, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens == first.usage.prompt_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+    assert again.choices[0].text == first.choices[0].text
+
+
 def test_completions_token_id_prompts(client, server):
     tok = server.service.tokenizer
     ids = [

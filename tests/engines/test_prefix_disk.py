@@ -208,3 +208,22 @@ def test_entries_evicted_from_memory_are_read_back_from_disk(tmp_path):
     assert stats.disk_reads == 1 and stats.entries == 1  # `second` went to disk in its place
     cache.disk.flush()
     assert cache.stats().disk_entries == 2
+
+
+def test_recent_gives_the_last_used_files_worth_a_read(tmp_path):
+    """What a restart resumes (DiskTier.recent): most recently used first, at most `n`, none
+    shorter than READ_TOKENS."""
+    tier = DiskTier(tmp_path, 1 << 30, "kv_a")
+    a = np.arange(0, READ_TOKENS + 10, dtype=np.int32)
+    b = np.arange(5000, 5000 + READ_TOKENS, dtype=np.int32)
+    short = np.arange(9000, 9000 + READ_TOKENS - 1, dtype=np.int32)
+    for tokens, value in ((a, 1.0), (b, 2.0), (short, 3.0)):
+        tier.put(tokens, *_kv(len(tokens), value))
+        tier.flush()
+    tier.close()
+    again = DiskTier(tmp_path, 1 << 30, "kv_a")
+    got = again.recent(5)
+    assert [t.tolist() for t, _, _ in got] == [b.tolist(), a.tolist()]
+    assert np.array_equal(np.asarray(got[0][1][0]), np.full((2, len(b), 4), 2.0, np.float32))
+    fresh = DiskTier(tmp_path, 1 << 30, "kv_a")  # (a read counts as a use)
+    assert [t.tolist() for t, _, _ in fresh.recent(1)] == [b.tolist()]
