@@ -228,6 +228,18 @@ def _fall_back(reason: str) -> None:
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
+def mapped_files(maps: str) -> set[str]:
+    """The shared objects named in a /proc/<pid>/maps text. A file deleted or replaced since it
+    was mapped (another build of the skinny library, an upgrade) still counts: the process runs
+    its copy, which the kernel marks ' (deleted)'."""
+    files = set()
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and ".so" in fields[5]:
+            files.add(fields[5].removesuffix(" (deleted)"))
+    return files
+
+
 def active_blas() -> str:
     """Which BLAS this process has mapped: 'accelerate', 'blis (<path>)', 'openblas (<path>)'..."""
     if sys.platform == "darwin":
@@ -237,7 +249,7 @@ def active_blas() -> str:
             text = maps.read()
     except OSError:
         return "unknown"
-    libs = {line.split()[-1] for line in text.splitlines() if ".so" in line}
+    libs = mapped_files(text)
     front = " + skinny products" if any("libllm_skinny-" in p for p in libs) else ""
     for name, marker in (("blis", "blis-pthread"), ("openblas", "openblas-pthread")):
         found = sorted(p for p in libs if marker in p)

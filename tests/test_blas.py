@@ -27,6 +27,23 @@ def test_choice_follows_env_and_installed_libraries():
         assert blas.preload_env(env)["LD_PRELOAD"] == env["LD_PRELOAD"]  # idempotent
 
 
+def test_mapped_files_count_a_library_replaced_since_it_was_mapped():
+    """A server keeps running the skinny library it mapped when another build (a newer source
+    in another checkout, an upgrade) replaces the file: /health must still name it."""
+    maps = (
+        "7f1c2a000000-7f1c2a001000 r-xp 00000000 08:01 123 "
+        "/root/.cache/llm-server/native/libllm_skinny-0123456789abcdef.so (deleted)\n"
+        "7f1c2b000000-7f1c2b100000 r-xp 00000000 08:01 456 "
+        "/usr/lib/x86_64-linux-gnu/blis-pthread/libblis.so.4\n"
+        "7ffd1c000000-7ffd1c021000 rw-p 00000000 00:00 0 [stack]\n"
+        "7f1c2c000000-7f1c2c001000 rw-p 00000000 00:00 0\n"
+    )
+    assert blas.mapped_files(maps) == {
+        "/root/.cache/llm-server/native/libllm_skinny-0123456789abcdef.so",
+        "/usr/lib/x86_64-linux-gnu/blis-pthread/libblis.so.4",
+    }
+
+
 def test_entry_point_runs_with_a_fast_blas_and_correct_products():
     """The process `make test` runs in has a real BLAS mapped, and its products are right."""
     if blas.chosen_blas() is None:

@@ -112,13 +112,17 @@ void reference(int trans_b, int m, int n, int k, float alpha, const float *a, in
 }
 """
 
-# (M, N, K): 1-8 rows (decode), 24 rows and up (prompt chunks: weight tiles in L1, rows in
-# blocks), K with tails and past 768 (blocks of K), N off every tile and chunk size
+# (M, N, K): 1-8 rows (decode), 24 rows and up (prompt chunks: weight tiles in L1 where K is
+# small, else packed lane-major in tiles of 6 rows, 1-5 rows left over, in blocks of rows), K
+# with tails and past 768 (blocks of K), N off every tile and chunk size
 EXACT_SHAPES = [
     *[(m, 77, 576) for m in range(1, 9)],
     (5, 200, 1551),
     (23, 70, 100),
     (24, 70, 100),
+    (25, 70, 100),
+    (28, 100, 200),
+    (245, 80, 112),
     (33, 960, 576),
     (33, 77, 1551),
     (128, 576, 1536),

@@ -13,11 +13,15 @@
  *   in 2 MiB pages (blas.py's malloc tunables) this and `tile` beat reading the weight rows
  *   one after another, which did better in 4 KiB pages (on a 2-core EPYC, the 211 matrices at
  *   1 row: ~28 ms against ~30, at 2 rows ~35 against ~45).
- *   Products of many rows (prompt chunks, MANY_ROWS and up) keep a tile's 8 weight rows in L1
- *   while the 3-row tiles of a block of A's rows (in L2) pass them, K in blocks past K_BLOCK;
- *   a row's 8 sums are reduced together (`reduce8`) and stored as one vector. On a 2-core
- *   Sapphire Rapids (AVX-512), SmolLM2's 128-2048-row products: ~150-190 GF/s -> ~240-330
- *   (benchmark/gemm_rate.py, the old build alternated; OpenBLAS ~400).
+ *   Products of many rows (prompt chunks, MANY_ROWS and up) with AVX-512 compute the same
+ *   sums as outer products (`many_rows_packed`): a chunk of 64 weight rows is packed
+ *   lane-major, so one lane's sums of 6 rows x 64 columns are 24 accumulators fed by 4 vector
+ *   loads and 6 broadcasts, with no reduction in the loop; the lanes are added afterwards in
+ *   vsum's tree. On a 2-core EPYC (Zen 4), SmolLM2's 128-2048-row products: ~95-140 GF/s ->
+ *   ~140-175 (benchmark/gemm_rate.py, the old build alternated; OpenBLAS 164-191), the
+ *   earlier dot-product tiles below (3 rows x 8 weight rows in L1) having lost to the 32 KiB
+ *   L1 and the reductions. Products whose 64 weight rows fit L1 (K <= 96: attention scores)
+ *   keep those tiles.
  * - B stored [K, N] (`probs @ values` in attention): tiles of 6 rows x 4 vectors of columns,
  *   summing k in order.
  * Every other product goes to the next cblas_sgemm in the link order (the preloaded BLAS).
@@ -71,6 +75,7 @@ static inline vec vfma(vec a, vec b, vec c) {
 #endif
 #define CPU_RELAX() _mm_pause()
 
+#define CHUNK_COLS 64 /* columns per chunk of a product: a multiple of 16, whole tiles */
 #define X_BLOCK_BYTES (256 * 1024) /* rows of A per block: stay in L2 while weights pass */
 /* weight rows per group that one tile of A's rows (in L1) passes before the next tile: products
  * of 32-128 rows (prompt chunks) ~20% faster than a group of one tile (C harness, SmolLM2's 211
@@ -335,14 +340,235 @@ static void columns_kn(const product_t *p, int m0, int m1, int n0, int n1) {
 #define W_L1_BYTES (24 * 1024)
 #define SAVE_ROWS (X_BLOCK_BYTES / (K_BLOCK * 4) + MT)
 #define KN_BLOCK (16 * KN_ROWS) /* rows per chunk of a many-row product with B [K, N] */
-static int row_block(const product_t *p) { /* rows of A per block, a multiple of MT */
-    if (!p->trans_b) return KN_BLOCK;
+#if VL == 16
+/* Many rows, packed (prompt chunks whose weight tiles do not all fit L1): the same sums as
+ * `tile`'s, computed as outer products. Lane l of output (m, n) sums a[m, l + VL j] *
+ * b[n, l + VL j] over j in order, exactly what `tile`'s accumulator lane l does, so a pass
+ * over one lane for a tile of PR rows x PC columns broadcasts a[m, l + VL j] against VL
+ * columns' b[n, l + VL j] (the chunk's weights packed lane-major, `pack_lanes`): PR * PV
+ * accumulators, PV vector loads and PR broadcasts per PR * PV multiply-adds, no reduction in
+ * the loop. The 16 lanes' sums are then added in vsum's tree (pairs l, l + 8, then l, l + 4,
+ * ...), the K % VL tail goes on in order, alpha and beta last: every output bit for bit the
+ * other paths' (ARCHITECTURE S10). */
+#define PR 6             /* rows of A per tile */
+#define PV 4             /* vectors of columns per tile: PR * PV accumulators + PV of B */
+#define PC (PV * VL)     /* columns per tile: CHUNK_COLS */
+
+static __thread float *pack_buf;
+static __thread size_t pack_cap;
+
+static float *pack_buffer(size_t floats) {
+    if (floats > pack_cap) {
+        free(pack_buf);
+        pack_buf = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        pack_cap = pack_buf ? floats : 0;
+    }
+    return pack_buf;
+}
+
+/* a 16 x 16 transpose in four block swaps (8, 4, 2 and 1 lanes): r[i][l] becomes r[l][i] */
+#define SWAP(s, lo0, lo1, lo2, lo3, lo4, lo5, lo6, lo7, lo8, lo9, lo10, lo11, lo12, lo13, lo14, \
+             lo15, hi0, hi1, hi2, hi3, hi4, hi5, hi6, hi7, hi8, hi9, hi10, hi11, hi12, hi13, hi14, \
+             hi15) \
+    for (int i = 0; i < 16; i++) \
+        if (!(i & (s))) { \
+            const vec x_ = r[i], y_ = r[i + (s)]; \
+            r[i] = __builtin_shufflevector(x_, y_, lo0, lo1, lo2, lo3, lo4, lo5, lo6, lo7, lo8, \
+                                           lo9, lo10, lo11, lo12, lo13, lo14, lo15); \
+            r[i + (s)] = __builtin_shufflevector(x_, y_, hi0, hi1, hi2, hi3, hi4, hi5, hi6, hi7, \
+                                                 hi8, hi9, hi10, hi11, hi12, hi13, hi14, hi15); \
+        }
+static inline __attribute__((always_inline)) void transpose16(vec r[16]) {
+    SWAP(8, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23, 8, 9, 10, 11, 12, 13, 14, 15,
+         24, 25, 26, 27, 28, 29, 30, 31)
+    SWAP(4, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27, 4, 5, 6, 7, 20, 21, 22, 23,
+         12, 13, 14, 15, 28, 29, 30, 31)
+    SWAP(2, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29, 2, 3, 18, 19, 6, 7, 22, 23,
+         10, 11, 26, 27, 14, 15, 30, 31)
+    SWAP(1, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30, 1, 17, 3, 19, 5, 21, 7, 23,
+         9, 25, 11, 27, 13, 29, 15, 31)
+}
+#undef SWAP
+
+/* b[n0 .. n0 + cols) packed: bp[(l J + j) PC + c] = b[n0 + c, l + VL j] (J = K / VL), then the
+ * tail bp[(VL J + t) PC + c] = b[n0 + c, VL J + t]; columns from `cols` to PC are zero. Whole
+ * groups of 16 columns go 16 x 16 floats at a time through `transpose16` */
+static void pack_lanes(const product_t *p, int n0, int cols, float *bp) {
+    const int J = p->k / VL, tail = p->k - VL * J;
+    int c = 0;
+    for (; c + VL <= cols; c += VL) {
+        const float *w = p->b + (size_t)(n0 + c) * p->ldb;
+        for (int j = 0; j < J; j++) {
+            vec r[16];
+            for (int i = 0; i < 16; i++) r[i] = vload(w + (size_t)i * p->ldb + VL * j);
+            transpose16(r);
+            for (int l = 0; l < VL; l++)
+                __builtin_memcpy(bp + ((size_t)l * J + j) * PC + c, &r[l], sizeof(vec));
+        }
+        for (int i = 0; i < VL; i++)
+            for (int t = 0; t < tail; t++)
+                bp[((size_t)VL * J + t) * PC + c + i] = w[(size_t)i * p->ldb + VL * J + t];
+    }
+    for (; c < PC; c++) {
+        const float *w = p->b + (size_t)(n0 + c) * p->ldb;
+        for (int j = 0; j < J; j++)
+            for (int l = 0; l < VL; l++)
+                bp[((size_t)l * J + j) * PC + c] = c < cols ? w[VL * j + l] : 0.0f;
+        for (int t = 0; t < tail; t++)
+            bp[((size_t)VL * J + t) * PC + c] = c < cols ? w[VL * J + t] : 0.0f;
+    }
+}
+
+/* one lane's sums of `rows` rows of A (x: the rows' lane l, lda apart) against the packed
+ * columns (b: the lane's J vectors of PC), from zero, stored to out[i * PV + v]. Its own
+ * function, so the accumulators, the weight vectors and the rows' pointers are all that is
+ * live in the loop: 24 + 4 + 1 vectors in registers (inlined into the tile's loops, the
+ * compiler kept some on the stack: half the rate) */
+static inline __attribute__((always_inline)) void lane_sums(const float *x, size_t lda,
+                                                            const float *b, int J,
+                                                            const int rows, vec *out) {
+    vec acc[PR][PV];
+    const float *xr[PR];
+    for (int i = 0; i < rows; i++) {
+        xr[i] = x + (size_t)i * lda;
+        for (int v = 0; v < PV; v++) acc[i][v] = (vec){0};
+    }
+    for (int j = 0; j < J; j++, b += PC) {
+        vec bv[PV];
+        for (int v = 0; v < PV; v++) bv[v] = vload(b + VL * v);
+        for (int i = 0; i < rows; i++) {
+            const vec xv = vbroadcast(xr[i] + (size_t)VL * j);
+            for (int v = 0; v < PV; v++) acc[i][v] = vfma(xv, bv[v], acc[i][v]);
+        }
+    }
+    for (int i = 0; i < rows; i++)
+        for (int v = 0; v < PV; v++) out[i * PV + v] = acc[i][v];
+}
+
+static __attribute__((noinline)) void lane_sums_full(const float *x, size_t lda,
+                                                     const float *b, int J, vec *out) {
+    lane_sums(x, lda, b, J, PR, out);
+}
+
+static __attribute__((noinline)) void lane_sums_rest(const float *x, size_t lda,
+                                                     const float *b, int J, int rows,
+                                                     vec *out) {
+    switch (rows) { /* < PR */
+    case 5: lane_sums(x, lda, b, J, 5, out); break;
+    case 4: lane_sums(x, lda, b, J, 4, out); break;
+    case 3: lane_sums(x, lda, b, J, 3, out); break;
+    case 2: lane_sums(x, lda, b, J, 2, out); break;
+    case 1: lane_sums(x, lda, b, J, 1, out); break;
+    }
+}
+
+/* lane l's sums of rows m0 .. m0 + rows over the packed columns */
+static inline void lane_pass(const product_t *p, int m0, int rows, int l, const float *bp,
+                             vec acc[PR][PV]) {
+    const int J = p->k / VL;
+    const float *x = p->a + (size_t)m0 * p->lda + l, *b = bp + (size_t)l * J * PC;
+    if (rows == PR)
+        lane_sums_full(x, p->lda, b, J, &acc[0][0]);
+    else
+        lane_sums_rest(x, p->lda, b, J, rows, &acc[0][0]);
+}
+
+#define EACH(rows, stmt) \
+    for (int i = 0; i < (rows); i++) \
+        for (int v = 0; v < PV; v++) stmt
+
+static inline __attribute__((always_inline)) void packed_tile(const product_t *p, int m0,
+                                                              const int rows, int n0, int cols,
+                                                              const float *bp) {
+    const int J = p->k / VL;
+    vec s[PR][PV], first[PR][PV], pair[PR][PV], quad[4][PR][PV];
+    for (int q = 0; q < 4; q++) { /* quad[q] = (s_q + s_q+8) + (s_q+4 + s_q+12) */
+        lane_pass(p, m0, rows, q, bp, s);
+        EACH(rows, first[i][v] = s[i][v]);
+        lane_pass(p, m0, rows, q + 8, bp, s);
+        EACH(rows, pair[i][v] = first[i][v] + s[i][v]);
+        lane_pass(p, m0, rows, q + 4, bp, s);
+        EACH(rows, first[i][v] = s[i][v]);
+        lane_pass(p, m0, rows, q + 12, bp, s);
+        EACH(rows, quad[q][i][v] = pair[i][v] + (first[i][v] + s[i][v]));
+    }
+    EACH(rows, s[i][v] = (quad[0][i][v] + quad[2][i][v]) + (quad[1][i][v] + quad[3][i][v]));
+    for (int k = VL * J; k < p->k; k++) { /* the tail, in order */
+        const float *b = bp + (size_t)k * PC;
+        for (int i = 0; i < rows; i++) {
+            const vec xv = vbroadcast(p->a + (size_t)(m0 + i) * p->lda + k);
+            for (int v = 0; v < PV; v++) s[i][v] = vfma(xv, vload(b + VL * v), s[i][v]);
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        float *out = p->c + (size_t)(m0 + i) * p->ldc + n0;
+        for (int v = 0; v < PV && VL * v < cols; v++) {
+            const int w = cols - VL * v < VL ? cols - VL * v : VL;
+            vec o = p->alpha * s[i][v];
+            if (p->beta != 0.0f) {
+                vec old = {0};
+                __builtin_memcpy(&old, out + VL * v, w * sizeof(float));
+                o = p->alpha * s[i][v] + p->beta * old;
+            }
+            __builtin_memcpy(out + VL * v, &o, w * sizeof(float));
+        }
+    }
+}
+
+/* rows [m0, m1) x columns [n0, n1) in chunks of PC columns; false without a buffer */
+static int many_rows_packed(const product_t *p, int m0, int m1, int n0, int n1) {
+    float *bp = pack_buffer((size_t)PC * p->k);
+    if (bp == NULL) return 0;
+    for (int c0 = n0; c0 < n1; c0 += PC) {
+        const int cols = n1 - c0 < PC ? n1 - c0 : PC;
+        pack_lanes(p, c0, cols, bp);
+        int m = m0;
+        for (; m + PR <= m1; m += PR) packed_tile(p, m, PR, c0, cols, bp);
+        switch (m1 - m) { /* < PR */
+#define PR_REST(rr) \
+    case rr: \
+        packed_tile(p, m, rr, c0, cols, bp); \
+        break;
+            PR_REST(5) PR_REST(4) PR_REST(3) PR_REST(2) PR_REST(1)
+#undef PR_REST
+        }
+    }
+    return 1;
+}
+#undef EACH
+#endif
+
+#define PACK_ROWS 240 /* rows of A per chunk of a packed product, at most: the packing shared */
+#if VL == 16
+/* products that `many_rows` packs: B [N, K] whose chunk of columns does not fit L1 */
+static int packed(const product_t *p) {
+    return p->trans_b && (size_t)CHUNK_COLS * p->k * sizeof(float) > W_L1_BYTES;
+}
+#endif
+
+static int x_block(const product_t *p) { /* rows of A in L2: a multiple of MT */
     int block = (int)(X_BLOCK_BYTES / ((size_t)p->k * sizeof(float))) / MT * MT;
     return block < MT ? MT : block;
 }
 
+static int row_block(const product_t *p) { /* rows of A per chunk */
+    if (!p->trans_b) return KN_BLOCK;
+#if VL == 16
+    if (packed(p)) { /* blocks of equal rows, give or take a tile */
+        const int blocks = (p->m + PACK_ROWS - 1) / PACK_ROWS;
+        const int rows = (p->m + blocks - 1) / blocks;
+        return (rows + PR - 1) / PR * PR;
+    }
+#endif
+    return x_block(p);
+}
+
+
 static void many_rows(const product_t *p, int m0, int m1, int n0, int n1) {
-    const int block = row_block(p);
+#if VL == 16
+    if (packed(p) && many_rows_packed(p, m0, m1, n0, n1)) return;
+#endif
+    const int block = x_block(p);
     const int full = n0 + (n1 - n0) / NB * NB;
     const int kblocks = (p->k + K_BLOCK - 1) / K_BLOCK;
     const int kc = (p->k / VL + kblocks - 1) / kblocks * VL; /* equal blocks of whole vectors */
@@ -448,7 +674,6 @@ static void columns(const product_t *p, int n0, int n1) {
  * and MLX's stream thread share them with the pool) leaves its chunks to the others instead of
  * making the caller wait at a barrier. Which thread computes a column changes nothing in its
  * values. */
-#define CHUNK_COLS 64 /* a multiple of 16: whole tiles */
 #define MAX_POOL 64
 static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
 static pthread_mutex_t pool_busy = PTHREAD_MUTEX_INITIALIZER;
