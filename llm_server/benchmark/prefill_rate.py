@@ -9,7 +9,10 @@ Each measurement runs in a fresh process (the servers' env, so the BLAS preload 
 settings are theirs): the MLX engine as the server loads it, a `BatchScheduler` with
 `--step-tokens` 128 and the given `prefill_tokens` (128: the old rule, every step 128
 positions), one warm-up request, then one request of N random prompt tokens and
-`max_tokens` 1, timed from submit to its finish. The settings alternate within each repeat
+`max_tokens` 1, timed from submit to its finish. The warm-up is 64 tokens (a server's first long
+prompt: ours then grows its KV store for the prompt, for every row, in fresh memory), or with
+`--warm-store` N other random tokens (a server that has served such a prompt before: no fresh
+memory, as llama-server, which allocates its KV cache at start). The settings alternate within each repeat
 (a, b, a, b), so a shared machine's drift hits both. Prints one JSON line per measurement and a
 summary table (median over repeats) at the end. The greedy first token is printed too: it must
 be the same at every prefill budget.
@@ -37,18 +40,24 @@ from llm_server.benchmark.servers import add_llama_server_args, llama_server_cmd
 WARMUP_TOKENS = 64
 
 
-def _prompts(tokens: int, vocab: int) -> tuple[list[int], list[int]]:
-    """The warm-up prompt and the measured one (the same ids on every server)."""
+def _prompts(tokens: int, vocab: int, warm_store: bool = False) -> tuple[list[int], list[int]]:
+    """The warm-up prompt and the measured one (the same ids on every server). A warm-up as
+    long as the measured prompt starts with another token, so no prefix of it is reused."""
     import numpy as np
 
     rng = np.random.default_rng(tokens)
     vocab = min(vocab, 30000)
-    return rng.integers(100, vocab, WARMUP_TOKENS).tolist(), rng.integers(
-        100, vocab, tokens
-    ).tolist()
+    warmup = rng.integers(100, vocab, WARMUP_TOKENS).tolist()
+    measured = rng.integers(100, vocab, tokens).tolist()
+    if warm_store:
+        warmup = rng.integers(100, vocab, tokens).tolist()
+        warmup[0] = 99  # below every measured id
+    return warmup, measured
 
 
-def _measure_here(model: Path, tokens: int, prefill: int, step: int, rows: int) -> dict:
+def _measure_here(
+    model: Path, tokens: int, prefill: int, step: int, rows: int, warm_store: bool = False
+) -> dict:
     from llm_server.decoding import Decoder, SamplingParams
     from llm_server.engines.mlx_engine import MLXEngine
     from llm_server.engines.settings import EngineSettings
@@ -62,7 +71,7 @@ def _measure_here(model: Path, tokens: int, prefill: int, step: int, rows: int) 
         prefill_tokens=prefill,
     ).start()
     engine = sched.wait_ready(600)
-    warmup, measured = _prompts(tokens, engine.vocab_size)
+    warmup, measured = _prompts(tokens, engine.vocab_size, warm_store)
 
     def serve(prompt: list[int]) -> tuple[float, list[int]]:
         done, got = [], []
@@ -86,15 +95,18 @@ def _measure_here(model: Path, tokens: int, prefill: int, step: int, rows: int) 
         "tokens": tokens,
         "prefill_tokens": prefill,
         "step_tokens": step,
+        "warm_store": warm_store,
         "seconds": round(seconds, 3),
         "prompt_tok_s": round(tokens / seconds, 1),
         "first_token": first,
     }
 
 
-def measure(model: Path, tokens: int, prefill: int, step: int = 128, rows: int = 4) -> dict:
+def measure(
+    model: Path, tokens: int, prefill: int, step: int = 128, rows: int = 4, warm_store: bool = False
+) -> dict:
     """One measurement in a fresh process."""
-    args = [str(model), str(tokens), str(prefill), str(step), str(rows)]
+    args = [str(model), str(tokens), str(prefill), str(step), str(rows), str(int(warm_store))]
     cmd = [sys.executable, "-m", "llm_server.benchmark.prefill_rate", "--child", *args]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
     if out.returncode != 0:
@@ -102,13 +114,13 @@ def measure(model: Path, tokens: int, prefill: int, step: int = 128, rows: int =
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def measure_llama(cmd: str, tokens: int, vocab: int, log: Path) -> dict:
+def measure_llama(cmd: str, tokens: int, vocab: int, log: Path, warm_store: bool = False) -> dict:
     """llama-server's prompt rate on the same ids, in a fresh server (`cmd`: a peer template)."""
     import httpx
 
     from llm_server.benchmark.servers import ServerSpec, running
 
-    warmup, measured = _prompts(tokens, vocab)
+    warmup, measured = _prompts(tokens, vocab, warm_store)
     spec = ServerSpec("llama_server", Path("-"), concurrency=1, max_queued=1, peer_cmd=cmd)
     with running(spec, log) as srv, httpx.Client(base_url=srv.url, timeout=1800) as client:
         for prompt in (warmup, measured):
@@ -122,6 +134,7 @@ def measure_llama(cmd: str, tokens: int, vocab: int, log: Path) -> dict:
     return {
         "server": "llama-server",
         "tokens": tokens,
+        "warm_store": warm_store,
         "prompt_n": timings["prompt_n"],
         "seconds": round(timings["prompt_ms"] / 1000, 3),
         "wall_s": round(wall, 3),
@@ -133,10 +146,9 @@ def measure_llama(cmd: str, tokens: int, vocab: int, log: Path) -> dict:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
-        model, tokens, prefill, step, rows = argv[1:6]
-        print(
-            json.dumps(_measure_here(Path(model), int(tokens), int(prefill), int(step), int(rows)))
-        )
+        model, tokens, prefill, step, rows, warm = argv[1:7]
+        ints = (int(tokens), int(prefill), int(step), int(rows))
+        print(json.dumps(_measure_here(Path(model), *ints, warm_store=warm == "1")))
         return
     p = argparse.ArgumentParser(prog="prefill_rate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=None, help="default: the embedded SmolLM2")
@@ -145,6 +157,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--step-tokens", type=int, default=128)
     p.add_argument("--rows", type=int, default=4, help="engine rows (--concurrent-requests)")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument(
+        "--warm-store",
+        action="store_true",
+        help="warm up with a prompt as long as the measured one (other ids), not 64 tokens",
+    )
     add_llama_server_args(p)
     p.add_argument("--logs", type=Path, default=Path("benchmark-results/prefill_rate"))
     args = p.parse_args(argv)
@@ -158,11 +175,13 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(args.repeats):
         for n in args.tokens:
             for prefill in args.prefill:
-                r = measure(args.model, n, prefill, args.step_tokens, args.rows)
+                r = measure(args.model, n, prefill, args.step_tokens, args.rows, args.warm_store)
                 print(json.dumps(r), flush=True)
                 results.setdefault((n, prefill), []).append(r)
             if cmd:
-                r = measure_llama(cmd, n, vocab, args.logs / f"llama-server-{n}.log")
+                r = measure_llama(
+                    cmd, n, vocab, args.logs / f"llama-server-{n}.log", args.warm_store
+                )
                 print(json.dumps(r), flush=True)
                 results.setdefault((n, -1), []).append(r)
     print(summary(results))
