@@ -38,8 +38,11 @@ def test_opencode_on_the_default_model(default_server, tmp_path: Path) -> None:
     assert len(main.body["tools"]) >= 5  # its tools, shown in the generic tool format
     assert {ex.body["max_tokens"] for ex in calls} == {512}
     assert prompt_usage(main)[0] <= 8192
-    answer = answer_text(main).strip()
-    assert answer and answer in run.stdout, run.describe()
+    # At temperature 1 the 135M model's first answer is now and then a call of one of the
+    # tools (1 in 20 replays of this request): opencode runs it and asks again, and prints
+    # that later answer. Some answer it received is printed.
+    answers = [answer_text(ex).strip() for ex in calls]
+    assert any(a and a in run.stdout for a in answers), f"{answers!r}\n{run.describe()}"
 
 
 def test_codex_prompt_does_not_fit_the_default_model(default_server, tmp_path: Path) -> None:
