@@ -546,6 +546,18 @@ static int packed(const product_t *p) {
 }
 #endif
 
+/* products of enough rows for `many_rows`: a packed product from PACKED_MIN_ROWS (10-20 rows,
+ * e.g. a conversation turn's new tokens or a speculative step's drafts: ~85-115 -> ~110-145
+ * GF/s on SmolLM2's shapes on a 2-core EPYC, benchmark/gemm_rate; at 8 rows, a decode step of
+ * 8 requests, no better than the tiles, which stream the weights at the memory's rate) */
+#define PACKED_MIN_ROWS 10
+static int many(const product_t *p) {
+#if VL == 16
+    if (packed(p)) return p->m >= PACKED_MIN_ROWS;
+#endif
+    return p->m >= MANY_ROWS;
+}
+
 static int x_block(const product_t *p) { /* rows of A in L2: a multiple of MT */
     int block = (int)(X_BLOCK_BYTES / ((size_t)p->k * sizeof(float))) / MT * MT;
     return block < MT ? MT : block;
@@ -620,7 +632,7 @@ static void columns(const product_t *p, int n0, int n1) {
         for (; n < n1; n++) tile1(p, 0, n, 1);
         return;
     }
-    if (p->m >= MANY_ROWS) {
+    if (many(p)) {
         many_rows(p, 0, p->m, n0, n1);
         return;
     }
@@ -707,7 +719,7 @@ static int take(int r, unsigned gen, int back) {
 /* chunks of many rows' products: CHUNK_COLS columns of a block of rows, the blocks of rows
  * outermost (a thread's run is a stretch of A's rows, each block in L2 while the weights pass) */
 static int row_blocks(const product_t *p) {
-    return p->m >= MANY_ROWS ? (p->m + row_block(p) - 1) / row_block(p) : 1;
+    return many(p) ? (p->m + row_block(p) - 1) / row_block(p) : 1;
 }
 
 static int count_chunks(const product_t *p) {
