@@ -13,8 +13,8 @@
  *   in 2 MiB pages (blas.py's malloc tunables) this and `tile` beat reading the weight rows
  *   one after another, which did better in 4 KiB pages (on a 2-core EPYC, the 211 matrices at
  *   1 row: ~28 ms against ~30, at 2 rows ~35 against ~45).
- *   Products of many rows (prompt chunks, MANY_ROWS and up) with AVX-512 compute the same
- *   sums as outer products (`many_rows_packed`): a chunk of 64 weight rows is packed
+ *   Products of 10 rows and up (prompt chunks, a turn's new tokens, speculative steps) with
+ *   AVX-512 and K > 96 compute the same sums as outer products (`many_rows_packed`): a chunk of 64 weight rows is packed
  *   lane-major, so one lane's sums of 6 rows x 64 columns are 24 accumulators fed by 4 vector
  *   loads and 6 broadcasts, with no reduction in the loop; the lanes are added afterwards in
  *   vsum's tree. On a 2-core EPYC (Zen 4), SmolLM2's 128-2048-row products: ~95-140 GF/s ->
