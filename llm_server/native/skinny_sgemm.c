@@ -14,13 +14,13 @@
  *   one after another, which did better in 4 KiB pages (on a 2-core EPYC, the 211 matrices at
  *   1 row: ~28 ms against ~30, at 2 rows ~35 against ~45).
  *   Products of 10 rows and up (prompt chunks, a turn's new tokens, speculative steps) with
- *   AVX-512 and K > 96 compute the same sums as outer products (`many_rows_packed`): a chunk of 64 weight rows is packed
- *   lane-major, so one lane's sums of 6 rows x 64 columns are 24 accumulators fed by 4 vector
- *   loads and 6 broadcasts, with no reduction in the loop; the lanes are added afterwards in
- *   vsum's tree. On a 2-core EPYC (Zen 4), SmolLM2's 128-2048-row products: ~95-140 GF/s ->
- *   ~140-175 (benchmark/gemm_rate.py, the old build alternated; OpenBLAS 164-191), the
- *   earlier dot-product tiles below (3 rows x 8 weight rows in L1) having lost to the 32 KiB
- *   L1 and the reductions. Products whose 64 weight rows fit L1 (K <= 96: attention scores)
+ *   AVX-512 and K > 96 compute the same sums as outer products (`many_rows_packed`): a chunk
+ *   of 64 weight rows is packed lane-major, so one lane's sums of 6 rows x 64 columns are 24
+ *   accumulators fed by 4 vector loads and 6 broadcasts, with no reduction in the loop; the
+ *   lanes are added afterwards in vsum's tree. On a 2-core EPYC (Zen 4), SmolLM2's
+ *   128-2048-row products: ~95-140 GF/s -> ~140-175 (benchmark/gemm_rate.py, the old build
+ *   alternated; OpenBLAS 164-191), the earlier dot-product tiles below (3 rows x 8 weight rows
+ *   in L1) having lost to the 32 KiB L1 and the reductions. Products whose 64 weight rows fit L1 (K <= 96: attention scores)
  *   keep those tiles.
  * - B stored [K, N] (`probs @ values` in attention): tiles of 6 rows x 4 vectors of columns,
  *   summing k in order.
@@ -353,6 +353,7 @@ static void columns_kn(const product_t *p, int m0, int m1, int n0, int n1) {
 #define PR 6             /* rows of A per tile */
 #define PV 4             /* vectors of columns per tile: PR * PV accumulators + PV of B */
 #define PC (PV * VL)     /* columns per tile: CHUNK_COLS */
+_Static_assert(PC == CHUNK_COLS, "a packed tile is a chunk's columns");
 
 static __thread float *pack_buf;
 static __thread size_t pack_cap;
