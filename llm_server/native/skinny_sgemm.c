@@ -420,20 +420,23 @@ static void pack_lanes(const product_t *p, int n0, int cols, float *bp) {
     }
 }
 
-/* one lane's sums of `rows` rows of A (x: the rows' lane l, lda apart) against the packed
- * columns (b: the lane's J vectors of PC), from zero, stored to out[i * PV + v]. Its own
+/* one lane's sums s of `rows` rows of A (x: the rows' lane l, lda apart) against the packed
+ * columns (b: the lane's J >= 1 vectors of PC), from zero, stored to out[i * PV + v] as s,
+ * first + s or pair + (first + s) (vsum's tree, a lane pair at a time: `packed_tile`). Its own
  * function, so the accumulators, the weight vectors and the rows' pointers are all that is
  * live in the loop: 24 + 4 + 1 vectors in registers (inlined into the tile's loops, the
  * compiler kept some on the stack: half the rate) */
 static inline __attribute__((always_inline)) void lane_sums(const float *x, size_t lda,
                                                             const float *b, int J,
-                                                            const int rows, vec *out) {
+                                                            const int rows, const vec *first,
+                                                            const vec *pair, vec *out) {
     vec acc[PR][PV];
     const float *xr[PR];
     for (int i = 0; i < rows; i++) {
         xr[i] = x + (size_t)i * lda;
         for (int v = 0; v < PV; v++) acc[i][v] = (vec){0};
     }
+    if (J < 1) __builtin_unreachable(); /* (K > 96): no path around the loop keeps acc */
     for (int j = 0; j < J; j++, b += PC) {
         vec bv[PV];
         for (int v = 0; v < PV; v++) bv[v] = vload(b + VL * v);
@@ -442,36 +445,45 @@ static inline __attribute__((always_inline)) void lane_sums(const float *x, size
             for (int v = 0; v < PV; v++) acc[i][v] = vfma(xv, bv[v], acc[i][v]);
         }
     }
-    for (int i = 0; i < rows; i++)
-        for (int v = 0; v < PV; v++) out[i * PV + v] = acc[i][v];
+#define EACH_ACC(stmt) \
+    _Pragma("GCC unroll 24") for (int o = 0; o < rows * PV; o++) stmt
+    if (first == NULL)
+        EACH_ACC(out[o] = acc[o / PV][o % PV]);
+    else if (pair == NULL)
+        EACH_ACC(out[o] = first[o] + acc[o / PV][o % PV]);
+    else
+        EACH_ACC(out[o] = pair[o] + (first[o] + acc[o / PV][o % PV]));
+#undef EACH_ACC
 }
 
 static __attribute__((noinline)) void lane_sums_full(const float *x, size_t lda,
-                                                     const float *b, int J, vec *out) {
-    lane_sums(x, lda, b, J, PR, out);
+                                                     const float *b, int J, const vec *first,
+                                                     const vec *pair, vec *out) {
+    lane_sums(x, lda, b, J, PR, first, pair, out);
 }
 
 static __attribute__((noinline)) void lane_sums_rest(const float *x, size_t lda,
                                                      const float *b, int J, int rows,
+                                                     const vec *first, const vec *pair,
                                                      vec *out) {
     switch (rows) { /* < PR */
-    case 5: lane_sums(x, lda, b, J, 5, out); break;
-    case 4: lane_sums(x, lda, b, J, 4, out); break;
-    case 3: lane_sums(x, lda, b, J, 3, out); break;
-    case 2: lane_sums(x, lda, b, J, 2, out); break;
-    case 1: lane_sums(x, lda, b, J, 1, out); break;
+    case 5: lane_sums(x, lda, b, J, 5, first, pair, out); break;
+    case 4: lane_sums(x, lda, b, J, 4, first, pair, out); break;
+    case 3: lane_sums(x, lda, b, J, 3, first, pair, out); break;
+    case 2: lane_sums(x, lda, b, J, 2, first, pair, out); break;
+    case 1: lane_sums(x, lda, b, J, 1, first, pair, out); break;
     }
 }
 
-/* lane l's sums of rows m0 .. m0 + rows over the packed columns */
+/* lane l's sums of rows m0 .. m0 + rows over the packed columns, into `out` (see lane_sums) */
 static inline void lane_pass(const product_t *p, int m0, int rows, int l, const float *bp,
-                             vec acc[PR][PV]) {
+                             const vec *first, const vec *pair, vec *out) {
     const int J = p->k / VL;
     const float *x = p->a + (size_t)m0 * p->lda + l, *b = bp + (size_t)l * J * PC;
     if (rows == PR)
-        lane_sums_full(x, p->lda, b, J, &acc[0][0]);
+        lane_sums_full(x, p->lda, b, J, first, pair, out);
     else
-        lane_sums_rest(x, p->lda, b, J, rows, &acc[0][0]);
+        lane_sums_rest(x, p->lda, b, J, rows, first, pair, out);
 }
 
 #define EACH(rows, stmt) \
@@ -484,14 +496,10 @@ static inline __attribute__((always_inline)) void packed_tile(const product_t *p
     const int J = p->k / VL;
     vec s[PR][PV], first[PR][PV], pair[PR][PV], quad[4][PR][PV];
     for (int q = 0; q < 4; q++) { /* quad[q] = (s_q + s_q+8) + (s_q+4 + s_q+12) */
-        lane_pass(p, m0, rows, q, bp, s);
-        EACH(rows, first[i][v] = s[i][v]);
-        lane_pass(p, m0, rows, q + 8, bp, s);
-        EACH(rows, pair[i][v] = first[i][v] + s[i][v]);
-        lane_pass(p, m0, rows, q + 4, bp, s);
-        EACH(rows, first[i][v] = s[i][v]);
-        lane_pass(p, m0, rows, q + 12, bp, s);
-        EACH(rows, quad[q][i][v] = pair[i][v] + (first[i][v] + s[i][v]));
+        lane_pass(p, m0, rows, q, bp, NULL, NULL, &first[0][0]);
+        lane_pass(p, m0, rows, q + 8, bp, &first[0][0], NULL, &pair[0][0]);
+        lane_pass(p, m0, rows, q + 4, bp, NULL, NULL, &first[0][0]);
+        lane_pass(p, m0, rows, q + 12, bp, &first[0][0], &pair[0][0], &quad[q][0][0]);
     }
     EACH(rows, s[i][v] = (quad[0][i][v] + quad[2][i][v]) + (quad[1][i][v] + quad[3][i][v]));
     for (int k = VL * J; k < p->k; k++) { /* the tail, in order */
