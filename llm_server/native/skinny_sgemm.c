@@ -18,7 +18,7 @@
  *   of 64 weight rows is packed lane-major, so one lane's sums of 6 rows x 64 columns are 24
  *   accumulators fed by 4 vector loads and 6 broadcasts, with no reduction in the loop; the
  *   lanes are added afterwards in vsum's tree. On a 2-core EPYC (Zen 4), SmolLM2's
- *   128-2048-row products: ~95-140 GF/s -> ~140-175 (benchmark/gemm_rate.py, the old build
+ *   128-2048-row products: ~95-140 GF/s -> ~180-200 (benchmark/gemm_rate.py, the old build
  *   alternated; OpenBLAS 164-191), the earlier dot-product tiles below (3 rows x 8 weight rows
  *   in L1) having lost to the 32 KiB L1 and the reductions. Products whose 64 weight rows fit L1 (K <= 96: attention scores)
  *   keep those tiles.
