@@ -367,29 +367,27 @@ static float *pack_buffer(size_t floats) {
     return pack_buf;
 }
 
-/* a 16 x 16 transpose in four block swaps (8, 4, 2 and 1 lanes): r[i][l] becomes r[l][i] */
-#define SWAP(s, lo0, lo1, lo2, lo3, lo4, lo5, lo6, lo7, lo8, lo9, lo10, lo11, lo12, lo13, lo14, \
-             lo15, hi0, hi1, hi2, hi3, hi4, hi5, hi6, hi7, hi8, hi9, hi10, hi11, hi12, hi13, hi14, \
-             hi15) \
+/* a 16 x 16 transpose in four block swaps (8, 4, 2 and 1 lanes): r[i][l] becomes r[l][i].
+ * For rows i and i + s (bit s of i clear), lane l of the new row i is x[l] where bit s of l is
+ * clear, else y[l - s]; of the new row i + s, x[l + s], else y[l] (y's lanes are 16..31) */
+#define LO(s, l) (((l) & (s)) ? 16 + (l) - (s) : (l))
+#define HI(s, l) (((l) & (s)) ? 16 + (l) : (l) + (s))
+#define LANES(F, s) F(s, 0), F(s, 1), F(s, 2), F(s, 3), F(s, 4), F(s, 5), F(s, 6), F(s, 7), \
+    F(s, 8), F(s, 9), F(s, 10), F(s, 11), F(s, 12), F(s, 13), F(s, 14), F(s, 15)
+#define SWAP(s) \
     for (int i = 0; i < 16; i++) \
         if (!(i & (s))) { \
             const vec x_ = r[i], y_ = r[i + (s)]; \
-            r[i] = __builtin_shufflevector(x_, y_, lo0, lo1, lo2, lo3, lo4, lo5, lo6, lo7, lo8, \
-                                           lo9, lo10, lo11, lo12, lo13, lo14, lo15); \
-            r[i + (s)] = __builtin_shufflevector(x_, y_, hi0, hi1, hi2, hi3, hi4, hi5, hi6, hi7, \
-                                                 hi8, hi9, hi10, hi11, hi12, hi13, hi14, hi15); \
+            r[i] = __builtin_shufflevector(x_, y_, LANES(LO, s)); \
+            r[i + (s)] = __builtin_shufflevector(x_, y_, LANES(HI, s)); \
         }
 static inline __attribute__((always_inline)) void transpose16(vec r[16]) {
-    SWAP(8, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23, 8, 9, 10, 11, 12, 13, 14, 15,
-         24, 25, 26, 27, 28, 29, 30, 31)
-    SWAP(4, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27, 4, 5, 6, 7, 20, 21, 22, 23,
-         12, 13, 14, 15, 28, 29, 30, 31)
-    SWAP(2, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29, 2, 3, 18, 19, 6, 7, 22, 23,
-         10, 11, 26, 27, 14, 15, 30, 31)
-    SWAP(1, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30, 1, 17, 3, 19, 5, 21, 7, 23,
-         9, 25, 11, 27, 13, 29, 15, 31)
+    SWAP(8) SWAP(4) SWAP(2) SWAP(1)
 }
 #undef SWAP
+#undef LANES
+#undef HI
+#undef LO
 
 /* b[n0 .. n0 + cols) packed: bp[(l J + j) PC + c] = b[n0 + c, l + VL j] (J = K / VL), then the
  * tail bp[(VL J + t) PC + c] = b[n0 + c, VL J + t]; columns from `cols` to PC are zero. Whole
