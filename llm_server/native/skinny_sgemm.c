@@ -20,8 +20,8 @@
  *   lanes are added afterwards in vsum's tree. On a 2-core EPYC (Zen 4), SmolLM2's
  *   128-2048-row products: ~95-140 GF/s -> ~180-200 (benchmark/gemm_rate.py, the old build
  *   alternated; OpenBLAS 164-191), the earlier dot-product tiles below (3 rows x 8 weight rows
- *   in L1) having lost to the 32 KiB L1 and the reductions. Products whose 64 weight rows fit L1 (K <= 96: attention scores)
- *   keep those tiles.
+ *   in L1) having lost to the 32 KiB L1 and the reductions. Products whose 64 weight rows fit
+ *   L1 (K <= 96: attention scores) keep those tiles.
  * - B stored [K, N] (`probs @ values` in attention): tiles of 6 rows x 4 vectors of columns,
  *   summing k in order.
  * Every other product goes to the next cblas_sgemm in the link order (the preloaded BLAS).
