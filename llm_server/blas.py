@@ -31,6 +31,7 @@ import sys
 from collections.abc import Iterator
 
 from llm_server.native import jit, skinny
+from llm_server.native.skinny import mapped_files
 
 CHOICE_ENV = "LLM_SERVER_BLAS"
 DISABLE_ENV = "LLM_SERVER_NO_BLAS_PRELOAD"
@@ -226,18 +227,6 @@ def _fall_back(reason: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
-
-
-def mapped_files(maps: str) -> set[str]:
-    """The shared objects named in a /proc/<pid>/maps text. A file deleted or replaced since it
-    was mapped (another build of the skinny library, an upgrade) still counts: the process runs
-    its copy, which the kernel marks ' (deleted)'."""
-    files = set()
-    for line in maps.splitlines():
-        fields = line.split(maxsplit=5)
-        if len(fields) == 6 and ".so" in fields[5]:
-            files.add(fields[5].removesuffix(" (deleted)"))
-    return files
 
 
 def active_blas() -> str:

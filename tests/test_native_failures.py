@@ -12,7 +12,9 @@ import os
 import platform
 import shutil
 import stat
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -83,14 +85,61 @@ def test_a_failing_compiler_is_logged_and_leaves_nothing(monkeypatch, fresh, tmp
     assert not list(fresh.glob("*"))  # no library and no partial file
 
 
-def test_a_new_build_removes_the_older_sources_builds(monkeypatch, fresh, tmp_path):
+def _age(path, seconds=skinny.STALE_AFTER_S + 60):
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+
+
+def test_a_new_build_removes_the_older_sources_builds_unused_for_a_day(
+    monkeypatch, fresh, tmp_path
+):
     monkeypatch.setenv("CC", _compiler(tmp_path, 'echo built > "$out"'))
     fresh.mkdir(parents=True)
     old = fresh / "libllm_skinny-0123456789abcdef.so"
     old.write_text("an earlier source's build")
+    recent = fresh / "libllm_skinny-fedcba9876543210.so"
+    recent.write_text("another checkout's build, used an hour ago")
+    _age(old)
+    _age(recent, 3600)
     path = skinny.build()
     assert path == skinny.library_path() and path.read_text() == "built\n"
-    assert not old.exists() and sorted(fresh.glob("*")) == [path]
+    assert sorted(fresh.glob("*")) == sorted([path, recent])  # the day-old one went
+
+
+def test_a_build_in_use_is_touched_and_a_mapped_one_is_never_removed(fresh, tmp_path):
+    # a previous version's server maps its build (and hands it to its children in
+    # LD_PRELOAD): removing it would start each child with an ld.so error, without the library
+    fresh.mkdir(parents=True)
+    old = fresh / "libllm_skinny-0123456789abcdef.so"
+    shutil.copy(_libm(), old)
+    _age(old)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import ctypes, sys; ctypes.CDLL(sys.argv[1]); print(1, flush=True); sys.stdin.read()",
+            str(old),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "1\n"
+        assert skinny.stale_builds([old], keep=fresh / "new.so") == []
+    finally:
+        holder.communicate("", timeout=30)
+    assert skinny.stale_builds([old], keep=fresh / "new.so") == [old]
+    assert skinny.stale_builds([old], keep=old) == []
+    skinny.touch(old)  # what build() does to the build it finds
+    assert skinny.stale_builds([old], keep=fresh / "new.so") == []
+
+
+def _libm() -> str:
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if "libm.so" in line or "libm-" in line:
+            return line.split()[-1]
+    pytest.skip("no libm mapped")
 
 
 # -- jit ---------------------------------------------------------------------------------------
@@ -160,6 +209,7 @@ def test_a_build_that_does_not_load_is_refused_and_old_builds_go(
     old = fresh / "decode_ops-0123456789abcdef"
     old.mkdir(parents=True)
     (old / "_llm_decode_ops.so").write_text("an earlier source's build")
+    _age(old)
     with caplog.at_level(logging.WARNING, logger="llm_server.native.decode_ops"):
         assert decode_ops.module() is None
     assert "decode ops not used" in caplog.text

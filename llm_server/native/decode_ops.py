@@ -38,6 +38,7 @@ import importlib.util
 import logging
 import os
 import shlex
+import shutil
 import sys
 import sysconfig
 from importlib.metadata import PackageNotFoundError, version
@@ -119,14 +120,12 @@ def build() -> Path | None:
         return None
     path = folder / f"{MODULE}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
     if path.exists():
+        skinny.touch(folder)
         return path
     if not skinny.compile_to(path, _command, "decode ops", BUILD_TIMEOUT_S):
         return None
-    for old in skinny.cache_dir().glob("decode_ops-*"):
-        if old != folder:  # an earlier source's build (a process that imported it keeps it)
-            for f in old.iterdir():
-                f.unlink(missing_ok=True)
-            old.rmdir()
+    for old in skinny.stale_builds(skinny.cache_dir().glob("decode_ops-*"), keep=folder):
+        shutil.rmtree(old, ignore_errors=True)
     return path
 
 

@@ -11,6 +11,7 @@ same server. Linux only (on macOS MLX runs its products on Metal or Accelerate).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -21,6 +22,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 DISABLE_ENV = "LLM_SERVER_SKINNY"  # "0": do not preload the library
@@ -29,6 +31,7 @@ SOURCE = Path(__file__).with_name("skinny_sgemm.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-Wall", "-Wno-psabi")
 LIBS = ("-lpthread", "-lm", "-ldl")
 BUILD_TIMEOUT_S = 120
+STALE_AFTER_S = 24 * 3600  # another source's build goes once unused this long and unmapped
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +100,7 @@ def build() -> Path | None:
         return None
     path = library_path()
     if path.exists():
+        touch(path)
         return path
     cc = shlex.split(os.environ.get("CC", "cc"))
     if not compile_to(
@@ -106,10 +110,62 @@ def build() -> Path | None:
         BUILD_TIMEOUT_S,
     ):
         return None
-    for old in path.parent.glob("libllm_skinny-*.so"):
-        if old != path:  # an earlier source's build (a process mapping it keeps its copy)
-            old.unlink(missing_ok=True)
+    for old in stale_builds(path.parent.glob("libllm_skinny-*.so"), keep=path):
+        old.unlink(missing_ok=True)
     return path
+
+
+def touch(path: Path) -> None:
+    """Mark a build as used now (its age is what `stale_builds` reads)."""
+    with contextlib.suppress(OSError):
+        os.utime(path)
+
+
+def stale_builds(builds, keep: Path) -> list[Path]:
+    """Those of `builds` (files, or folders of them) that can go: not `keep`, unused for
+    STALE_AFTER_S and mapped by no running process. Deleting a build another process still
+    runs, or will hand to its children in LD_PRELOAD (a server of the previous version during
+    an upgrade, a second checkout's tests), makes each child start with an ld.so error and
+    without the library."""
+    now = time.time()
+    candidates = []
+    for build in builds:
+        try:
+            if build != keep and now - build.stat().st_mtime > STALE_AFTER_S:
+                candidates.append(build)
+        except OSError:
+            continue
+    if not candidates:
+        return []
+    mapped = mapped_by_any_process()
+    return [b for b in candidates if not _mapped(b.resolve(), mapped)]
+
+
+def _mapped(build: Path, mapped: set[str]) -> bool:
+    return any(m == str(build) or m.startswith(f"{build}/") for m in mapped)
+
+
+def mapped_files(maps: str) -> set[str]:
+    """The shared objects named in a /proc/<pid>/maps text. A file deleted or replaced since it
+    was mapped (another build of the skinny library, an upgrade) still counts: the process runs
+    its copy, which the kernel marks ' (deleted)'."""
+    files = set()
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and ".so" in fields[5]:
+            files.add(fields[5].removesuffix(" (deleted)"))
+    return files
+
+
+def mapped_by_any_process() -> set[str]:
+    """Every file some process this user can see has mapped (its /proc/<pid>/maps)."""
+    files: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            files |= mapped_files(maps.read_text())
+        except OSError:  # gone, or another user's
+            continue
+    return files
 
 
 @functools.cache
