@@ -9,9 +9,16 @@ Each server (two rows / slots: the conversation's and one for the rest) gets a h
 `--cached` random token ids once (cold), then per turn the history grows by `--new` random ids
 and is sent again (`max_tokens`/`n_predict` 1; ours through /v1/completions with the prefix
 cache, llama-server through /completion with `cache_prompt`), then `--new` unrelated random ids
-alone (nothing cached shares them; llama-server with `cache_prompt` false). Times are the wall time of each non-streamed request, the same for both
-servers. Reported per server and turn: turn s, alone s and their ratio: what reusing the cached
-prefix costs beyond computing the new tokens, including their attention over it.
+alone (nothing cached shares them; llama-server with `cache_prompt` false). Times are the wall
+time of each non-streamed request, the same for both servers. Reported per server and turn: turn
+s, alone s and their ratio: what reusing the cached prefix costs beyond computing the new tokens,
+including their attention over it.
+
+That attention is work the new tokens alone do not have, whatever the cache: `floor` is the
+turn's arithmetic over the alone request's (`arithmetic_floor`: weight products, attention
+scores and sums, the head), the ratio a server would show if it ran both at one rate and reused
+the prefix for free. `over floor` (ratio / floor) is then what reusing costs beyond that: the
+prefix lookup and copy, attention running at another rate than the products, the HTTP round.
 """
 
 from __future__ import annotations
@@ -53,6 +60,26 @@ def _sender(client: httpx.Client, ours: bool):
     return send
 
 
+def arithmetic_floor(config: dict, cached: int, new: int) -> float:
+    """Multiply-adds of `new` tokens after `cached` positions over those of `new` tokens alone,
+    for a llama-shaped decoder (`config`: its config.json): per token the weight products
+    (q, k, v, o, gate, up, down), per token and earlier position the attention scores and
+    weighted sum of every head, and the head's product for the last token (one is generated)."""
+    d, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    dh = config.get("head_dim") or d // heads
+    products = layers * (2 * d * heads * dh + 2 * d * kv * dh + 3 * d * config["intermediate_size"])
+    head = d * config["vocab_size"]
+    attend = 2 * layers * heads * dh  # per (query, key) pair: q.k and p*v
+
+    def work(start: int) -> int:
+        pairs = sum(start + i + 1 for i in range(new))
+        return new * products + pairs * attend + head
+
+    return work(cached) / work(0)
+
+
 def turns(send, cached: int, new: int, count: int, vocab: int) -> list[dict]:
     """`send(ids, cache) -> (seconds, cached tokens)` on one server: the cold history, then
     `count` turns, each followed by its new tokens alone. The same ids for every server."""
@@ -73,15 +100,23 @@ def turns(send, cached: int, new: int, count: int, vocab: int) -> list[dict]:
     return rows
 
 
-def markdown(results: dict[str, list[dict]], cached: int, new: int) -> str:
+def markdown(
+    results: dict[str, list[dict]], cached: int, new: int, config: dict | None = None
+) -> str:
+    """The servers side by side per turn, their medians, and with the model's `config` each
+    turn's arithmetic floor and every server's median ratio over it."""
     names = list(results)
+    floors = {}
+    if config is not None:
+        floors = {r["turn"]: arithmetic_floor(config, r["prompt"] - new, new)
+                  for r in results[names[0]] if "ratio" in r}  # fmt: skip
     lines = [
         f"## A turn of {new} new tokens over {cached}+ cached, against {new} tokens alone",
         "",
         "| turn | prompt | "
         + " | ".join(f"{n} cached | {n} turn s | {n} alone s | {n} ratio" for n in names)
-        + " |",
-        "|---:|---:|" + "---:|" * (4 * len(names)),
+        + (" | floor |" if floors else " |"),
+        "|---:|---:|" + "---:|" * (4 * len(names) + bool(floors)),
     ]
     for i, first in enumerate(results[names[0]]):
         if "ratio" not in first:
@@ -91,12 +126,18 @@ def markdown(results: dict[str, list[dict]], cached: int, new: int) -> str:
             r = results[n][i]
             cells += [str(r["cached"]), f"{r['turn_s']:.3f}", f"{r['alone_s']:.3f}",
                       f"{r['ratio']:.2f}"]  # fmt: skip
+        if floors:
+            cells.append(f"{floors[first['turn']]:.2f}")
         lines.append(f"| {first['turn']} | {first['prompt']} | " + " | ".join(cells) + " |")
     lines.append("")
     for n in names:
         later = [r for r in results[n] if "ratio" in r]
-        lines.append(f"{n}: median turn {statistics.median(r['turn_s'] for r in later):.3f} s, "
-                     f"median ratio {statistics.median(r['ratio'] for r in later):.2f}")  # fmt: skip
+        line = (f"{n}: median turn {statistics.median(r['turn_s'] for r in later):.3f} s, "
+                f"median ratio {statistics.median(r['ratio'] for r in later):.2f}")  # fmt: skip
+        if floors:
+            over = statistics.median(r["ratio"] / floors[r["turn"]] for r in later)
+            line += f", over floor {over:.2f}"
+        lines.append(line)
     return "\n".join(lines) + "\n"
 
 
@@ -119,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         from llm_server.default_model import default_model_path
 
         args.model = default_model_path()
-    vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
-    vocab = min(vocab, 30000)
+    config = json.loads((args.model / "config.json").read_text())
+    vocab = min(config["vocab_size"], 30000)
     results = {}
     logs = args.out / "logs"
     spec = ServerSpec("ours", args.model, concurrency=2, max_queued=4)
@@ -137,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "turn_cost.json").write_text(json.dumps(results, indent=2))
-    text = markdown(results, args.cached, args.new)
+    text = markdown(results, args.cached, args.new, config)
     (args.out / "turn_cost.md").write_text(text)
     print(text)
     return 0

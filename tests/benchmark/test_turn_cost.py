@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from llm_server.benchmark.turn_cost import main, markdown, turns
+from llm_server.benchmark.turn_cost import arithmetic_floor, main, markdown, turns
 
 
 def test_each_turn_resends_the_history_grown_by_new_ids_then_new_ids_alone():
@@ -48,6 +48,35 @@ def test_the_table_puts_servers_side_by_side_per_turn():
     assert "| 3 | 120 | 110 | 0.500 | 0.100 | 5.00 | 110 | 1.000 | 0.100 | 5.00 |" in text
     assert "| 1 |" not in text  # the cold turn has no alone time to compare
     assert "ours: median turn 0.400 s, median ratio 4.00" in text
+
+
+SMOLLM2 = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+           "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152}  # fmt: skip
+
+
+def test_the_floor_is_the_turns_arithmetic_over_the_new_tokens_alone():
+    # SmolLM2, 20 tokens: products 20 x 30 x 3,538,944; attention 20 x 3,710.5 pairs over
+    # 3,700 cached (10.5 alone) x 30 x 2 x 9 x 64; the head 576 x 49,152 once
+    products, attend, head = 20 * 30 * 3_538_944, 30 * 2 * 9 * 64, 576 * 49152
+    want = (products + 74_210 * attend + head) / (products + 210 * attend + head)
+    assert arithmetic_floor(SMOLLM2, 3700, 20) == pytest.approx(want, rel=1e-12)
+    assert 2.15 < want < 2.2  # the attention over 3.7k outweighs the 20 tokens' products
+    assert arithmetic_floor(SMOLLM2, 0, 20) == 1.0
+    # a 7B llama shape: the same turn is dominated by its products
+    llama7b = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+               "intermediate_size": 11008, "vocab_size": 32000}  # fmt: skip
+    assert 1.13 < arithmetic_floor(llama7b, 3700, 20) < 1.16
+
+
+def test_the_table_shows_each_turns_floor_and_the_ratio_over_it():
+    rows = [
+        {"turn": 1, "prompt": 3700, "cached": 0, "turn_s": 9.0},
+        {"turn": 2, "prompt": 3720, "cached": 3700, "turn_s": 0.3, "alone_s": 0.1, "ratio": 3.0},
+    ]
+    text = markdown({"ours": rows}, 3700, 20, SMOLLM2)
+    floor = arithmetic_floor(SMOLLM2, 3700, 20)
+    assert f"| 2 | 3720 | 3700 | 0.300 | 0.100 | 3.00 | {floor:.2f} |" in text
+    assert f"ours: median turn 0.300 s, median ratio 3.00, over floor {3.0 / floor:.2f}" in text
 
 
 @pytest.mark.timeout(240)

@@ -144,16 +144,17 @@ def _score_alone(engine: MLXEngine, prompt: list[int], k: int):
 
 
 def test_the_scoring_rows_hold_memory_only_once_scoring_runs(tiny_model_path):
-    """A server that never scores holds the KV of its serving rows alone: the scoring rows
-    are allocated when a scoring chunk first runs, and given back with the rest when idle."""
+    """A server that never scores holds the KV of the serving rows in use alone (one request:
+    one row): the scoring rows are allocated when a scoring chunk first runs, and given back
+    with the rest when idle."""
     engine = MLXEngine(tiny_model_path, EngineSettings(rows=2, prefix_cache_bytes=0))
     assert engine.score_rows == 8
     prompt = _prompts(1, seed=8)[0]
     engine.prefill(0, prompt)
     logits = engine.decode([0], [5])
     rows_held = {k.shape[0] for k in engine.row_table.store.keys if k is not None}
-    assert rows_held == {2}  # the serving rows only
-    per_row = engine.row_table.store.nbytes() // 2
+    assert rows_held == {1}  # the serving row in use only
+    per_row = engine.row_table.store.nbytes()
     scored = engine.run(StepPlan(decode=(DecodeRow(0, int(logits.argmax())),),
                                  score=(ScoreChunk(1, 2, prompt, 0, len(prompt), 0),)))  # fmt: skip
     assert {k.shape[0] for k in engine.row_table.store.keys if k is not None} == {10}
@@ -162,7 +163,7 @@ def test_the_scoring_rows_hold_memory_only_once_scoring_runs(tiny_model_path):
     engine.release(2)
     engine.release(0)  # idle: the store is dropped, scoring rows and all
     assert engine.row_table.store.nbytes() == 0
-    engine.prefill(1, prompt)
+    engine.prefill(1, prompt)  # row 1 alone: rows 0 and 1 held
     assert {k.shape[0] for k in engine.row_table.store.keys if k is not None} == {2}
 
 

@@ -1,6 +1,7 @@
-"""How the KV store grows (row_cache.RowStore.ensure): each growth copies the whole store into
-fresh memory, so it grows by at least a quarter of what it holds, and a row opened for a prompt
-grows it for the whole prompt at once rather than chunk by chunk."""
+"""How the KV store grows (row_cache.RowStore.ensure, ensure_rows): each growth copies the whole
+store into fresh memory, so it grows by at least a quarter of what it holds, a row opened for a
+prompt grows it for the whole prompt at once rather than chunk by chunk, and it holds the
+serving rows in use (in powers of two), not all of them."""
 
 from __future__ import annotations
 
@@ -62,3 +63,33 @@ def test_a_prompt_opened_on_a_row_grows_the_store_for_all_of_it(tiny_model_path)
     assert engine.row_table.store.capacity == 3 * GROW  # before its first chunk runs
     logits = engine.prefill(1, prompt[:40])
     assert engine.row_table.store.capacity == 3 * GROW and logits.shape[-1] == engine.vocab_size
+
+
+def test_serving_rows_come_in_powers_of_two_and_scoring_rows_all_at_once():
+    store = RowStore(num_layers=1, rows=6 + 8, max_positions=4096, first_rows=6)
+    keys = [mx.arange(3 * 20 * 4, dtype=mx.float32).reshape(3, 20, 4)]
+    store.write_prefix(0, keys, keys, 20)
+    assert store.rows == 1 and store.keys[0].shape == (1, 3, GROW, 4)
+    held = []
+    for row in (1, 2, 3, 4, 5):
+        store.write_prefix(row, [k + row for k in keys], keys, 20)
+        held.append(store.keys[0].shape[0])
+    assert held == [2, 4, 4, 6, 6]  # 1, 2, 4, then the 6 serving rows
+    store.ensure_rows(7)  # a scoring row: all 8 scoring rows
+    assert store.rows == 14 and store.nbytes() == 14 * 2 * 3 * GROW * 4 * 4
+    for row in range(6):  # every row's positions survived each growth's copy
+        assert mx.array_equal(store.read_row(row, 20)[0][0], keys[0] + row)
+    store.clear()
+    assert store.rows == 1 and store.nbytes() == 0
+
+
+def test_one_request_at_a_time_holds_one_rows_kv(tiny_model_path):
+    engine = MLXEngine(tiny_model_path, EngineSettings(rows=4, prefix_cache_bytes=0))
+    prompt = [(7 * i) % 300 + 3 for i in range(100)]
+    for _ in range(2):  # a conversation's turns, one after another, on the lowest free row
+        engine.prefill(0, prompt)
+        engine.release(0)
+    engine.prefill(0, prompt)
+    assert {k.shape[0] for k in engine.row_table.store.keys if k is not None} == {1}
+    engine.prefill(2, prompt)  # a third concurrent request's row: rows 0-3 held
+    assert {k.shape[0] for k in engine.row_table.store.keys if k is not None} == {4}
