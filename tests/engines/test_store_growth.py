@@ -56,6 +56,17 @@ def test_a_long_prompt_reserves_a_quarter_more():
     assert store.capacity == 8192
 
 
+def test_a_conversations_next_turn_does_not_grow_the_store_while_it_fits():
+    store = RowStore(num_layers=1, rows=1, max_positions=16384)
+    store.reserve(3671)  # a chat's first turn: 3,671 + 917, in whole GROWs
+    assert store.capacity == 4608
+    for prompt in (3695, 3719, 4100, 4608 - GROW):  # later turns: the store as it is
+        store.reserve(prompt)
+        assert store.capacity == 4608
+    store.reserve(4608 - GROW + 1)  # less than a GROW left after it: grows by a quarter of
+    assert store.capacity == 5888  # the store (4,608 + 1,152), in whole GROWs
+
+
 def test_a_prompt_opened_on_a_row_grows_the_store_for_all_of_it(tiny_model_path):
     engine = MLXEngine(tiny_model_path, EngineSettings(rows=2))
     prompt = [(7 * i) % 300 + 3 for i in range(700)]
