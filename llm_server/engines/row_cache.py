@@ -52,6 +52,8 @@ class RowStore:
             return
         wanted = max(positions, self.capacity + self.capacity // HEADROOM)
         new_cap = min(self.max_positions, -(-wanted // GROW) * GROW)
+        if new_cap == self.capacity:  # at max_positions already: a pad by 0 would copy it all
+            return
         self._pad([(0, 0), (0, 0), (0, new_cap - self.capacity), (0, 0)])
         self.capacity = new_cap
 
