@@ -80,6 +80,16 @@ def arithmetic_floor(config: dict, cached: int, new: int) -> float:
     return work(cached) / work(0)
 
 
+def countable(config: dict) -> dict | None:
+    """`config` when `arithmetic_floor` can count it (a llama-shaped config.json), else None:
+    the tables then leave the floor out rather than report a wrong one."""
+    try:
+        arithmetic_floor(config, 1, 1)
+    except (KeyError, TypeError, ZeroDivisionError):
+        return None
+    return config
+
+
 def turns(send, cached: int, new: int, count: int, vocab: int) -> list[dict]:
     """`send(ids, cache) -> (seconds, cached tokens)` on one server: the cold history, then
     `count` turns, each followed by its new tokens alone. The same ids for every server."""
@@ -178,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "turn_cost.json").write_text(json.dumps(results, indent=2))
-    text = markdown(results, args.cached, args.new, config)
+    text = markdown(results, args.cached, args.new, countable(config))
     (args.out / "turn_cost.md").write_text(text)
     print(text)
     return 0

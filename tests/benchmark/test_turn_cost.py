@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from llm_server.benchmark.turn_cost import arithmetic_floor, main, markdown, turns
+from llm_server.benchmark.turn_cost import arithmetic_floor, countable, main, markdown, turns
 
 
 def test_each_turn_resends_the_history_grown_by_new_ids_then_new_ids_alone():
@@ -66,6 +66,8 @@ def test_the_floor_is_the_turns_arithmetic_over_the_new_tokens_alone():
     llama7b = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
                "intermediate_size": 11008, "vocab_size": 32000}  # fmt: skip
     assert 1.13 < arithmetic_floor(llama7b, 3700, 20) < 1.16
+    assert countable(llama7b) is llama7b
+    assert countable({"text_config": SMOLLM2}) is None  # a config it cannot count: no floor
 
 
 def test_the_table_shows_each_turns_floor_and_the_ratio_over_it():

@@ -27,6 +27,10 @@ def test_the_table_divides_each_ratio_by_its_turns_floor():
     )
     assert "Turns 2+ (4 server rows)" in text
     assert "over the floor median 1.38, max 1.50 (target <= 1.3)" in text
+    unknown = [{k: v for k, v in r.items() if k != "floor"} for r in later]  # not llama-shaped
+    text = markdown({"turns": 3, "max_tokens": 16, "server_rows": 1, "rows": [first, *unknown]})
+    assert "| chat | 2 | 3720 | 3700 | 1.000 | 0.330 | 0.100 (20 tok) | 3.30 | - | - |" in text
+    assert "no floor (the config is not llama-shaped) (target <= 1.3)" in text
 
 
 @pytest.mark.timeout(300)
