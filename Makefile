@@ -18,7 +18,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 # On Linux, mlx's CPU wheel is ~40x faster with a real BLAS preloaded (BLIS, else OpenBLAS;
-# see README "Linux CPU note"). `python -m llm_server.blas CMD` runs CMD with that preload.
+# see README "Linux CPU note"). `python -m llm_server.native.blas CMD` runs CMD with that preload.
 HOST    ?= 127.0.0.1
 PORT    ?= 8080
 PYTEST_ARGS ?=
@@ -60,14 +60,14 @@ serve: install
 	$(VENV)/bin/llm-server --host $(HOST) --port $(PORT)
 
 test: install-dev
-	$(PY) -m llm_server.blas $(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m llm_server.native.blas $(PY) -m pytest -q $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-generic
 
 # the engine and scheduler equivalence suites again under the generic kernel set (plain MLX ops:
-# what Metal runs; llm_server/engines/kernels.py) on this machine, so the branches a Mac takes
+# what Metal runs; llm_server/engines/forward/kernels.py) on this machine, so the branches a Mac takes
 # run here too (~1.5 min on 2 cores). The linux_cpu tests assert the other set and do not apply.
 test-generic: install-dev
-	LLM_SERVER_KERNELS=generic $(PY) -m llm_server.blas $(PY) -m pytest -q -m "not linux_cpu" \
+	LLM_SERVER_KERNELS=generic $(PY) -m llm_server.native.blas $(PY) -m pytest -q -m "not linux_cpu" \
 		tests/engines tests/scheduler
 
 # the real coding agents (tests/agents): pinned npm versions into ~/.cache/llm-server/agents,
@@ -80,7 +80,7 @@ test-agents: install-dev
 	@node -e 'process.exit(+process.versions.node.split(".")[0] < 20 ? 1 : 0)' || echo "warning: node \
 		$$(node --version) is older than 20 (Qwen Code declares >= 22; tested on 20.20): Debian 13's nodejs or NodeSource's"
 	$(PY) -m llm_server.testing.agents_install
-	LLM_SERVER_AGENT_TESTS=1 $(PY) -m llm_server.blas $(PY) -m pytest -q tests/agents $(PYTEST_ARGS)
+	LLM_SERVER_AGENT_TESTS=1 $(PY) -m llm_server.native.blas $(PY) -m pytest -q tests/agents $(PYTEST_ARGS)
 
 # what `make test` skips on a Mac (the linux_cpu tests), listed here with the reason
 test-mac-dry-run: install-dev

@@ -90,7 +90,7 @@ def convert(args: argparse.Namespace, scratch: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from llm_server.blas import ensure_fast_blas
+    from llm_server.native.blas import ensure_fast_blas
 
     ensure_fast_blas()
     args = _parser().parse_args(argv)

@@ -398,8 +398,8 @@ def validate_args(args: argparse.Namespace) -> None:
 
 def _serve_models(args: argparse.Namespace) -> int:
     """The many-model daemon: the registry, then serving until stopped."""
-    from llm_server.blas import check_blas
     from llm_server.models.registry import RegistryError, check_unique, load_registry
+    from llm_server.native.blas import check_blas
 
     check_blas()
     try:
@@ -441,7 +441,7 @@ def _bind(args: argparse.Namespace) -> tuple[socket.socket, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from llm_server.blas import ensure_fast_blas
+    from llm_server.native.blas import ensure_fast_blas
 
     ensure_fast_blas()
     argv = sys.argv[1:] if argv is None else argv
@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> None:
     for client in ("httpx", "httpx2"):  # one line per hub request is noise, not news
         logging.getLogger(client).setLevel(max(logging.WARNING, logging.root.level))
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from llm_server.blas import active_blas, check_blas
+    from llm_server.native.blas import active_blas, check_blas
 
     if args.hosts:
         from llm_server.distributed.launch import launch_hosts

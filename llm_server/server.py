@@ -70,10 +70,10 @@ def make_service(
 
     def factory():
         if chosen == "coreml":
-            from llm_server.engines.coreml_engine import CoreMLEngine
+            from llm_server.engines.coreml.engine import CoreMLEngine
 
             return CoreMLEngine(model_path)
-        from llm_server.engines.mlx_engine import MLXEngine
+        from llm_server.engines.mlx.engine import MLXEngine
         from llm_server.engines.settings import EngineSettings
 
         settings = EngineSettings(

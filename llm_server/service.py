@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from llm_server.decoding import Decoder, LogitsConstraint, SamplingParams
-from llm_server.engines.base import Engine
+from llm_server.engines.contract import Engine
 from llm_server.fingerprint import system_fingerprint
 from llm_server.generation_config import load_sampling_defaults
 from llm_server.pooling import EmbeddingConfig, EmbeddingConfigError, load_embedding_config

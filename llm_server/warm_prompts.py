@@ -72,7 +72,11 @@ def prepare_engine(engine, cache_dir: Path | None, disk_bytes: int | None, promp
             log.warning("prefix cache off for this model: --prefix-cache-dir/--warm-prompts unused")
         return
     if cache_dir is not None:
-        from llm_server.engines.prefix_disk import DiskTier, default_disk_bytes, engine_fingerprint
+        from llm_server.engines.kv.prefix_disk import (
+            DiskTier,
+            default_disk_bytes,
+            engine_fingerprint,
+        )
 
         cache_dir = Path(cache_dir)
         bound = default_disk_bytes(cache_dir) if disk_bytes is None else disk_bytes

@@ -7,8 +7,7 @@ import sys
 
 import pytest
 
-from llm_server import blas
-from llm_server.native import skinny
+from llm_server.native import blas, skinny
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux-only preload")
 
@@ -58,7 +57,7 @@ def test_entry_point_runs_with_a_fast_blas_and_correct_products():
 def test_each_library_computes_correct_products(name):
     if blas.library_path(name) is None:
         pytest.skip(f"{name} is not installed")
-    code = "from llm_server import blas; assert blas.check_blas(); print(blas.active_blas())"
+    code = "from llm_server.native import blas; assert blas.check_blas(); print(blas.active_blas())"
     for front in ("1", "0"):  # with the skinny library in front, and the BLAS alone
         env = blas.preload_env({**_base_env(), "LLM_SERVER_BLAS": name, "LLM_SERVER_SKINNY": front})
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)

@@ -124,7 +124,7 @@ def test_dtype_default_is_float32_on_the_cpu_and_the_checkpoints_own_on_metal(
     import struct
 
     from llm_server.cli import build_parser
-    from llm_server.engines.dtypes import default_dtype
+    from llm_server.engines.mlx.dtypes import default_dtype
 
     assert build_parser().parse_args([]).dtype is None  # resolved by device at load
     assert build_parser().parse_args(["--dtype", "float16"]).dtype == "float16"
@@ -147,7 +147,8 @@ def test_the_engine_resolves_no_dtype_by_device(tiny_model_path, tmp_path, monke
     the device taken for Metal, the bf16 checkpoint's weights stay bfloat16; --dtype wins."""
     import mlx.core as mx
 
-    from llm_server.engines import dtypes, mlx_engine
+    from llm_server.engines.mlx import dtypes
+    from llm_server.engines.mlx import engine as mlx_engine
     from llm_server.engines.settings import EngineSettings
 
     bf16 = _half_checkpoint(tiny_model_path, tmp_path / "bf16", "bfloat16")

@@ -10,14 +10,14 @@ import jsonschema
 import numpy as np
 import pytest
 
-from llm_server.constrained import (
+from llm_server.decoding import FinishReason, SamplingParams
+from llm_server.tokenizer import Tokenizer
+from llm_server.tools.constrained import (
     ConstraintError,
     JsonConstraint,
     build_constraint,
     ll_tokenizer,
 )
-from llm_server.decoding import FinishReason, SamplingParams
-from llm_server.tokenizer import Tokenizer
 
 SCHEMA_DIR = Path(__file__).parent / "data" / "schemas"
 # (prompt, schema): required fields, enums, bounded integers, arrays, nested objects. Strings carry

@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from llm_server.engines.fused_layers import Rotation, rotate
+from llm_server.engines.forward.layers import Rotation, rotate
 from llm_server.native import decode_ops
 
 pytestmark = pytest.mark.skipif(
@@ -227,7 +227,7 @@ def test_rms_norm_refuses_bad_shapes(ops, x, w):
 
 def test_the_engine_uses_them_where_they_apply(tiny_llama_path, tiny_model_path):
     """A llama layout decodes with the ops; a layout with q/k norms (qwen3) keeps MLX's ops."""
-    from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.mlx.engine import MLXEngine
     from llm_server.engines.settings import EngineSettings
 
     assert MLXEngine(tiny_llama_path, EngineSettings(rows=1)).fused.ops is not None
@@ -239,7 +239,9 @@ def layer_ops():
     from llm_server.native import skinny
 
     if not skinny.loaded():
-        pytest.skip("the skinny library is not preloaded (run under python -m llm_server.blas)")
+        pytest.skip(
+            "the skinny library is not preloaded (run under python -m llm_server.native.blas)"
+        )
     module = decode_ops.layer_module()
     assert module is not None, "the whole-layer decode ops failed their check"
     return module
@@ -318,7 +320,7 @@ def test_whole_layer_ops_refuse_bad_shapes(layer_ops):
 def test_the_engine_runs_whole_layers_where_they_apply(tiny_llama_path, tmp_path):
     """Compiled steps of a llama layout run whole layers when the skinny library is preloaded;
     biased projections (qwen2) keep the separate ops."""
-    from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.mlx.engine import MLXEngine
     from llm_server.engines.settings import EngineSettings
     from llm_server.native import skinny
     from llm_server.testing.tiny import TinySpec, build_tiny_checkpoint

@@ -16,13 +16,13 @@ import time
 import httpx
 import pytest
 
-from llm_server import blas
+from llm_server.native import blas
 
 TF32 = "MLX_ENABLE_TF32"  # dropped from the children's env: the entry point must set it
 
 FORCE_WRONG = (
     "import os, sys\n"
-    "from llm_server import blas\n"
+    "from llm_server.native import blas\n"
     "blas._wrong_product = lambda: '1x576x1536 product is wrong'\n"
     "print('generation', os.environ.get('LLM_SERVER_BLAS_REEXEC'), flush=True)\n"
 )
@@ -108,7 +108,7 @@ def test_the_users_tf32_choice_is_kept_and_reported():
     env = {"MLX_ENABLE_TF32": "1"}
     blas.exact_float32(env)
     assert env == {"MLX_ENABLE_TF32": "1"}
-    code = "from llm_server import blas; print(blas.float32_precision())"
+    code = "from llm_server.native import blas; print(blas.float32_precision())"
     for value, want in (("1", "tf32"), ("0", "full")):
         out = subprocess.run(
             [sys.executable, "-c", code],

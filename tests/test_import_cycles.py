@@ -22,12 +22,6 @@ PACKAGES = ("llm_server", "converters", "replay")
 KNOWN = (
     # distributed/launch.py's `__main__` block (what mlx.launch runs) imports cli.main
     ("llm_server.cli", "llm_server.distributed.launch", "llm_server.server"),
-    # the engine contract's type hints <-> the step messages
-    ("llm_server.engines.base", "llm_server.engines.step"),
-    # BatchScheduler and its PlanExecutor mixin
-    ("llm_server.scheduler.batch", "llm_server.scheduler.executor"),
-    # a request's draft state and the drafting that reads requests
-    ("llm_server.scheduler.drafting", "llm_server.scheduler.request"),
 )
 
 

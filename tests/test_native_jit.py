@@ -75,7 +75,7 @@ def test_kernels_built_for_this_cpu_compute_the_same_values(tmp_path):
 
 
 def test_the_wrapper_is_first_in_path_under_the_entry_points():
-    """`make test` runs under `python -m llm_server.blas`: MLX finds the wrapper's g++."""
+    """`make test` runs under `python -m llm_server.native.blas`: MLX finds the wrapper's g++."""
     folder = jit.wrapper_dir()
     if folder is None:
         pytest.skip("no g++ on PATH")

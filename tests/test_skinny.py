@@ -285,14 +285,14 @@ def test_mlx_products_in_this_process_take_the_library():
 
 def test_no_compiler_leaves_the_blas_alone(tmp_path):
     """A failed build (here: no compiler) preloads the BLAS alone and still serves products."""
-    from llm_server import blas
+    from llm_server.native import blas
 
     if blas.chosen_blas() is None:
         pytest.skip("no BLIS or OpenBLAS installed")
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "BLIS_NUM_THREADS")}
     env.update(CC="/nonexistent/cc", LLM_SERVER_CACHE=str(tmp_path))
     code = (
-        "from llm_server import blas; from llm_server.native import skinny; "
+        "from llm_server.native import blas; from llm_server.native import skinny; "
         "assert skinny.build() is None; env = blas.preload_env(); "
         "assert 'libllm_skinny' not in env['LD_PRELOAD'], env['LD_PRELOAD']; print('ok')"
     )

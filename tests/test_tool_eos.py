@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llm_server.constrained import build_lark_constraint
 from llm_server.decoding import Decoder, FinishReason, SamplingParams
 from llm_server.testing.tiny import HERMES_TEMPLATE, build_tiny_checkpoint
 from llm_server.tokenizer import Tokenizer
+from llm_server.tools.constrained import build_lark_constraint
 from llm_server.tools.grammar import tool_grammar
 from llm_server.tools.output import ChatOutput
 from llm_server.tools.registry import PARSERS

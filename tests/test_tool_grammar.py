@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from llm_server.constrained import build_lark_constraint
 from llm_server.tokenizer import Tokenizer
+from llm_server.tools.constrained import build_lark_constraint
 from llm_server.tools.grammar import answer_grammar, tool_grammar
 from llm_server.tools.spec import ChoiceMode, ToolChoice, ToolRequest, ToolSpec
 

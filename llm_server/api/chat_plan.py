@@ -9,16 +9,16 @@ from typing import Any
 
 from llm_server.api.errors import invalid
 from llm_server.api.schemas import ChatRequest
-from llm_server.constrained import (
+from llm_server.decoding import LogitsConstraint
+from llm_server.service import ModelService
+from llm_server.tokenizer import ChatTemplateError
+from llm_server.tools.budget import ThinkingBudget
+from llm_server.tools.constrained import (
     ConstraintError,
     build_constraint,
     build_lark_constraint,
     schema_for,
 )
-from llm_server.decoding import LogitsConstraint
-from llm_server.service import ModelService
-from llm_server.tokenizer import ChatTemplateError
-from llm_server.tools.budget import ThinkingBudget
 from llm_server.tools.generic import NAME as GENERIC
 from llm_server.tools.generic import generic_messages
 from llm_server.tools.grammar import NoGrammar, answer_grammar, tool_grammar

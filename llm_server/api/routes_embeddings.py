@@ -18,7 +18,7 @@ from llm_server.api.common import (
     served_id,
 )
 from llm_server.api.errors import APIError, invalid
-from llm_server.engines.base import EmbeddingsUnsupported
+from llm_server.engines.contract import EmbeddingsUnsupported
 from llm_server.pooling import truncate
 from llm_server.scheduler import QueueFull, SchedulerClosed
 from llm_server.scheduler.embedder import EmbeddingError, supports_embeddings

@@ -15,7 +15,7 @@ from llm_server.api.errors import invalid
 from llm_server.api.routes_models import list_managed, managed_health
 from llm_server.api.schemas import parse_messages
 from llm_server.api.state import AppState
-from llm_server.blas import active_blas, float32_precision
+from llm_server.native.blas import active_blas, float32_precision
 
 
 async def list_models(request: Request) -> Response:
@@ -42,7 +42,7 @@ async def health(request: Request) -> Response:
                 "ready": not st.draining,
                 "engine": svc.engine.name,
                 "dtype": svc.engine.dtype,
-                # the engine's kernel set (engines/kernels.py): linux_cpu or generic
+                # the engine's kernel set (engines/forward/kernels.py): linux_cpu or generic
                 "kernels": getattr(getattr(svc.engine, "kernels", None), "name", None),
                 "batching": svc.batching,
                 "concurrent_requests": stats.rows,

@@ -172,7 +172,7 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from llm_server.blas import ensure_fast_blas
+    from llm_server.native.blas import ensure_fast_blas
 
     ensure_fast_blas()  # same fast path as llm-server; --constrained runs the engine in-process
     args = build_parser().parse_args(argv)

@@ -17,10 +17,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from llm_server.constrained import JsonConstraint, build_constraint
 from llm_server.decoding import SamplingParams
 from llm_server.scheduler import TokenEvent
 from llm_server.service import ModelService
+from llm_server.tools.constrained import JsonConstraint, build_constraint
 
 PLAIN_PROMPTS = [
     "Explain why the sky is blue.",

@@ -1,6 +1,6 @@
 """Two ranks on localhost against one process: the served rate and whether the text agrees.
 
-`python -m llm_server.blas python -m llm_server.benchmark.distributed [RANKS] [MAX_TOKENS]`
+`python -m llm_server.native.blas python -m llm_server.benchmark.distributed [RANKS] [MAX_TOKENS]`
 builds a tiny 4-layer checkpoint, starts RANKS ranks (`--distributed ring`, a hostfile of
 127.0.0.1 entries) tensor-parallel, then pipeline-parallel (`--pipeline`), then one in-process
 server, sends the same 8 greedy completions 4 at a time to each and prints one JSON object. On

@@ -1,6 +1,6 @@
 """What a verified draft costs on the engine: plain decode steps against drafted ones (issue 38).
 
-    python -m llm_server.blas .venv/bin/python -m llm_server.benchmark.draft_cost \
+    python -m llm_server.native.blas .venv/bin/python -m llm_server.benchmark.draft_cost \
         [--model PATH] [--rows 4] [--drafts 0,1,2,4,8] [--drafted-rows 1] [--steps 12]
 
 Loads the MLX engine as the server does, fills `--rows` rows with a short chat-sized prompt
@@ -25,9 +25,9 @@ PROMPT_TOKENS = 64
 def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
-    from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.mlx.engine import MLXEngine
+    from llm_server.engines.plan import DecodeRow, StepPlan
     from llm_server.engines.settings import EngineSettings
-    from llm_server.engines.step import DecodeRow, StepPlan
     from llm_server.scheduler.spec_policy import StepCosts
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -20,7 +20,7 @@ PROMPT_TOKENS = 64  # each row's prompt: a short chat turn
 def _measure_here(model: Path, rows: int, steps: int) -> dict:
     import numpy as np
 
-    from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.mlx.engine import MLXEngine
     from llm_server.engines.settings import EngineSettings
 
     engine = MLXEngine(model, EngineSettings(rows=rows))

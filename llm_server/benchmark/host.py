@@ -1,7 +1,7 @@
 """The scheduler thread's time per decode step outside the forward (sampling, detokenizing,
 stop matching, emitting events), measured on the real service without HTTP.
 
-    python -m llm_server.blas python -m llm_server.benchmark.host [--model DIR] [--concurrency 1,4]
+    python -m llm_server.native.blas python -m llm_server.benchmark.host [--model DIR] [--concurrency 1,4]
 
 Each decode step's time comes from a scheduler step listener; the forward's from the
 engine's `decode`; `Decoder.step` (sampling + detokenization + stop matching) is timed per
@@ -45,7 +45,7 @@ class HostTimes:
 
 
 def _timed_engine_factory(model, rows: int, probe: _Probe):
-    from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.mlx.engine import MLXEngine
     from llm_server.engines.settings import EngineSettings
 
     def factory():

@@ -1,7 +1,7 @@
 """Prompt tok/s of a lone long prompt through the batch scheduler (issue 38, Deliver 2), and
 llama-server's on the same prompt ids in the same run.
 
-    python -m llm_server.blas .venv/bin/python -m llm_server.benchmark.prefill_rate \
+    python -m llm_server.native.blas .venv/bin/python -m llm_server.benchmark.prefill_rate \
         [--model PATH] [--tokens 2048 8000] [--prefill 128 512] [--repeats 2] \
         [--llama-server BIN --gguf FILE [--llama-threads 2]]
 
@@ -59,7 +59,7 @@ def _measure_here(
     model: Path, tokens: int, prefill: int, step: int, rows: int, warm_store: bool = False
 ) -> dict:
     from llm_server.decoding import Decoder, SamplingParams
-    from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.mlx.engine import MLXEngine
     from llm_server.engines.settings import EngineSettings
     from llm_server.scheduler import BatchScheduler, GenerationRequest
     from llm_server.scheduler.request import FinishEvent

@@ -127,7 +127,7 @@ def markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from llm_server.blas import ensure_fast_blas
+    from llm_server.native.blas import ensure_fast_blas
 
     ensure_fast_blas()
     p = argparse.ArgumentParser(prog="python -m llm_server.benchmark.prefix", description=__doc__)

@@ -1,7 +1,7 @@
 """TTFT of a conversation's turn: cold, an in-memory prefix-cache hit, and read back from the
 disk tier (`--prefix-cache-dir`) after a restart, on the default model over streaming chat.
 
-    python -m llm_server.blas python -m llm_server.benchmark.prefix_restart [PROMPT_TOKENS]
+    python -m llm_server.native.blas python -m llm_server.benchmark.prefix_restart [PROMPT_TOKENS]
 
 Turn 2 runs on the server that ran turn 1 (in-memory hit); the server restarts over the same
 folder, answers one short unrelated request (the first forwards' warm-up, which turn 2 also had

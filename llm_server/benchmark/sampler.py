@@ -50,7 +50,7 @@ def random_rows(vocab: int, count: int = 16) -> np.ndarray:
 
 def model_rows(model: str, count: int = 16) -> np.ndarray:
     """[count, vocab] float32: the model's logits at each step of a greedy answer."""
-    from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.mlx.engine import MLXEngine
     from llm_server.engines.settings import EngineSettings
     from llm_server.tokenizer import Tokenizer
 

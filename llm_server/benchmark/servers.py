@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from llm_server.blas import preload_env
+from llm_server.native.blas import preload_env
 
 READY_RE = re.compile(r"llm-server ready on (http://\S+)")
 STOP_GRACE_S = 30.0

@@ -1,6 +1,6 @@
 """Chat throughput by client concurrency on ONE scheduler, loads in sequence (issue 38, Deliver 5).
 
-    python -m llm_server.blas .venv/bin/python -m llm_server.benchmark.spec_carryover \
+    python -m llm_server.native.blas .venv/bin/python -m llm_server.benchmark.spec_carryover \
         [--model PATH] [--loads 1,4,8] [--speculative ngram] [--requests 16] [--max-tokens 64]
 
 The scheduler serves as the server does (the MLX engine with its default prefix cache, the
@@ -63,7 +63,7 @@ def _load(sched, tok, messages: list[list[dict]], concurrency: int, max_tokens: 
 
 def main(argv: list[str] | None = None) -> int:
     from llm_server.cli import DEFAULT_CONCURRENT
-    from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.mlx.engine import MLXEngine
     from llm_server.engines.settings import EngineSettings
     from llm_server.scheduler import BatchScheduler
     from llm_server.tokenizer import Tokenizer

@@ -1,6 +1,6 @@
 """Speculative decoding benchmark: an "edit" workload vs the chat workload, drafts on vs off.
 
-    python -m llm_server.blas python -m llm_server.benchmark.speculative [--model DIR]
+    python -m llm_server.native.blas python -m llm_server.benchmark.speculative [--model DIR]
 
 The edit workload asks the model to reproduce a given passage (code or text) with one change,
 the case prompt-lookup drafts are for; the chat workload is the first prompts of
@@ -60,7 +60,7 @@ def chat_messages(n: int) -> list[list[dict]]:
 def run(model: Path, prompts, rows: int, mode: str, max_tokens: int, k: int):
     """(tokens per prompt, seconds, drafted, accepted, fit_report) serving `prompts` together."""
     from llm_server.decoding import Decoder, SamplingParams
-    from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.mlx.engine import MLXEngine
     from llm_server.engines.settings import EngineSettings
     from llm_server.scheduler import BatchScheduler, FinishEvent, GenerationRequest
     from llm_server.tokenizer import Tokenizer

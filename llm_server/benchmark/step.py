@@ -1,8 +1,8 @@
 """Engine-only decode step time: the compiled step against the eager one, in the same process,
 or this checkout against another one (`--against DIR`, e.g. a checkout of main).
 
-    python -m llm_server.blas python -m llm_server.benchmark.step [--model DIR] [--rows 1,4]
-    python -m llm_server.blas python -m llm_server.benchmark.step --against ../main --rows 1
+    python -m llm_server.native.blas python -m llm_server.benchmark.step [--model DIR] [--rows 1,4]
+    python -m llm_server.native.blas python -m llm_server.benchmark.step --against ../main --rows 1
 
 In-process: loads the model twice (compiled decode steps on and off), prefills the same prompts
 into both and alternates their decode steps, so a shared machine's load hits both alike; prints
@@ -27,7 +27,7 @@ from llm_server.benchmark.settings import probe_parser
 # one checkout's decode steps: argv model rows steps; prints {"ms": [...]}
 _STEPS_SCRIPT = """
 import json, sys, time
-from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.mlx.engine import MLXEngine
 model, rows, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 try:  # one settings object where this checkout has it
     from llm_server.engines.settings import EngineSettings
@@ -64,7 +64,7 @@ class StepTimes:
 
 
 def _engines(model: str, rows: int):
-    from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.mlx.engine import MLXEngine
     from llm_server.engines.settings import EngineSettings
 
     compiled = MLXEngine(model, EngineSettings(rows=rows, compiled_decode=True))
@@ -139,7 +139,7 @@ def _row(t: StepTimes) -> str:
 
 def _tree_steps(tree: Path, model: str, rows: int, steps: int) -> list[float]:
     env = dict(os.environ, PYTHONPATH=str(tree))
-    cmd = [sys.executable, "-m", "llm_server.blas", sys.executable, "-c", _STEPS_SCRIPT,
+    cmd = [sys.executable, "-m", "llm_server.native.blas", sys.executable, "-c", _STEPS_SCRIPT,
            model, str(rows), str(steps)]  # fmt: skip
     out = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:

@@ -1,6 +1,6 @@
 """Where a compiled decode step's time goes: its parts timed alone, each as one compiled graph.
 
-    python -m llm_server.blas python -m llm_server.benchmark.step_parts [--model DIR] [--rows 1]
+    python -m llm_server.native.blas python -m llm_server.benchmark.step_parts [--model DIR] [--rows 1]
 
 Parts, at the step's shapes (rows, the span attention reads), each replayed `--reps` times
 and alternated with the whole step so a shared machine's load hits them alike:
@@ -38,10 +38,9 @@ def _timed(fn, reps: int) -> list[float]:
 def measure(model: str, rows: int, prompt_len: int, reps: int) -> dict[str, list[float]]:
     import mlx.core as mx
 
-    from llm_server import blas
-    from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.mlx.engine import MLXEngine
     from llm_server.engines.settings import EngineSettings
-    from llm_server.native import decode_attention
+    from llm_server.native import blas, decode_attention
 
     engine = MLXEngine(model, EngineSettings(rows=rows, compiled_decode=True))
     fused = engine.fused

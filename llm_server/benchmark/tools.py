@@ -1,6 +1,6 @@
 """Tool-call grammar cost: P plain rows beside T forced tool-call rows, in-process, greedy.
 
-    python -m llm_server.blas python -m llm_server.benchmark.tools [--model PATH] [--rounds 2]
+    python -m llm_server.native.blas python -m llm_server.benchmark.tools [--model PATH] [--rounds 2]
 
 Prints wall time of 8 plain rows vs 4 tool rows + 4 plain rows (alternating rounds, the same
 prompts), the grammar mask cost per token per constrained row, and one call as the model wrote it.

@@ -1,7 +1,7 @@
 """A conversation turn's cost, ours beside llama-server on the same token ids: the new tokens of
 a turn over a long cached prefix, against the same number of new tokens alone.
 
-    python -m llm_server.blas python -m llm_server.benchmark.turn_cost \
+    python -m llm_server.native.blas python -m llm_server.benchmark.turn_cost \
         [--model PATH] [--cached 3700] [--new 20] [--turns 4] \
         [--llama-server BIN --gguf FILE [--llama-threads 2]]
 
@@ -152,7 +152,7 @@ def markdown(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from llm_server.blas import ensure_fast_blas
+    from llm_server.native.blas import ensure_fast_blas
 
     ensure_fast_blas()
     p = argparse.ArgumentParser(

@@ -1,6 +1,6 @@
 """Turns 2-5 of a conversation on each API: TTFT against prefilling only the new tokens alone.
 
-    python -m llm_server.blas python -m llm_server.benchmark.turns [--model PATH]
+    python -m llm_server.native.blas python -m llm_server.benchmark.turns [--model PATH]
         [--system-tokens 3400] [--turns 5] [--max-tokens 16] [--out DIR]
 
 One server (ours, a subprocess with the servers' env) runs a conversation on each API in turn:
@@ -240,7 +240,7 @@ def markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from llm_server.blas import ensure_fast_blas
+    from llm_server.native.blas import ensure_fast_blas
 
     ensure_fast_blas()
     p = argparse.ArgumentParser(prog="python -m llm_server.benchmark.turns", description=__doc__)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llm_server.engines.step import DecodeRow, PrefillChunk, StepPlan
+from llm_server.engines.plan import DecodeRow, PrefillChunk, StepPlan
 
 HEADER = 8
 MAGIC = 0x4C4C4D53  # "LLMS": a header that is not one of ours means the ranks are out of step

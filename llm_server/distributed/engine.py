@@ -19,8 +19,8 @@ import numpy as np
 from llm_server.distributed import GROUP_LOST
 from llm_server.distributed.codec import Call, Op, encode
 from llm_server.distributed.transport import Transport
-from llm_server.engines.base import EmbeddingsUnsupported, EngineError, ScoreChunkResult
-from llm_server.engines.step import StepPlan, StepResult
+from llm_server.engines.contract import EmbeddingsUnsupported, EngineError, ScoreChunkResult
+from llm_server.engines.plan import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 

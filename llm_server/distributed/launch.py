@@ -41,7 +41,7 @@ def join(backend: str):
 
 def build_engine(args: argparse.Namespace, model_path: Path, group):
     """The rank's sharded engine, with the settings rank 0's service gives its own."""
-    from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.mlx.engine import MLXEngine
     from llm_server.engines.settings import from_cli
 
     return MLXEngine(model_path, from_cli(args, group))

@@ -45,13 +45,13 @@ class EngineSettings:
     # are off: they do not compose with it
     group: Any = None
     # "tensor" (mlx-lm's `model.shard`) or "pipeline": this rank keeps a contiguous slice of
-    # the layers and their KV (llm_server.distributed.pipeline)
+    # the layers and their KV (llm_server.engines.mlx.pipeline)
     parallel: str = "tensor"
     # rows the store keeps after the serving rows for scoring prompts, whose chunks then ride
     # in the step plans' forwards; 0, and always on a model whose rows cannot hold them
     # (recurrent state, serial, sharded, heads only mlx-lm can run): the separate session
     score_rows: int = SCORE_ROWS
-    # "linux_cpu" or "generic" (engines/kernels.py; None: LLM_SERVER_KERNELS, else linux_cpu
+    # "linux_cpu" or "generic" (engines/forward/kernels.py; None: LLM_SERVER_KERNELS, else linux_cpu
     # on the CPU and generic elsewhere), chosen once at load for every forward
     kernels: str | None = None
     # seconds an idle engine keeps its KV store, the released rows' histories in place (a

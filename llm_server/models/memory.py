@@ -9,7 +9,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from llm_server.engines.prefix_cache import default_bound, kv_token_bytes
+from llm_server.engines.kv.prefix_cache import default_bound, kv_token_bytes
 
 DEFAULT_BUDGET_FRACTION = 0.75  # of physical memory, when --max-memory is not given
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -74,7 +74,7 @@ def estimate_size(
     width = _DTYPE_BYTES.get(dtype, 4)
     bits = (config.get("quantization") or {}).get("bits")
     weights = _weight_bytes(path, width, None if keep_quantized else bits)
-    if prefix_cache_bytes is None:  # the engine's own default bound (engines/prefix_cache.py)
+    if prefix_cache_bytes is None:  # the engine's own default bound (engines/kv/prefix_cache.py)
         prefix_cache_bytes = default_bound(kv_token_bytes(config, width))
     return ModelSize(weights, _kv_bytes(config, rows, context_length, width), prefix_cache_bytes)
 

@@ -26,7 +26,7 @@ SPLIT_MAX_ROWS = 2  # BLIS runs a 1-2 row product on one core; from 4 rows it us
 
 def on_cpu() -> bool:
     """Whether MLX runs on the CPU: a device fact (streams to release), not a kernel choice;
-    the engines decide by their kernel set (engines/kernels.py)."""
+    the engines decide by their kernel set (engines/forward/kernels.py)."""
     return mx.default_device() == mx.cpu
 
 

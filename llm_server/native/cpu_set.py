@@ -1,5 +1,5 @@
 """The Linux-CPU kernel set: the arithmetic of a fused layer as the CPU runs it fastest with
-one rounding per position, whatever step it rides in (see engines/kernels.py for the interface
+one rounding per position, whatever step it rides in (see engines/forward/kernels.py for the interface
 and the generic MLX set beside it).
 
 - norms: the decode ops' RMSNorm (one op, `mx.fast.rms_norm`'s values bit for bit) where the
@@ -12,7 +12,7 @@ and the generic MLX set beside it).
   prompt chunks through numpy's softmax (cpu_kernels.attention), the rest MLX's own; every
   position through the native decode ops where they apply (FusedForward builds those groups).
 
-Layers are duck-typed (engines/fused_layers.py: `Layer`, `Linear` with `.wt`, `.halves`,
+Layers are duck-typed (engines/forward/layers.py: `Layer`, `Linear` with `.wt`, `.halves`,
 `.bias`): the native folder never imports the engines.
 """
 
@@ -23,8 +23,14 @@ from contextlib import nullcontext
 
 import mlx.core as mx
 
-from llm_server import blas
-from llm_server.native import cpu_kernels, decode_attention, decode_ops, mlx_lm_patches, skinny
+from llm_server.native import (
+    blas,
+    cpu_kernels,
+    decode_attention,
+    decode_ops,
+    mlx_lm_patches,
+    skinny,
+)
 
 SPLIT_MAX_POSITIONS = 256  # forwards up to this many positions split their products (splits)
 

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llm_server.decoding import FinishReason
-from llm_server.engines.base import Engine
-from llm_server.engines.step import StepPlan
+from llm_server.engines.contract import Engine
+from llm_server.engines.plan import StepPlan
 from llm_server.scheduler.drafting import drafts, prediction_usage
 from llm_server.scheduler.executor import PlanExecutor
 from llm_server.scheduler.lease import Lease
@@ -66,7 +66,7 @@ class SchedulerStats:
     accepted_tokens: int = 0  # of those, the ones that matched the greedy choice
 
 
-class BatchScheduler(PlanExecutor):
+class BatchScheduler:
     """Serves generation requests on `max_concurrent` rows of one engine (S1-S8)."""
 
     def __init__(
@@ -105,8 +105,6 @@ class BatchScheduler(PlanExecutor):
         # tests: request -> the draft to verify (replaces prompt lookup and its back-off)
         self.draft_hook: Callable[[GenerationRequest], tuple[int, ...]] | None = None
         self.spec_costs = StepCosts()  # measured step costs and acceptance (spec_policy.py)
-        self.drafted_tokens = 0  # draft ids verified
-        self.accepted_tokens = 0  # draft ids kept
         self.engine: Engine | None = None
         self.pump: Pump | None = None
         self.scorer: Scorer | None = None  # its prompts ride in the plans on scoring rows
@@ -119,14 +117,20 @@ class BatchScheduler(PlanExecutor):
         self._thread: threading.Thread | None = None
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
-        self.last_error: str | None = None
-        self.decode_steps = 0
         self.max_rows_busy = 0
         # the latest request seq numbers in admission order (tests check FIFO); bounded so a
         # daemon running for days does not grow it
         self.admitted: collections.deque[int] = collections.deque(maxlen=4096)
-        self.step_trace: list[tuple[int, ...]] | None = None  # [] records each forward's seqs
         self._pipeline = Pipeline()  # the next decode step, started early (pipelined engines)
+        # runs each plan's forward and commits it (executor.py)
+        self.executor = PlanExecutor(
+            self._running,
+            self._retire,
+            self._may_speculate,
+            self._pipeline,
+            self.spec_costs,
+            self._step_listeners,
+        )
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -229,6 +233,39 @@ class BatchScheduler(PlanExecutor):
                 accepted_tokens=self.accepted_tokens,
             )
 
+    @property
+    def decode_steps(self) -> int:
+        return self.executor.decode_steps
+
+    @property
+    def drafted_tokens(self) -> int:
+        return self.executor.drafted_tokens
+
+    @property
+    def accepted_tokens(self) -> int:
+        return self.executor.accepted_tokens
+
+    @property
+    def last_error(self) -> str | None:
+        return self.executor.last_error
+
+    @property
+    def step_trace(self) -> list[tuple[int, ...]] | None:
+        """Each forward's request seqs, once set to [] (tests)."""
+        return self.executor.step_trace
+
+    @step_trace.setter
+    def step_trace(self, trace: list[tuple[int, ...]] | None) -> None:
+        self.executor.step_trace = trace
+
+    @property
+    def speculated_steps(self) -> int:
+        return self._pipeline.used
+
+    @property
+    def dropped_speculations(self) -> int:
+        return self._pipeline.dropped
+
     def idle(self) -> bool:
         with self._cond:
             return not self._running and not self._queue
@@ -264,6 +301,8 @@ class BatchScheduler(PlanExecutor):
             )
             self.max_concurrent = rows
         self._free = list(range(rows))
+        self.executor.engine = self.engine
+        self.executor.scorer = self.scorer
         if self.scorer is not None:
             self.scorer.attach(self.engine)  # scoring rows, or the session fallback
 
@@ -275,7 +314,7 @@ class BatchScheduler(PlanExecutor):
         step = self._plan()
         self._apply(step)
         if step.forward:
-            self._execute(step)
+            self.executor.execute(step)
         if step.pump and self.pump is not None:
             self._pipeline.drop(self.engine)
             self.pump.run_batch(self.engine)
@@ -358,6 +397,15 @@ class BatchScheduler(PlanExecutor):
                 row_for=getattr(self.engine, "preferred_row", None),
             )
 
+    def _may_speculate(self) -> bool:
+        """Nothing to admit, prefill, lease or score at the next step boundary."""
+        return not (
+            self._queue
+            or self._leases
+            or self._side_work()
+            or any(r.prefilled < len(r.prompt) for r in self._running.values())
+        )
+
     def _drafts(self) -> dict[int, tuple[int, ...]]:
         """Each decoding row's draft for the next step (drafting.py): prompt lookup under
         `--speculative ngram`, a request's `prediction` in any mode; {} when none applies."""
@@ -390,7 +438,7 @@ class BatchScheduler(PlanExecutor):
                 self.admitted.append(req.seq)
             req.started_at = time.monotonic()
             if adm.exclusive:
-                self._run_exclusive(req)
+                self.executor.run_exclusive(req)
 
     def _retire(
         self, req: GenerationRequest, reason: FinishReason, error: str | None = None

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from llm_server.engines.base import EmbeddingsUnsupported, Engine
+from llm_server.engines.contract import EmbeddingsUnsupported, Engine
 from llm_server.pooling import EmbeddingConfig, PoolAccumulator
 from llm_server.scheduler.score_session import (
     TRACE_LIMIT,

@@ -1,11 +1,12 @@
 """Executing a step plan on the scheduler thread: the forward, the per-request retry, commit.
 
-Part of `BatchScheduler` (a mixin, so the loop and the queue stay in batch.py): `_execute` runs
-the plan's forward through `engine.run`, or through the pipeline (pipelining.py) when the plan
-only decodes and the engine is pipelined; a failed forward is retried per request (each decode
-row, prompt chunk and scoring chunk alone) so the error stays with the request that caused it
-(S8); `_commit` notes where prompts stand, samples, emits and retires per row, and hands the
-scoring chunks' log-probabilities to the scorer.
+A part `BatchScheduler` holds (the loop, the queue and the rows stay in batch.py): `execute`
+runs the plan's forward through `engine.run`, or through the pipeline (pipelining.py) when the
+plan only decodes and the engine is pipelined; a failed forward is retried per request (each
+decode row, prompt chunk and scoring chunk alone) so the error stays with the request that
+caused it (S8); `_commit` notes where prompts stand, samples, emits and retires per row, and
+hands the scoring chunks' log-probabilities to the scorer. It reads the scheduler's running
+rows (the same dict) and hands finished requests back through `retire`.
 """
 
 from __future__ import annotations
@@ -13,22 +14,50 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from llm_server.decoding import FinishReason, StepOutput
-from llm_server.engines.step import StepPlan, StepResult
+from llm_server.engines.contract import Engine
+from llm_server.engines.plan import StepPlan, StepResult
+from llm_server.scheduler.pipelining import Pipeline
 from llm_server.scheduler.request import GenerationRequest, TokenEvent
+from llm_server.scheduler.scorer import Scorer
+from llm_server.scheduler.spec_policy import StepCosts
 
-if TYPE_CHECKING:
-    from llm_server.scheduler.batch import BatchScheduler
+# retire(request, reason, error): release the request's row and send its FinishEvent
+Retire = Callable[[GenerationRequest, FinishReason, str | None], None]
 
 log = logging.getLogger("llm_server.scheduler.batch")
 
 
 class PlanExecutor:
-    """The execution half of `BatchScheduler` (see batch.py for the state it uses)."""
+    """Runs step plans on the engine and commits them: sampling, emitting, retiring."""
 
-    def _run_exclusive(self: BatchScheduler, req: GenerationRequest) -> None:
+    def __init__(
+        self,
+        running: dict[int, GenerationRequest],
+        retire: Retire,
+        may_speculate: Callable[[], bool],
+        pipeline: Pipeline,
+        spec_costs: StepCosts,
+        listeners: list[Callable[[float, int], None]],
+    ) -> None:
+        self._running = running  # row -> request: the scheduler's own dict, read here
+        self._retire = retire
+        self._may_speculate = may_speculate  # nothing else to run at the next boundary
+        self._pipeline = pipeline
+        self.spec_costs = spec_costs
+        self._step_listeners = listeners  # (seconds, rows) after every forward
+        self.engine: Engine | None = None  # given at load, with the scorer
+        self.scorer: Scorer | None = None
+        self.step_trace: list[tuple[int, ...]] | None = None  # [] records each forward's seqs
+        self.decode_steps = 0
+        self.drafted_tokens = 0  # draft ids verified
+        self.accepted_tokens = 0  # draft ids kept
+        self.last_error: str | None = None
+
+    def run_exclusive(self, req: GenerationRequest) -> None:
         """Decode `req` alone to completion while the other rows wait (`--constrained-mode exclusive`)."""
         try:
             logits = self.engine.prefill(req.row, req.prompt)
@@ -36,13 +65,13 @@ class PlanExecutor:
             req.cached_tokens = self.engine.cached_tokens(req.row)
             while self._advance(req, logits):
                 if req.cancelled.is_set():
-                    self._retire(req, FinishReason.CANCELLED)
+                    self._retire(req, FinishReason.CANCELLED, None)
                     return
                 logits = self.engine.decode([req.row], [req.last_token])[0]
         except Exception as exc:  # noqa: BLE001
             self._fail(req, exc)
 
-    def _execute(self: BatchScheduler, step: StepPlan) -> None:
+    def execute(self, step: StepPlan) -> None:
         """Run the plan's forward and commit it; a failed forward is retried per request so
         the error stays with the request that caused it (S8)."""
         step = self._live(step)
@@ -96,7 +125,7 @@ class PlanExecutor:
         for listener in self._step_listeners:
             listener(seconds, rows)
 
-    def _live(self: BatchScheduler, step: StepPlan) -> StepPlan:
+    def _live(self, step: StepPlan) -> StepPlan:
         """`step` without the rows an exclusive admission or a retirement has since freed."""
         decode = tuple(d for d in step.decode if d.row in self._running)
         chunks = tuple(
@@ -132,7 +161,7 @@ class PlanExecutor:
             else:
                 self._advance(req, row_logits)
 
-    def _accept(self: BatchScheduler, req: GenerationRequest, first, draft, verified) -> None:
+    def _accept(self, req: GenerationRequest, first, draft, verified) -> None:
         """Commit a verified draft: sample position by position exactly as plain decoding
         would (stop sequences, EOS and max_tokens end it where they fall), keep the draft ids
         the choices matched plus one token, and rewind the row past the rejected ones (before
@@ -163,7 +192,7 @@ class PlanExecutor:
         if error is not None:
             self._fail(req, error)
 
-    def _advance(self: BatchScheduler, req: GenerationRequest, logits: Any) -> bool:
+    def _advance(self, req: GenerationRequest, logits: Any) -> bool:
         """Sample from one row's logits and emit; returns True while the request continues."""
         room = self.engine.context_length - self.engine.cursor(req.row)
         try:
@@ -173,7 +202,7 @@ class PlanExecutor:
             return False
         return self._emit(req, out)
 
-    def _emit(self: BatchScheduler, req: GenerationRequest, out: StepOutput) -> bool:
+    def _emit(self, req: GenerationRequest, out: StepOutput) -> bool:
         """Emit one sampled token; retire the request when it finished. True: it continues."""
         req.last_token = out.token_id
         if req.first_token_at is None:
@@ -181,27 +210,10 @@ class PlanExecutor:
         req.emit(TokenEvent(out.token_id, out.text, out.logprob))
         if out.finish is None:
             return True
-        self._retire(req, out.finish)
+        self._retire(req, out.finish, None)
         return False
 
-    def _fail(self: BatchScheduler, req: GenerationRequest, exc: BaseException) -> None:
+    def _fail(self, req: GenerationRequest, exc: BaseException) -> None:
         log.error("request %d failed: %s", req.seq, exc)
         self.last_error = str(exc)
-        self._retire(req, FinishReason.ERROR, error=str(exc))
-
-    def _may_speculate(self: BatchScheduler) -> bool:
-        """Nothing to admit, prefill, lease or score at the next step boundary."""
-        return not (
-            self._queue
-            or self._leases
-            or self._side_work()
-            or any(r.prefilled < len(r.prompt) for r in self._running.values())
-        )
-
-    @property
-    def speculated_steps(self: BatchScheduler) -> int:
-        return self._pipeline.used
-
-    @property
-    def dropped_speculations(self: BatchScheduler) -> int:
-        return self._pipeline.dropped
+        self._retire(req, FinishReason.ERROR, str(exc))

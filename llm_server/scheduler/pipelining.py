@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llm_server.engines.base import DecodeStep, PipelinedEngine
+from llm_server.engines.contract import DecodeStep, PipelinedEngine
 from llm_server.scheduler.request import GenerationRequest
 
 

@@ -1,6 +1,6 @@
 """`plan()`: what the next step does, decided from the queue, the rows and the budget alone.
 
-Pure: it reads requests and returns a `StepPlan` (engines/step.py); it changes nothing, calls
+Pure: it reads requests and returns a `StepPlan` (engines/plan.py); it changes nothing, calls
 no engine and never waits, so the admission, budget and fairness rules are unit-tested without
 MLX (tests/scheduler/test_plan.py). The rules, in order:
 
@@ -39,8 +39,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from llm_server.engines.base import SCORE_CHUNK
-from llm_server.engines.step import Admission, DecodeRow, PrefillChunk, ScoreChunk, StepPlan
+from llm_server.engines.contract import SCORE_CHUNK
+from llm_server.engines.plan import Admission, DecodeRow, PrefillChunk, ScoreChunk, StepPlan
 from llm_server.scheduler.request import GenerationRequest
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from llm_server.engines.base import Engine
+from llm_server.engines.contract import Engine
 
 
 class Pump(Protocol):

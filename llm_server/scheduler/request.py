@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llm_server.decoding import Decoder, FinishReason, TokenLogprob
-from llm_server.scheduler.drafting import DraftState, PredictionUsage
+from llm_server.scheduler.draft_state import DraftState, PredictionUsage
 
 
 class QueueFull(Exception):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from llm_server.engines.base import SCORE_BUCKETS, SCORE_CHUNK, Engine, ScoreChunkResult
+from llm_server.engines.contract import SCORE_BUCKETS, SCORE_CHUNK, Engine, ScoreChunkResult
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llm_server.decoding import MAX_TOP_LOGPROBS
-from llm_server.engines.base import Engine, ScoreChunkResult
-from llm_server.engines.step import ScoreChunk
+from llm_server.engines.contract import Engine, ScoreChunkResult
+from llm_server.engines.plan import ScoreChunk
 from llm_server.scheduler.score_session import ScoreForward, SessionScoring, join_chunks
 from llm_server.scheduler.shortest_first import PumpRequest, ShortestFirstQueue
 

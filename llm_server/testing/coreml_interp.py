@@ -21,7 +21,7 @@ import numpy as np
 
 from converters.manifest import read_package_spec
 from converters.mil_interp import MilInterpreter
-from llm_server.engines.coreml_engine import CoreMLEngine, _package_of
+from llm_server.engines.coreml.engine import CoreMLEngine, _package_of
 
 
 class InterpretedModel:

@@ -140,7 +140,7 @@ FAMILIES: dict[str, dict] = {
         "rope_scaling": None,
     },
 }
-# not in engines/selfcheck.py VERIFIED_FAMILIES: the engine checks it at load
+# not in engines/mlx/selfcheck.py VERIFIED_FAMILIES: the engine checks it at load
 UNVERIFIED = {
     "cohere2": {
         "layer_norm_eps": 1e-5,

@@ -256,7 +256,7 @@ class _NoEmbeddingEngine:
 
 
 def test_an_engine_without_embeddings_gets_400(tiny_llama_path):
-    from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.mlx.engine import MLXEngine
     from llm_server.testing.live import serving
 
     factory = lambda: _NoEmbeddingEngine(MLXEngine(tiny_llama_path))  # noqa: E731

@@ -14,7 +14,7 @@ import numpy as np
 import openai
 import pytest
 
-from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.engines.settings import EngineSettings
 from llm_server.testing.live import serving
 from llm_server.testing.tiny import TinySpec, build_tiny_checkpoint
@@ -79,7 +79,7 @@ def _alone_then_staggered(srv) -> None:
 )
 def test_dequantized_on_cpu_batches_like_serial(checkpoints, name, caplog):
     with (
-        caplog.at_level(logging.INFO, logger="llm_server.engines.quantized"),
+        caplog.at_level(logging.INFO, logger="llm_server.engines.mlx.quantized"),
         serving(checkpoints[name], concurrent=4) as srv,
     ):
         engine = srv.service.engine
@@ -122,10 +122,10 @@ def _quantized(engine) -> list[nn.Module]:
 
 
 def test_kept_quantized_with_a_warning_when_float32_does_not_fit(checkpoints, monkeypatch, caplog):
-    from llm_server.engines import quantized
+    from llm_server.engines.mlx import quantized
 
     monkeypatch.setattr(quantized, "available_memory", lambda: 1 << 10)  # 1 KiB free
-    with caplog.at_level(logging.WARNING, logger="llm_server.engines.quantized"):
+    with caplog.at_level(logging.WARNING, logger="llm_server.engines.mlx.quantized"):
         engine = MLXEngine(checkpoints["qwen3-4bit-g64"], EngineSettings(rows=2))
     assert engine.quantized is True and engine.fused is None and any(_quantized(engine))
     (warning,) = [r.getMessage() for r in caplog.records]

@@ -14,7 +14,7 @@ import pytest
 from converters.coreml_export import export_coreml
 from converters.manifest import read_manifest, read_package_spec, supports_batching
 from converters.mil_interp import MilInterpreter
-from llm_server.engines.coreml_engine import RowDriver
+from llm_server.engines.coreml.engine import RowDriver
 from llm_server.testing.tiny import TinySpec, build_tiny_checkpoint
 
 ROWS, CONTEXT = 4, 64
@@ -138,7 +138,7 @@ def test_graph_without_attn_mask_does_not_batch(tmp_path):
 
 def _coreml_unavailable() -> str | None:
     """Why MLModel.predict cannot run the export here (not macOS 15+), or None."""
-    from llm_server.engines.coreml_engine import require_macos_15
+    from llm_server.engines.coreml.engine import require_macos_15
 
     try:
         require_macos_15()
@@ -149,7 +149,7 @@ def _coreml_unavailable() -> str | None:
 
 @pytest.mark.skipif(_coreml_unavailable() is not None, reason=str(_coreml_unavailable()))
 def test_coreml_engine_matches_interpreter(exported):
-    from llm_server.engines.coreml_engine import CoreMLEngine
+    from llm_server.engines.coreml.engine import CoreMLEngine
 
     src, package = exported
     engine = CoreMLEngine(package)
@@ -162,7 +162,7 @@ def test_coreml_engine_matches_interpreter(exported):
 def test_coreml_engine_refuses_linux():
     if sys.platform == "darwin":
         pytest.skip("checks the non-macOS error")
-    from llm_server.engines.coreml_engine import CoreMLEngine
+    from llm_server.engines.coreml.engine import CoreMLEngine
 
     with pytest.raises(RuntimeError, match="macOS"):
         CoreMLEngine("anything")

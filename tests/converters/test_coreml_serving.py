@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from converters.coreml_export import export_coreml
-from llm_server.engines import coreml_engine
+from llm_server.engines.coreml import engine as coreml_engine
 from llm_server.testing.coreml_interp import interpreted_engine
 from llm_server.testing.live import serving
 from llm_server.testing.tiny import TinySpec, build_tiny_checkpoint

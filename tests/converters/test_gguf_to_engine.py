@@ -8,7 +8,7 @@ import numpy as np
 
 from converters.cli import main as convert_main
 from converters.gguf_import import import_gguf
-from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.engines.settings import EngineSettings
 from llm_server.testing.tiny import TinySpec, build_tiny_checkpoint
 from tests.converters.test_gguf_import import write_gguf

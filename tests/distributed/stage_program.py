@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from llm_server.engines.step import DecodeRow, PrefillChunk, StepPlan
+from llm_server.engines.plan import DecodeRow, PrefillChunk, StepPlan
 
 PROMPTS = [(5, 6, 7), (8, 9, 10, 11, 12, 13), (14, 15, 16, 17, 18, 19, 20, 21, 22, 23)]
 
@@ -37,7 +37,7 @@ def calls(engine) -> list[np.ndarray]:
 def main(paths: list[str]) -> None:
     import mlx.core as mx
 
-    from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.mlx.engine import MLXEngine
     from llm_server.engines.settings import EngineSettings
 
     group = mx.distributed.init(strict=True, backend="ring")

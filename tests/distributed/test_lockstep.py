@@ -10,7 +10,7 @@ from llm_server.distributed.codec import Call, Op
 from llm_server.distributed.engine import GroupLost, LockstepEngine
 from llm_server.distributed.follower import follow
 from llm_server.distributed.transport import QueueTransport
-from llm_server.engines.step import DecodeRow, PrefillChunk, StepPlan
+from llm_server.engines.plan import DecodeRow, PrefillChunk, StepPlan
 
 
 def roundtrip(call: Call) -> Call:
@@ -60,7 +60,7 @@ def test_a_header_out_of_step_is_refused():
 def test_the_follower_ends_where_rank_zero_does(tiny_model_path):
     """Rank 0's calls replayed by the follower loop leave its engine in the same state and
     with the same logits (two unsharded engines: the loop, not the sharding, is under test)."""
-    from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.mlx.engine import MLXEngine
     from llm_server.engines.settings import EngineSettings
 
     def engine():
@@ -139,7 +139,7 @@ def test_joining_without_a_launcher_is_one_clear_line(monkeypatch):
 
 
 def test_heads_that_do_not_split_over_the_ranks_are_refused(tmp_path):
-    from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.mlx.engine import MLXEngine
     from llm_server.engines.settings import EngineSettings
     from llm_server.testing.tiny import TinySpec, build_tiny_checkpoint
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from llm_server.distributed.pipeline import stage_layers
+from llm_server.engines.mlx.pipeline import stage_layers
 from llm_server.testing.ranks import start_ranks
 from tests.distributed.helpers import assert_answers_as_one_process, complete, model_id
 
@@ -28,7 +28,7 @@ def test_layers_split_in_order_low_ranks_first():
 
 def test_a_stage_holds_only_its_layers(tiny_llama_path):
     """Built, not run: the split needs the group's rank and size only."""
-    from llm_server.engines.mlx_engine import MLXEngine
+    from llm_server.engines.mlx.engine import MLXEngine
     from llm_server.engines.settings import EngineSettings
 
     class Rank1Of2:
@@ -90,7 +90,7 @@ def test_every_served_family_splits(tiny_model_path, tiny_llama_path, tmp_path):
 
 def test_other_families_and_a_lone_pipeline_flag_are_refused():
     from llm_server.cli import build_parser, validate_args
-    from llm_server.distributed.pipeline import refusal
+    from llm_server.engines.mlx.pipeline import refusal
 
     gemma = type("Model", (), {"__module__": "mlx_lm.models.gemma2"})()
     assert refusal(gemma) == (

@@ -12,8 +12,8 @@ import threading
 import numpy as np
 import pytest
 
-from llm_server.engines.mlx_engine import MLXEngine
-from llm_server.engines.row_cache import GROW
+from llm_server.engines.kv.store import GROW
+from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.engines.settings import EngineSettings
 from llm_server.native.decode_attention import SPAN
 from llm_server.testing.tiny import TinySpec, build_tiny_checkpoint
@@ -151,7 +151,7 @@ def test_smollm2_compiled_greedy_equals_eager(default_model_path):
     """SmolLM2: 40 steps on 3 rows at different cursors, across span boundaries and the store's
     growth past GROW positions; then a newcomer's chunk rides with the decoding rows and they
     get the logits of a compiled step."""
-    from llm_server.engines.step import DecodeRow, PrefillChunk, StepPlan
+    from llm_server.engines.plan import DecodeRow, PrefillChunk, StepPlan
 
     compiled, eager = _pair(default_model_path, rows=4)
     rng = np.random.default_rng(0)
@@ -180,7 +180,7 @@ def test_smollm2_lone_row_equals_the_same_row_batched(default_model_path):
     two others and beside a 24-token prompt chunk, bit for bit. The skinny products give every
     output element one summation order whatever the rows beside it (with BLIS alone a 1-row
     product sums in another order: up to 5e-5 apart)."""
-    from llm_server.engines.step import DecodeRow, PrefillChunk, StepPlan
+    from llm_server.engines.plan import DecodeRow, PrefillChunk, StepPlan
     from llm_server.native import skinny
 
     if not skinny.loaded():
@@ -230,7 +230,7 @@ def test_unsplit_steps_equal_eager(tiny_model_path):
 def test_steps_without_a_rope_table_equal_eager(tiny_model_path):
     """Metal has no cos/sin table (its rope kernel is fast): the compiled step then rotates
     with the model's rope module at per-row offsets; the same result."""
-    from llm_server.engines.compiled_step import CompiledSteps
+    from llm_server.engines.forward.compiled import CompiledSteps
 
     compiled, eager = _pair(tiny_model_path, rows=2)
     compiled.fused.use_table(None)
@@ -247,7 +247,7 @@ def test_steps_without_a_rope_table_equal_eager(tiny_model_path):
 
 
 def _plan(decode, chunks=()):
-    from llm_server.engines.step import StepPlan
+    from llm_server.engines.plan import StepPlan
 
     return StepPlan(decode=tuple(decode), prefill=tuple(chunks))
 
@@ -259,7 +259,7 @@ def test_mixed_steps_and_drafts_give_decode_rows_the_compiled_steps_logits(
     """Decode rows riding with a newcomer's prompt chunk (the eager packed forward), and the
     positions of a draft being verified, get the logits of compiled pure decode steps bit for
     bit: rows at different cursors, one crossing a span boundary."""
-    from llm_server.engines.step import DecodeRow, PrefillChunk
+    from llm_server.engines.plan import DecodeRow, PrefillChunk
 
     path = {"qwen3": tiny_model_path, "llama": tiny_llama_path}[arch]
     mixed = MLXEngine(path, EngineSettings(rows=4, prefix_cache_bytes=0))
@@ -365,7 +365,9 @@ def test_whole_layer_steps_equal_separate_op_steps(tiny_llama_path):
     from llm_server.native import skinny
 
     if not skinny.loaded():
-        pytest.skip("the skinny library is not preloaded (run under python -m llm_server.blas)")
+        pytest.skip(
+            "the skinny library is not preloaded (run under python -m llm_server.native.blas)"
+        )
     whole, separate = (
         MLXEngine(tiny_llama_path, EngineSettings(rows=3)),
         MLXEngine(tiny_llama_path, EngineSettings(rows=3)),

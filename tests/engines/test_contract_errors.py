@@ -1,5 +1,5 @@
 """The engine refuses what its contract forbids, with an error that says what was wrong, and
-leaves its rows as they were (engines/base.py; the checks of settings.py, mlx_steps.py,
+leaves its rows as they were (engines/contract.py; the checks of settings.py, mlx_steps.py,
 mlx_decode.py, mlx_sessions.py, mlx_rows.py). Runs under either kernel set."""
 
 from __future__ import annotations
@@ -11,14 +11,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from llm_server.engines import compiled_step, mlx_decode
-from llm_server.engines.base import EngineError
-from llm_server.engines.dtypes import checkpoint_dtype, default_dtype
-from llm_server.engines.mlx_engine import MLXEngine
-from llm_server.engines.prefix_cache import PrefixCache
+from llm_server.engines.contract import EngineError
+from llm_server.engines.forward import compiled as compiled_step
+from llm_server.engines.kv.prefix_cache import PrefixCache
+from llm_server.engines.mlx import decode as mlx_decode
+from llm_server.engines.mlx.dtypes import checkpoint_dtype, default_dtype
+from llm_server.engines.mlx.engine import MLXEngine
+from llm_server.engines.plan import DecodeRow, PrefillChunk, ScoreChunk, StepPlan
 from llm_server.engines.probe import supports_batching
 from llm_server.engines.settings import EngineSettings
-from llm_server.engines.step import DecodeRow, PrefillChunk, ScoreChunk, StepPlan
 from llm_server.testing.families import build_family_checkpoint
 
 CONTEXT = 16

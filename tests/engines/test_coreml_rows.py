@@ -11,14 +11,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from llm_server.engines.base import EngineError
-from llm_server.engines.coreml_engine import (
+from llm_server.engines.contract import EngineError
+from llm_server.engines.coreml.engine import (
     CoreMLEngine,
     RowDriver,
     _package_of,
     require_macos_15,
+    run_by_primitives,
 )
-from llm_server.engines.step import PrefillChunk, ScoreChunk, StepPlan, run_by_primitives
+from llm_server.engines.plan import PrefillChunk, ScoreChunk, StepPlan
 
 VOCAB = 8
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.activations import swiglu as mlx_swiglu
 
-from llm_server.engines import score_reduce
+from llm_server.engines.forward import score_reduce
 from llm_server.native import cpu_kernels as native_kernels
 
 

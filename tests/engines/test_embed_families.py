@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llm_server.engines.base import EmbeddingsUnsupported
-from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.contract import EmbeddingsUnsupported
+from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.pooling import EmbeddingConfig, Pooling
 from llm_server.scheduler.embedder import Embedder
 from llm_server.testing.families import build_family_checkpoint

@@ -18,7 +18,7 @@ import numpy as np
 import openai
 import pytest
 
-from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.engines.settings import EngineSettings
 from llm_server.scheduler.scorer import Scorer
 from llm_server.testing.families import FAMILIES, WINDOW, build_family_checkpoint

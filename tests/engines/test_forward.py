@@ -10,12 +10,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from llm_server.engines.fused_decode import FusedForward
-from llm_server.engines.kernels import GenericKernels
-from llm_server.engines.layout import output_head
-from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.forward.fused import FusedForward
+from llm_server.engines.forward.kernels import GenericKernels
+from llm_server.engines.mlx.engine import MLXEngine
+from llm_server.engines.mlx.layout import output_head
+from llm_server.engines.plan import DecodeRow, PrefillChunk, StepPlan
 from llm_server.engines.settings import EngineSettings
-from llm_server.engines.step import DecodeRow, PrefillChunk, StepPlan
 from llm_server.native import mlx_lm_patches
 from llm_server.native.cpu_set import LinuxCPUKernels
 from llm_server.testing.families import build_family_checkpoint

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from mlx_lm.models.rope_utils import initialize_rope
 
-from llm_server import blas
-from llm_server.engines.fused_decode import FusedForward
-from llm_server.engines.fused_layers import rope_table, table_matches
-from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.forward.fused import FusedForward
+from llm_server.engines.forward.layers import rope_table, table_matches
+from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.engines.settings import EngineSettings
+from llm_server.native import blas
 from llm_server.testing.tiny import TinySpec, build_tiny_checkpoint
 
 
@@ -110,7 +110,7 @@ def test_blis_thread_setter_applies_and_restores():
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
 def test_scoring_chunks_equal_the_mlx_lm_forward(arch, arch_paths):
     """A padded scoring batch over several chunks (split and unsplit sizes) scores the same."""
-    from llm_server.engines.base import SCORE_CHUNK
+    from llm_server.engines.contract import SCORE_CHUNK
 
     rng = np.random.default_rng(5)
     tokens = rng.integers(3, 380, (3, 301)).astype(np.int32)
@@ -137,7 +137,7 @@ def test_prompt_positions_attend_alike_wherever_their_chunk_starts(tiny_llama_pa
     from the prefix cache (the store cleared in between, as an idle server's is), and in chunks
     of 16; and its first generated tokens are the same. No position attends through numpy,
     MLX's attention or decode_attention's MLX ops, not even on the fresh store's first write."""
-    from llm_server.engines import mlx_steps
+    from llm_server.engines.mlx import executor as mlx_steps
     from llm_server.native import cpu_kernels, decode_attention
 
     engine = MLXEngine(tiny_llama_path, EngineSettings(rows=1))

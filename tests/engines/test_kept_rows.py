@@ -10,7 +10,7 @@ import logging
 import numpy as np
 import pytest
 
-from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.engines.settings import EngineSettings
 from llm_server.warm_prompts import prepare_engine
 

@@ -1,4 +1,4 @@
-"""The kernel set (engines/kernels.py): chosen once at load, each set takes its own branches,
+"""The kernel set (engines/forward/kernels.py): chosen once at load, each set takes its own branches,
 and the two sets agree on what a user sees.
 
 Exactness per set: under linux_cpu a row's logits do not depend on batching, mixing or
@@ -17,8 +17,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from llm_server.engines import kernels
-from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.forward import kernels
+from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.engines.settings import EngineSettings
 from llm_server.native import mlx_lm_patches, skinny
 from llm_server.testing.families import build_family_checkpoint

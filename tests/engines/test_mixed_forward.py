@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llm_server.engines.base import EngineError
-from llm_server.engines.fused_decode import FusedForward
-from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.contract import EngineError
+from llm_server.engines.forward.fused import FusedForward
+from llm_server.engines.mlx.engine import MLXEngine
+from llm_server.engines.plan import DecodeRow, PrefillChunk, ScoreChunk, StepPlan
 from llm_server.engines.settings import EngineSettings
-from llm_server.engines.step import DecodeRow, PrefillChunk, ScoreChunk, StepPlan
 from llm_server.testing.families import build_family_checkpoint
 from llm_server.tokenizer import Tokenizer
 from tests.scheduler.helpers import make_request, serve_alone, start_scheduler

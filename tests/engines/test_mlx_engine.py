@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llm_server.engines import mlx_steps
-from llm_server.engines.base import EngineError
-from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.contract import EngineError
+from llm_server.engines.mlx import executor as mlx_steps
+from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.engines.settings import EngineSettings
 
 TOL = 1e-4

@@ -7,8 +7,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from llm_server.engines import mlx_steps
-from llm_server.engines.prefix_cache import PrefixCache, default_bound, kv_token_bytes
+from llm_server.engines.kv.prefix_cache import PrefixCache, default_bound, kv_token_bytes
+from llm_server.engines.mlx import executor as mlx_steps
 from llm_server.tokenizer import Tokenizer
 from tests.scheduler.helpers import make_request, start_scheduler
 

@@ -14,8 +14,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from llm_server.engines.prefix_cache import PrefixCache
-from llm_server.engines.prefix_disk import READ_TOKENS, DiskTier, engine_fingerprint
+from llm_server.engines.kv.prefix_cache import PrefixCache
+from llm_server.engines.kv.prefix_disk import READ_TOKENS, DiskTier, engine_fingerprint
 from llm_server.testing.live import serving
 from llm_server.warm_prompts import load_warm_prompts
 

@@ -12,8 +12,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from llm_server.engines.prefix_cache import PrefixCache
-from llm_server.engines.prefix_disk import MAGIC, DiskTier
+from llm_server.engines.kv.prefix_cache import PrefixCache
+from llm_server.engines.kv.prefix_disk import MAGIC, DiskTier
 
 
 def _kv_positions(tokens: list[int]) -> tuple[list[mx.array], list[mx.array]]:
@@ -118,7 +118,7 @@ def test_a_damaged_file_is_skipped_with_a_warning_and_deleted(tmp_path, caplog, 
     tokens = list(range(300, 340))
     path = _one_file(tmp_path, tokens)
     path.write_bytes(damage(path.read_bytes()))
-    with caplog.at_level(logging.WARNING, logger="llm_server.engines.prefix_disk"):
+    with caplog.at_level(logging.WARNING, logger="llm_server.engines.kv.prefix_disk"):
         tier = DiskTier(tmp_path, 1 << 20, "kv_a")
     assert says in caplog.text and tier.corrupt == 1 and not path.exists()
     assert tier.load_longest(np.asarray(tokens + [1], np.int32), 0) is None
@@ -139,7 +139,7 @@ def test_a_file_changed_after_the_scan_is_refused_at_read(tmp_path, caplog):
     path = _one_file(tmp_path, tokens)
     tier = DiskTier(tmp_path, 1 << 20, "kv_a")
     path.write_bytes(path.read_bytes() + b"\0" * 16)  # grown since the scan: size disagrees
-    with caplog.at_level(logging.WARNING, logger="llm_server.engines.prefix_disk"):
+    with caplog.at_level(logging.WARNING, logger="llm_server.engines.kv.prefix_disk"):
         assert tier.load_longest(np.asarray(tokens + [1], np.int32), 0) is None
     assert "truncated or from another fingerprint" in caplog.text
     assert tier.corrupt == 1 and not path.exists() and tier.stats()["disk_entries"] == 0
@@ -150,7 +150,7 @@ def test_a_file_deleted_by_another_server_is_forgotten_quietly(tmp_path, caplog)
     path = _one_file(tmp_path, tokens)
     tier = DiskTier(tmp_path, 1 << 20, "kv_a")
     path.unlink()  # another server's bound on the same folder
-    with caplog.at_level(logging.WARNING, logger="llm_server.engines.prefix_disk"):
+    with caplog.at_level(logging.WARNING, logger="llm_server.engines.kv.prefix_disk"):
         assert tier.load_longest(np.asarray(tokens + [1], np.int32), 0) is None
     assert caplog.text == "" and tier.corrupt == 0
     assert tier.stats()["disk_entries"] == 0
@@ -179,7 +179,7 @@ def test_an_entry_over_the_disk_bound_is_not_written(tmp_path):
 def test_a_failed_write_is_logged_and_the_writer_goes_on(tmp_path, caplog):
     tier = DiskTier(tmp_path, 1 << 20, "kv_a")
     tier.dir.rmdir()  # the folder vanished (a cleanup, an unmounted disk): open() fails
-    with caplog.at_level(logging.WARNING, logger="llm_server.engines.prefix_disk"):
+    with caplog.at_level(logging.WARNING, logger="llm_server.engines.kv.prefix_disk"):
         _put(tier, list(range(300, 340)))
         tier.flush()
     assert "could not write" in caplog.text and tier.writes == 0

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from llm_server.engines.mlx_engine import MLXEngine
-from llm_server.engines.row_cache import GROW, RowStore
+from llm_server.engines.kv.store import GROW, RowStore
+from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.engines.settings import EngineSettings
 
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from llm_server.blas import preload_env
+from llm_server.native.blas import preload_env
 
 
 def _replay(model: Path, log: Path, report: Path) -> subprocess.CompletedProcess:

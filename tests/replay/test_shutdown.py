@@ -9,7 +9,7 @@ import sys
 
 import httpx
 
-from llm_server.blas import preload_env
+from llm_server.native.blas import preload_env
 
 LONG_PROMPT = "What is the capital of France?"  # the tiny model runs to the token limit on it
 

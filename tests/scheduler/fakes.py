@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from llm_server.decoding import Decoder, SamplingParams
-from llm_server.engines.base import EngineError
-from llm_server.engines.step import ScoreChunkResult, StepPlan, StepResult
+from llm_server.engines.contract import EngineError
+from llm_server.engines.plan import ScoreChunkResult, StepPlan, StepResult
 from llm_server.scheduler import BatchScheduler, FinishEvent, GenerationRequest, TokenEvent
 from llm_server.scheduler.scorer import Scorer
 

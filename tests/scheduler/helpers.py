@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llm_server.decoding import Decoder, FinishReason, SamplingParams
-from llm_server.engines.base import Engine, EngineError
-from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.contract import Engine, EngineError
+from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.engines.settings import EngineSettings
 from llm_server.scheduler import BatchScheduler, FinishEvent, GenerationRequest, TokenEvent
 from llm_server.scheduler.batch import (

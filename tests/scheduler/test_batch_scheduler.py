@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from llm_server.decoding import FinishReason
-from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.scheduler import QueueFull, SchedulerClosed
 from llm_server.tokenizer import Tokenizer
 from tests.scheduler.helpers import PoisonEngine, make_request, serve_alone, start_scheduler

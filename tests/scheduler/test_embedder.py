@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from llm_server.decoding import SamplingParams
-from llm_server.engines.base import SCORE_CHUNK, EngineError
-from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.contract import SCORE_CHUNK, EngineError
+from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.engines.settings import EngineSettings
 from llm_server.pooling import EmbeddingConfig, Pooling
 from llm_server.scheduler import FinishEvent, TokenEvent

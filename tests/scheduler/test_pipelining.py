@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.engines.settings import EngineSettings
 from llm_server.tokenizer import Tokenizer
 from tests.scheduler.helpers import make_request, start_scheduler
@@ -167,7 +167,7 @@ def test_a_thread_that_ends_after_steps_leaves_nothing_computing(default_model_p
     SmolLM2, so that eight chained steps are still computing when they are cancelled."""
     code = f"""
 import threading
-from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.engines.settings import EngineSettings
 
 def work():
@@ -197,7 +197,7 @@ def test_a_closed_scheduler_thread_leaves_the_process_able_to_exit(tiny_model_pa
     at exit hit one run in two before; four clean runs in a row)."""
     code = f"""
 from llm_server.decoding import Decoder, SamplingParams
-from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.engines.settings import EngineSettings
 from llm_server.scheduler import BatchScheduler, GenerationRequest
 from llm_server.tokenizer import Tokenizer

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from llm_server.engines.base import SCORE_CHUNK
+from llm_server.engines.contract import SCORE_CHUNK
 from llm_server.scheduler import GenerationRequest
 from llm_server.scheduler.planner import plan
 from llm_server.scheduler.scorer import Scorer

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from llm_server.decoding import SamplingParams
-from llm_server.engines.base import SCORE_BUCKETS, SCORE_CHUNK, EngineError
-from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.contract import SCORE_BUCKETS, SCORE_CHUNK, EngineError
+from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.engines.settings import EngineSettings
 from llm_server.scheduler import FinishEvent, QueueFull, TokenEvent
 from llm_server.scheduler.score_session import chunk_sizes, padded_rows

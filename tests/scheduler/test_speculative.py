@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from llm_server.decoding import Decoder, FinishReason, SamplingParams
-from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.engines.settings import EngineSettings
 from llm_server.scheduler import BatchScheduler, GenerationRequest
 from llm_server.tokenizer import Tokenizer

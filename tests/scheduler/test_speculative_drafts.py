@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from llm_server.decoding import Decoder, SamplingParams
-from llm_server.engines.step import DecodeRow
+from llm_server.engines.plan import DecodeRow
 from llm_server.scheduler import GenerationRequest
-from llm_server.scheduler.drafting import NgramIndex, propose
+from llm_server.scheduler.draft_state import NgramIndex, propose
 from llm_server.scheduler.planner import plan
 from llm_server.scheduler.spec_policy import Acceptance, StepCosts
 

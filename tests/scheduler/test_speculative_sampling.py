@@ -16,12 +16,12 @@ import math
 import numpy as np
 import pytest
 
-from llm_server.constrained import build_constraint
 from llm_server.decoding import Decoder, Sampler, SamplingParams
-from llm_server.engines.mlx_engine import MLXEngine
+from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.engines.settings import EngineSettings
 from llm_server.scheduler import BatchScheduler, GenerationRequest
 from llm_server.tokenizer import Tokenizer
+from llm_server.tools.constrained import build_constraint
 from tests.scheduler.helpers import Outcome, serve_together
 from tests.scheduler.test_speculative import PLAIN, REPETITIVE, _same
 

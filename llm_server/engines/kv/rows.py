@@ -28,9 +28,9 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from llm_server.engines.prefix_cache import SHORT_TAIL, PrefixCache
-from llm_server.engines.row_cache import RowStore
-from llm_server.engines.row_state import StateStore
+from llm_server.engines.kv.prefix_cache import SHORT_TAIL, PrefixCache
+from llm_server.engines.kv.state import StateStore
+from llm_server.engines.kv.store import RowStore
 
 
 class RowTable:

@@ -14,12 +14,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from llm_server.engines.base import EngineError
-from llm_server.engines.kernels import KernelSet
-from llm_server.engines.mlx_decode import DecodePipeline
-from llm_server.engines.mlx_forward import Group, ModelForward
-from llm_server.engines.mlx_rows import RowTable
-from llm_server.engines.step import (
+from llm_server.engines.contract import EngineError
+from llm_server.engines.forward.kernels import KernelSet
+from llm_server.engines.forward.model import Group, ModelForward
+from llm_server.engines.kv.rows import RowTable
+from llm_server.engines.mlx.decode import DecodePipeline
+from llm_server.engines.plan import (
     DecodeRow,
     PrefillChunk,
     ScoreChunk,

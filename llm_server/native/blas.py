@@ -294,7 +294,7 @@ def threads(n: int) -> Iterator[None]:
 
 
 def _main(argv: list[str]) -> None:
-    """`python -m llm_server.blas`: print the LD_PRELOAD value; `... CMD ARGS` runs CMD with it."""
+    """`python -m llm_server.native.blas`: print the LD_PRELOAD value; `... CMD ARGS` runs CMD with it."""
     env = preload_env()
     exact_float32(env)  # `make test`: the exactness tests hold in full float32 (M5 included)
     if not argv:

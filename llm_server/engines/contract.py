@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from llm_server.engines.step import ScoreChunkResult, StepPlan, StepResult
+from llm_server.engines.plan import ScoreChunkResult, StepPlan, StepResult
 
 # The scoring session advances this many positions per forward (C3).
 SCORE_CHUNK = 128
@@ -70,7 +70,7 @@ class Engine(Protocol):
         ...
 
     def run(self, plan: StepPlan) -> StepResult:
-        """Execute the forward part of a step plan (engines/step.py): every decode row advances
+        """Execute the forward part of a step plan (engines/plan.py): every decode row advances
         one token and every prompt chunk is written at its row's cursor (a fresh row is reset
         first and may start past a reused prefix); every scoring chunk runs on its scoring row
         and is reduced to log-probabilities (C3; engines with `score_rows` only). Rows advance

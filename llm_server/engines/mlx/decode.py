@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from llm_server.engines.base import EngineError
-from llm_server.engines.mlx_forward import ModelForward
-from llm_server.engines.mlx_rows import RowTable
+from llm_server.engines.contract import EngineError
+from llm_server.engines.forward.model import ModelForward
+from llm_server.engines.kv.rows import RowTable
 
 log = logging.getLogger(__name__)
 

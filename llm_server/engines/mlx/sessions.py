@@ -10,10 +10,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from llm_server.engines.base import EmbeddingsUnsupported, EngineError, ScoreChunkResult
-from llm_server.engines.kernels import KernelSet
-from llm_server.engines.layout import make_cache
-from llm_server.engines.mlx_forward import ModelForward
+from llm_server.engines.contract import EmbeddingsUnsupported, EngineError, ScoreChunkResult
+from llm_server.engines.forward.kernels import KernelSet
+from llm_server.engines.forward.model import ModelForward
+from llm_server.engines.mlx.layout import make_cache
 
 
 class _Session:

@@ -110,8 +110,8 @@ def row_views(layout: Layout, store, states, plan) -> list:
     """The engine's cache list for one forward: a view of the row store (`RowView`) or of the
     state slots (`RowStateView`) per entry of the model's cache list, a list of those for a
     CacheList."""
-    from llm_server.engines.row_cache import RowCacheList, RowView
-    from llm_server.engines.row_state import RowStateView
+    from llm_server.engines.kv.state import RowStateView
+    from llm_server.engines.kv.store import RowCacheList, RowView
 
     slot = iter(range(len(layout.leaves)))
 

@@ -9,12 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from llm_server.engines.base import Engine
 
 
 @dataclass(frozen=True)
@@ -145,27 +141,3 @@ class StepResult:
     verified: Mapping[int, np.ndarray] = field(default_factory=dict)
     # scoring row -> its chunk's log-probabilities ([1, q] arrays), in the plan's order
     scores: Mapping[int, ScoreChunkResult] = field(default_factory=dict)
-
-
-def run_by_primitives(engine: Engine, plan: StepPlan) -> StepResult:
-    """Execute `plan` with `prefill` and `decode` alone, for engines without a mixed forward
-    (Core ML): one decode forward, then each chunk's prompt prefilled whole on a fresh row
-    (such engines cannot resume a prompt, so a chunk there always completes its prompt)."""
-    rows: list[int] = []
-    parts: list[np.ndarray] = []
-    cursors: dict[int, int] = {}
-    cached: dict[int, int] = {}
-    if plan.score:
-        raise ValueError(f"{engine.name} has no scoring rows (score_rows = 0)")
-    if plan.decode:
-        rows += [d.row for d in plan.decode]
-        parts.append(engine.decode(rows, [d.token for d in plan.decode]))
-    for chunk in plan.prefill:
-        if not chunk.fresh:
-            raise ValueError(f"{engine.name} cannot resume a prompt at position {chunk.start}")
-        parts.append(engine.prefill(chunk.row, chunk.prompt)[None])
-        rows.append(chunk.row)
-        cursors[chunk.row] = len(chunk.prompt)
-        cached[chunk.row] = engine.cached_tokens(chunk.row)
-    logits = np.concatenate(parts) if parts else np.zeros((0, engine.vocab_size), np.float32)
-    return StepResult(tuple(rows), logits, cursors, cached)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from llm_server.engines.row_cache import ForwardPlan
+from llm_server.engines.kv.store import ForwardPlan
 
 
 class StateStore:

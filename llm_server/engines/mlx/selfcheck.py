@@ -30,7 +30,7 @@ def row_forward_problem(engine) -> str | None:
     """
     import mlx.core as mx
 
-    from llm_server.engines.layout import make_cache
+    from llm_server.engines.mlx.layout import make_cache
 
     rows = min(engine.rows, 2)
     prompts = [[t % engine.vocab_size for t in p] for p in _PROMPTS[:rows]]

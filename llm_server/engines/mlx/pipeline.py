@@ -64,7 +64,7 @@ class PipelineStack:
 
 def refusal(model) -> str | None:
     """Why `model` cannot be served pipeline-parallel here (None: it can)."""
-    from llm_server.engines.layout import inner_name, model_family
+    from llm_server.engines.mlx.layout import inner_name, model_family
 
     family = model_family(model)
     if family not in PIPELINE_FAMILIES:
@@ -91,7 +91,7 @@ class Stage:
 def split_model(model, group) -> Stage:
     """Keep this rank's layers of `model` (still lazy: the others are never loaded) and give
     its stack the stage forward."""
-    from llm_server.engines.layout import inner_name
+    from llm_server.engines.mlx.layout import inner_name
 
     problem = refusal(model)
     if problem is not None:

@@ -11,7 +11,7 @@ are held once and the mlx-lm modules keep working (`fused_layers`).
 `FusedForward.run` is the forward: `forward` (one group: a decode step, a scoring session's
 chunk), `forward_groups` (a mixed step) and the compiled decode step (compiled_step: `run`
 traced by `mx.compile`) all call it. Each per-layer operation is a function of the engine's
-kernel set (engines/kernels.py: the generic MLX set, or native/cpu_set.py's Linux-CPU set).
+kernel set (engines/forward/kernels.py: the generic MLX set, or native/cpu_set.py's Linux-CPU set).
 
 `FusedForward.build(model, positions, kernels)` returns None for layers it does not know (quantized
 weights, sliding windows, unknown attention extras); the engine then keeps the mlx-lm forward.
@@ -22,8 +22,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from llm_server.engines.compiled_step import CompiledSteps
-from llm_server.engines.fused_layers import (
+from llm_server.engines.forward.compiled import CompiledSteps
+from llm_server.engines.forward.layers import (
     Group,
     Layer,
     Linear,
@@ -36,8 +36,8 @@ from llm_server.engines.fused_layers import (
     stack,
     table_matches,
 )
-from llm_server.engines.layout import PLAIN_HEAD_MODULES, model_family, output_head
-from llm_server.engines.row_cache import RowView
+from llm_server.engines.kv.store import RowView
+from llm_server.engines.mlx.layout import PLAIN_HEAD_MODULES, model_family, output_head
 from llm_server.native.cpu_set import OpsAttention
 
 
@@ -50,7 +50,7 @@ class FusedForward:
         self, model, layers: list[Layer], lm_head: Linear, table: mx.array | None, kernels
     ):
         self.model = model
-        self.kernels = kernels  # engines/kernels.py: the engine's KernelSet
+        self.kernels = kernels  # engines/forward/kernels.py: the engine's KernelSet
         self.k = kernels.functions  # the set's arithmetic
         self.layers = layers
         self.lm_head = lm_head

@@ -19,7 +19,7 @@ fused attention rounds differently per shape.
 
 Each set is an object of functions, the arithmetic of a fused layer (`KernelSet.functions`:
 norm, the stacked products, activation, attention, the output head) that the one forward
-(engines/fused_decode.py) calls: `GenericKernels` here, `LinuxCPUKernels` with the native code
+(engines/forward/fused.py) calls: `GenericKernels` here, `LinuxCPUKernels` with the native code
 (llm_server/native/cpu_set.py). The native decode ops and the skinny library stay optional
 inside `linux_cpu`: where they did not build, the same set runs the MLX-op forms of the same
 arithmetic.
@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from llm_server.engines.base import ScoreChunkResult
-from llm_server.engines.score_reduce import log_softmax, reduce_logits_mlx, reduce_logprobs
+from llm_server.engines.contract import ScoreChunkResult
+from llm_server.engines.forward.score_reduce import log_softmax, reduce_logits_mlx, reduce_logprobs
 from llm_server.native import mlx_lm_patches
 from llm_server.native.cpu_kernels import silu_mul
 

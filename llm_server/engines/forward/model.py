@@ -14,11 +14,11 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from llm_server.engines.fused_decode import FusedForward
-from llm_server.engines.kernels import KernelSet
-from llm_server.engines.layout import Layout, last_logits, output_head, row_views
-from llm_server.engines.mlx_rows import RowTable
-from llm_server.engines.row_cache import ForwardPlan, row_mask
+from llm_server.engines.forward.fused import FusedForward
+from llm_server.engines.forward.kernels import KernelSet
+from llm_server.engines.kv.rows import RowTable
+from llm_server.engines.kv.store import ForwardPlan, row_mask
+from llm_server.engines.mlx.layout import Layout, last_logits, output_head, row_views
 
 # (rows, their cursors, each row's new ids): rows that take the same number of positions
 Group = tuple[list[int], list[int], list[list[int]]]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from llm_server.engines.base import ScoreChunkResult
+from llm_server.engines.contract import ScoreChunkResult
 
 
 def log_softmax(z: np.ndarray) -> np.ndarray:

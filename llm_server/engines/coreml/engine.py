@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from llm_server.engines.base import EngineError, ScoreChunkResult
-from llm_server.engines.score_reduce import log_softmax, reduce_logprobs
-from llm_server.engines.step import StepPlan, StepResult, run_by_primitives
+from llm_server.engines.contract import EngineError, ScoreChunkResult
+from llm_server.engines.forward.score_reduce import log_softmax, reduce_logprobs
+from llm_server.engines.plan import StepPlan, StepResult
 
 MASK_HIDDEN = -30000.0  # additive mask value for hidden columns (fp16-representable)
 
@@ -213,3 +213,27 @@ class CoreMLEngine:
 
     def score_end(self) -> None:
         self._states["score"] = None
+
+
+def run_by_primitives(engine: CoreMLEngine, plan: StepPlan) -> StepResult:
+    """Execute `plan` with `prefill` and `decode` alone, for engines without a mixed forward
+    (Core ML): one decode forward, then each chunk's prompt prefilled whole on a fresh row
+    (such engines cannot resume a prompt, so a chunk there always completes its prompt)."""
+    rows: list[int] = []
+    parts: list[np.ndarray] = []
+    cursors: dict[int, int] = {}
+    cached: dict[int, int] = {}
+    if plan.score:
+        raise ValueError(f"{engine.name} has no scoring rows (score_rows = 0)")
+    if plan.decode:
+        rows += [d.row for d in plan.decode]
+        parts.append(engine.decode(rows, [d.token for d in plan.decode]))
+    for chunk in plan.prefill:
+        if not chunk.fresh:
+            raise ValueError(f"{engine.name} cannot resume a prompt at position {chunk.start}")
+        parts.append(engine.prefill(chunk.row, chunk.prompt)[None])
+        rows.append(chunk.row)
+        cursors[chunk.row] = len(chunk.prompt)
+        cached[chunk.row] = engine.cached_tokens(chunk.row)
+    logits = np.concatenate(parts) if parts else np.zeros((0, engine.vocab_size), np.float32)
+    return StepResult(tuple(rows), logits, cursors, cached)

@@ -13,7 +13,7 @@ the shape too.
 The graph is the forward itself: `FusedForward.run` over one group of decode rows, traced,
 with the group's attention reading and writing the store arrays that are the graph's inputs
 (the native decode ops, or `GraphAttention`'s MLX ops). Under the linux_cpu kernel set
-(engines/kernels.py) its logits equal the eager forward's bit for bit (native/decode_attention
+(engines/forward/kernels.py) its logits equal the eager forward's bit for bit (native/decode_attention
 says why): the eager decode positions, of a pure decode step or of a mixed one, run the same
 products, the same rotation and the same attention arithmetic over the same span, and
 compiling changes no rounding. So a row's greedy tokens do not depend on whether a step was
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from llm_server.engines.fused_layers import Group, Rotation, rotate
+from llm_server.engines.forward.layers import Group, Rotation, rotate
 from llm_server.native import decode_attention
 from llm_server.native.cpu_set import OpsAttention
 

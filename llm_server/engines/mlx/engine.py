@@ -9,7 +9,7 @@ and composes the parts that run it, each owning one thing:
   forward -> a `StepResult`; whole prompts (`prefill`);
 - `DecodePipeline` (mlx_decode.py): decode steps started now and finished later (pipelining);
 - `ScoreSession`, `EmbedSession` (mlx_sessions.py): batches on caches of their own.
-The engine's methods are the contract of engines/base.py, each handed to the part that owns it.
+The engine's methods are the contract of engines/contract.py, each handed to the part that owns it.
 Sliding-window layers get a per-row window mask, recurrent layers a per-row state slot (see
 layout.py); a model whose caches cannot be held per row is served on one row through mlx-lm's
 own caches (`serial_reason` says why).
@@ -25,13 +25,20 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from llm_server.engines import quantized
-from llm_server.engines.bare_checkpoint import model_classes
-from llm_server.engines.base import EngineError
-from llm_server.engines.dtypes import default_dtype
-from llm_server.engines.fused_decode import FusedForward
-from llm_server.engines.kernels import resolve as resolve_kernels
-from llm_server.engines.layout import (
+from llm_server.engines.contract import EngineError
+from llm_server.engines.forward.fused import FusedForward
+from llm_server.engines.forward.kernels import resolve as resolve_kernels
+from llm_server.engines.forward.model import ModelForward
+from llm_server.engines.kv.prefix_cache import PrefixCache, default_bound, kv_token_bytes
+from llm_server.engines.kv.rows import RowTable
+from llm_server.engines.kv.state import StateStore
+from llm_server.engines.kv.store import RowStore
+from llm_server.engines.mlx import quantized
+from llm_server.engines.mlx.bare_checkpoint import model_classes
+from llm_server.engines.mlx.decode import DecodePipeline, DecodeStep
+from llm_server.engines.mlx.dtypes import default_dtype
+from llm_server.engines.mlx.executor import StepExecutor
+from llm_server.engines.mlx.layout import (
     GROUPED_SCORE_MODULES,
     KV,
     PLAIN_HEAD_MODULES,
@@ -41,18 +48,11 @@ from llm_server.engines.layout import (
     make_cache,
     model_family,
 )
-from llm_server.engines.mlx_decode import DecodePipeline, DecodeStep
-from llm_server.engines.mlx_forward import ModelForward
-from llm_server.engines.mlx_rows import RowTable
-from llm_server.engines.mlx_sessions import EmbedSession, ScoreSession, all_position_logits
-from llm_server.engines.mlx_steps import StepExecutor
-from llm_server.engines.prefix_cache import PrefixCache, default_bound, kv_token_bytes
+from llm_server.engines.mlx.selfcheck import VERIFIED_FAMILIES, row_forward_problem
+from llm_server.engines.mlx.sessions import EmbedSession, ScoreSession, all_position_logits
+from llm_server.engines.plan import ScoreChunkResult, StepPlan, StepResult
 from llm_server.engines.probe import supports_batching
-from llm_server.engines.row_cache import RowStore
-from llm_server.engines.row_state import StateStore
-from llm_server.engines.selfcheck import VERIFIED_FAMILIES, row_forward_problem
 from llm_server.engines.settings import EngineSettings
-from llm_server.engines.step import ScoreChunkResult, StepPlan, StepResult
 from llm_server.native.cpu_kernels import release_streams
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class MLXEngine:
         if rows > 1 and not supports_batching(path):
             rows = 1  # an export with one row or no attn_mask (the scheduler warns, S1)
         self.kernels = ks = resolve_kernels(settings.kernels)
-        self.dtype = settings.dtype or default_dtype(path)  # engines/dtypes.py
+        self.dtype = settings.dtype or default_dtype(path)  # engines/mlx/dtypes.py
         config = json.loads((path / "config.json").read_text())
         check_model_type(config)
         text = {**config, **config.get("text_config", {})}  # multimodal configs nest the LM's
@@ -333,7 +333,7 @@ def _shard(model, settings: EngineSettings, text: dict, model_type: str):
     """Split `model` over `settings.group` while its weights are still lazy, so each rank
     materialises its slices only; returns this rank's pipeline stage (None: tensor parallel,
     mlx-lm's `model.shard`)."""
-    from llm_server.distributed.pipeline import split_model
+    from llm_server.engines.mlx.pipeline import split_model
 
     group = settings.group
     if settings.parallel == "pipeline":
