@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llm_server.engines.base import EngineError, ScoreChunkResult
+from llm_server.engines.base import EmbeddingInputUnsupported, EngineError, ScoreChunkResult
 from llm_server.engines.score_reduce import log_softmax, reduce_logprobs
 from llm_server.engines.step import StepPlan, StepResult, run_by_primitives
 
@@ -193,6 +193,10 @@ class CoreMLEngine:
 
     def run(self, plan: StepPlan) -> StepResult:
         return run_by_primitives(self, plan)  # no mixed forward: prompts prefill whole
+
+    def check_spans(self, length: int, spans) -> None:
+        if spans:
+            raise EmbeddingInputUnsupported("coreml: the model's forward cannot take embeddings")
 
     def cursor(self, row: int) -> int:
         return self._driver.cursors[row]
