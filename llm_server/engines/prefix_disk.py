@@ -148,10 +148,10 @@ class DiskTier:
         header = json.loads(f.read(length))
         if header.get("fingerprint") != self.fingerprint:
             raise CorruptEntry("written by another model, dtype or kernel set")
-        tokens = np.frombuffer(f.read(width * int(header["tokens"])), dtype=f"<i{width}")
-        if len(tokens) != header["tokens"]:
+        raw = f.read(width * int(header["tokens"]))
+        if len(raw) != width * int(header["tokens"]):
             raise CorruptEntry("truncated")
-        return header, tokens
+        return header, np.frombuffer(raw, dtype=f"<i{width}")
 
     def _skip(self, path: Path, exc: Exception) -> None:
         self.corrupt += 1

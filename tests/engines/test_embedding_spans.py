@@ -10,13 +10,17 @@ the table does not hold.
 
 from __future__ import annotations
 
+import json
+import struct
+import zlib
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from llm_server.engines.base import EmbeddingInputUnsupported
 from llm_server.engines.mlx_engine import MLXEngine
-from llm_server.engines.prefix_disk import DiskTier, engine_fingerprint
+from llm_server.engines.prefix_disk import MAGIC, MAGIC_V1, DiskTier, engine_fingerprint
 from llm_server.engines.settings import EngineSettings
 from llm_server.engines.step import (
     DecodeRow,
@@ -306,3 +310,29 @@ def test_rows_the_prefix_cache_and_the_disk_tier_match_spans_by_content(tiny_mod
     got = restarted.prefill(1, longer, [c])
     assert restarted.cached_tokens(1) == c.start and disk.reads == 1
     np.testing.assert_allclose(got, want[c.key], rtol=0, atol=1e-5)
+
+
+def test_a_first_version_file_of_int32_ids_is_still_read(tmp_path):
+    """Files written before spans (magic LLMPKV1, int32 ids) are read as before."""
+    tokens = np.arange(300, 340, dtype=np.int64)
+    keys = [mx.array(np.full((2, 40, 4), i, np.float32)) for i in range(2)]
+    tier = DiskTier(tmp_path, 1 << 20, "kv_a")
+    tier.put(tokens, keys, keys)
+    tier.close()
+    (path,) = (tmp_path / "kv_a").glob("*.kv")
+    data = path.read_bytes()
+    assert data.startswith(MAGIC)
+    head_end = len(MAGIC) + 8 + struct.unpack_from("<Q", data, len(MAGIC))[0]
+    header = json.loads(data[len(MAGIC) + 8 : head_end])
+    body = data[head_end:]
+    body = tokens.astype("<i4").tobytes() + body[8 * len(tokens) :]
+    header["crc32"] = zlib.crc32(body)
+    for _ in range(2):
+        head = json.dumps(header).encode()
+        header["size"] = len(MAGIC_V1) + 8 + len(head) + len(body)
+    head = json.dumps(header).encode()
+    path.write_bytes(MAGIC_V1 + struct.pack("<Q", len(head)) + head + body)
+    again = DiskTier(tmp_path, 1 << 20, "kv_a")
+    got_tokens, got_keys, _ = again.load_longest(np.arange(300, 345, dtype=np.int64), 0)
+    assert got_tokens.tolist() == tokens.tolist() and again.corrupt == 0
+    assert np.array_equal(np.array(got_keys[1]), np.array(keys[1]))
