@@ -10,6 +10,7 @@ the table does not hold.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import struct
 import zlib
@@ -18,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from llm_server.decoding import SamplingParams
 from llm_server.engines.base import EmbeddingInputUnsupported
 from llm_server.engines.mlx_engine import MLXEngine
 from llm_server.engines.prefix_disk import MAGIC, MAGIC_V1, DiskTier, engine_fingerprint
@@ -226,6 +228,38 @@ def test_a_request_with_a_span_batched_with_text_rows_equals_it_alone(
     for got, (prompt, _) in zip([together[0], *together[2:]], texts, strict=True):
         (want,) = _serve(tiny_model_path, tiny_tokenizer, [(prompt, ())], 1)
         assert got.tokens == want.tokens
+
+
+def test_the_services_start_generation_and_an_exclusive_request_take_spans(
+    tiny_model_path, tiny_tokenizer, make_service
+):
+    """`ModelService.start_generation(embeddings=)` and an exclusive request (the engine's
+    whole-prompt `prefill`) give what the request gets in the step plans."""
+    engine = MLXEngine(tiny_model_path, EngineSettings(rows=1))
+    span = EmbeddingSpan.of(len(PREFIX), produced(engine, SPAN, seed=7))
+    (want,) = _serve(tiny_model_path, tiny_tokenizer, [(HOLDER, (span,))], 1)
+    sched = start_scheduler(tiny_model_path, 2)
+    try:
+        req, out = make_request(tiny_tokenizer, HOLDER, 12)
+        req.embeddings, req.exclusive = (span,), True
+        sched.submit(req)
+        assert out.done.wait(60) and out.tokens == want.tokens
+    finally:
+        sched.close(10)
+
+    svc = make_service(tiny_model_path, 2)
+
+    async def run() -> list[int]:
+        params = SamplingParams(max_tokens=12, temperature=0.0)
+        handle = svc.start_generation(HOLDER, params, embeddings=(span,))
+        return [ev.token_id async for ev in handle.events() if handle.finish is None]
+
+    async def too_short() -> None:
+        svc.start_generation(HOLDER[:10], SamplingParams(max_tokens=2), embeddings=(span,))
+
+    assert asyncio.run(run()) == want.tokens
+    with pytest.raises(ValueError, match="past the prompt"):
+        asyncio.run(too_short())
 
 
 # -- (3) the prefix cache keys a span by its content ---------------------------------------
