@@ -214,7 +214,7 @@ class FusedForward:
         """
         k, ops, inner = self.k, self.ops, self.model.model
         sizes = [g.size for g in groups]
-        embedded = [_embedded(inner.embed_tokens, g) for g in groups]
+        embedded = [with_inputs(inner.embed_tokens(g.ids.reshape(-1)), g.inputs) for g in groups]
         x = embedded[0] if len(groups) == 1 else mx.concatenate(embedded)  # [T, dim]
         decode = all(g.q == 1 for g in groups)  # a decode-only step
         silu_mul = k.activation(sizes, [g.exact for g in groups])
@@ -241,14 +241,13 @@ class FusedForward:
         return k.head(self.lm_head, k.norm(inner.norm, _selected(x, groups), ops), split)
 
 
-def _embedded(embed_tokens, g: Group) -> mx.array:
-    """The group's input [size, dim]: the token embeddings of its ids, with each of its input
-    embeddings (`Group.inputs`) in place of them at its positions."""
-    x = embed_tokens(g.ids.reshape(-1))
-    if not g.inputs:
+def with_inputs(x: mx.array, inputs) -> mx.array:
+    """Token embeddings x [n, dim] with input embeddings in their place: `inputs` is
+    (offset, rows [m, dim]) in order (`Group.inputs`; mlx-lm's forward, mlx_forward.py)."""
+    if not inputs:
         return x
     parts, at = [], 0
-    for offset, rows in g.inputs:
+    for offset, rows in inputs:
         parts += [x[at:offset], rows.astype(x.dtype)]
         at = offset + rows.shape[0]
     return mx.concatenate([*parts, x[at:]])

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from llm_server.engines.base import EmbeddingInputUnsupported
-from llm_server.engines.fused_decode import FusedForward
+from llm_server.engines.fused_decode import FusedForward, with_inputs
 from llm_server.engines.kernels import KernelSet
 from llm_server.engines.layout import Layout, last_logits, output_head, row_views
 from llm_server.engines.mlx_rows import RowTable
@@ -61,7 +61,7 @@ class ModelForward:
         self.grouped_scores = grouped_scores
         self.stage = stage
         # why this forward cannot take input embeddings (None: it can)
-        self.inputs_problem = _inputs_problem(model, inner, fused, stage)
+        self.inputs_problem = _inputs_problem(model, fused, stage)
 
     def check_inputs(self) -> None:
         """EmbeddingInputUnsupported unless this forward takes input embeddings."""
@@ -135,12 +135,7 @@ class ModelForward:
     def _embedded(self, ids: mx.array, inputs: list[tuple[int, mx.array]]) -> mx.array:
         """mlx-lm's `input_embeddings` [1, q, hidden] for one row's ids [1, q]: the token
         embeddings with `inputs` in their place."""
-        x = self.model.model.embed_tokens(ids[0])
-        parts, at = [], 0
-        for offset, rows in inputs:
-            parts += [x[at:offset], rows.astype(x.dtype)]
-            at = offset + rows.shape[0]
-        return mx.concatenate([*parts, x[at:]])[None]
+        return with_inputs(self.model.model.embed_tokens(ids[0]), inputs)[None]
 
     def run_groups(
         self,
@@ -188,9 +183,7 @@ class ModelForward:
         return np.array(logits, copy=False)
 
 
-def _inputs_problem(
-    model: Any, inner: str | None, fused: FusedForward | None, stage: Any
-) -> str | None:
+def _inputs_problem(model: Any, fused: FusedForward | None, stage: Any) -> str | None:
     """Why a forward cannot take input embeddings (None: it can): the fused layers always
     can; mlx-lm's model only when it and its decoder stack take `input_embeddings` and the
     stack has `embed_tokens`; a pipeline stage never (its ranks see token ids only)."""

@@ -80,8 +80,8 @@ class StepExecutor:
             raise RuntimeError(f"row {row} has a decode step in flight; release it first")
         if spans:
             self.forward.check_inputs()
-        key = prompt_key(tokens, spans)
         tokens = [int(t) for t in tokens]
+        key = prompt_key(tokens, spans) if spans else tokens
         reused = table.open(row, key)
         logits = None
         for start in range(reused, n, PREFILL_CHUNK):
