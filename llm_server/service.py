@@ -18,6 +18,7 @@ import numpy as np
 
 from llm_server.decoding import Decoder, LogitsConstraint, SamplingParams
 from llm_server.engines.contract import Engine
+from llm_server.engines.plan import EmbeddingSpan
 from llm_server.fingerprint import system_fingerprint
 from llm_server.generation_config import load_sampling_defaults
 from llm_server.pooling import EmbeddingConfig, EmbeddingConfigError, load_embedding_config
@@ -166,13 +167,19 @@ class ModelService:
         params: SamplingParams,
         constraint: LogitsConstraint | None = None,
         keep_tokens: frozenset[int] = frozenset(),
+        embeddings: tuple[EmbeddingSpan, ...] = (),
     ) -> GenerationHandle:
         """Admit a request now (raises QueueFull/SchedulerClosed) and return its handle.
 
         `keep_tokens`: special tokens to keep in the text (tool-call markers such as
-        [TOOL_CALLS]); every other special token is skipped.
+        [TOOL_CALLS]); every other special token is skipped. `embeddings`: input embeddings
+        at prompt positions (engines/plan.py: `EmbeddingSpan`; the prompt holds placeholder
+        ids there); EmbeddingInputUnsupported when the model's forward cannot take them,
+        ValueError when they do not fit the prompt.
         """
-        return self.start_generations([prompt], [params], [constraint], keep_tokens)[0]
+        return self.start_generations(
+            [prompt], [params], [constraint], keep_tokens, embeddings=[embeddings]
+        )[0]
 
     def start_generations(
         self,
@@ -181,16 +188,21 @@ class ModelService:
         constraints: list[LogitsConstraint | None] | None = None,
         keep_tokens: frozenset[int] = frozenset(),
         prediction: tuple[int, ...] | None = None,
+        embeddings: list[tuple[EmbeddingSpan, ...]] | None = None,
     ) -> list[GenerationHandle]:
         """Admit one generation per prompt, all or none (QueueFull/SchedulerClosed); one
-        handle per prompt, in order. `params[i]` and `constraints[i]` go with `prompts[i]`;
-        `prediction`: token ids each output is expected to repeat (a drafting source)."""
+        handle per prompt, in order. `params[i]`, `constraints[i]` and `embeddings[i]` go
+        with `prompts[i]`; `prediction`: token ids each output is expected to repeat (a
+        drafting source)."""
         loop = asyncio.get_running_loop()
         eos = self.tokenizer.eos_token_ids
         constraints = constraints or [None] * len(prompts)
+        spans = embeddings or [()] * len(prompts)
         detokenize = self.tokenizer.decoder_keeping(keep_tokens)
         reqs, handles = [], []
-        for prompt, sp, constraint in zip(prompts, params, constraints, strict=True):
+        for prompt, sp, constraint, spans_i in zip(
+            prompts, params, constraints, spans, strict=True
+        ):
             queue: asyncio.Queue[Event] = asyncio.Queue()
             decoder = Decoder(sp, eos, detokenize, constraint, prompt)
             exclusive = constraint is not None and self.config.constrained_mode == "exclusive"
@@ -200,6 +212,7 @@ class ModelService:
                 emit=_emitter(loop, queue),
                 exclusive=exclusive,
                 prediction=prediction,
+                embeddings=tuple(spans_i),
             )
             reqs.append(req)
             handles.append(GenerationHandle(req, queue))

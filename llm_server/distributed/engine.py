@@ -19,7 +19,12 @@ import numpy as np
 from llm_server.distributed import GROUP_LOST
 from llm_server.distributed.codec import Call, Op, encode
 from llm_server.distributed.transport import Transport
-from llm_server.engines.contract import EmbeddingsUnsupported, EngineError, ScoreChunkResult
+from llm_server.engines.contract import (
+    EmbeddingInputUnsupported,
+    EmbeddingsUnsupported,
+    EngineError,
+    ScoreChunkResult,
+)
 from llm_server.engines.plan import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -122,7 +127,16 @@ class LockstepEngine:
             self.on_lost(self.lost, hung)
 
     def run(self, plan: StepPlan) -> StepResult:
+        if any(c.spans for c in plan.prefill):
+            self.check_spans(0, [s for c in plan.prefill for s in c.spans])
         return self._call(Call(Op.RUN, plan=plan), self._engine.run, plan)
+
+    def check_spans(self, length: int, spans) -> None:
+        """The codec carries token ids only: embedding spans would reach rank 0 alone."""
+        if spans:
+            raise EmbeddingInputUnsupported(
+                "a model sharded over ranks: the model's forward cannot take embeddings"
+            )
 
     def prefill(self, row: int, tokens: Sequence[int]) -> np.ndarray:
         ids = np.asarray(tokens, np.int32)

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from llm_server.engines.plan import ScoreChunkResult, StepPlan, StepResult
+from llm_server.engines.plan import EmbeddingSpan, ScoreChunkResult, StepPlan, StepResult
 
 # The scoring session advances this many positions per forward (C3).
 SCORE_CHUNK = 128
@@ -25,6 +25,10 @@ class EngineError(RuntimeError):
 
 class EmbeddingsUnsupported(EngineError):
     """The model has no hidden-state forward to embed with (a client error: HTTP 400)."""
+
+
+class EmbeddingInputUnsupported(EngineError):
+    """A prompt carries embedding spans and the model's forward cannot take them (HTTP 400)."""
 
 
 class Engine(Protocol):
@@ -78,6 +82,12 @@ class Engine(Protocol):
         retries per request, S8). Returns the last-position logits of the decode rows and of
         rows whose prompt ended, and the scoring chunks' results (`StepResult.scores`).
         """
+        ...
+
+    def check_spans(self, length: int, spans: Sequence[EmbeddingSpan]) -> None:
+        """Admission of a prompt of `length` positions carrying embedding spans (step.py:
+        `EmbeddingSpan`): EmbeddingInputUnsupported when the model's forward cannot take
+        embeddings, ValueError when the spans do not fit the prompt or the model's width."""
         ...
 
     # Only when `pipelined` (see PipelinedEngine; the scheduler uses `run` otherwise).

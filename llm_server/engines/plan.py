@@ -7,10 +7,112 @@ forward part of it; the scheduler's commit samples, emits and retires. Like vLLM
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
 
 import numpy as np
+
+
+@dataclass(frozen=True)
+class EmbeddingSpan:
+    """Input embeddings computed by something other than the token embedding table (a vision
+    tower, a test's producer) for the prompt positions `start .. start + n - 1`.
+
+    The prompt stays a token sequence (placeholder ids at the span's positions: lengths,
+    cursors, limits and the planner do not change); the forward takes the span's rows there
+    instead of the token embeddings of those ids (`FusedForward.run`, or mlx-lm's
+    `input_embeddings`). The prefix cache keys the positions by `key`, a digest of the
+    content (`cache_ids`): a cached prefix covering a span is reused only by a prompt whose
+    span at the same positions has the same digest. Equal spans: same start and key.
+    """
+
+    start: int  # the prompt position of the first row
+    embeddings: Any = field(compare=False, repr=False)  # [n, hidden] mx.array or np.ndarray
+    key: bytes  # digest of the content (the same content, the same key; see `of`)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.key, str):
+            object.__setattr__(self, "key", self.key.encode())
+        shape = tuple(self.embeddings.shape)
+        if len(shape) != 2 or shape[0] < 1:
+            raise ValueError(f"an embedding span is [n >= 1, hidden], not {list(shape)}")
+        if self.start < 0 or not self.key:
+            raise ValueError("an embedding span needs a start >= 0 and a non-empty key")
+
+    @classmethod
+    def of(cls, start: int, embeddings: Any) -> EmbeddingSpan:
+        """A span keyed by a digest of its rows (shape, dtype and bytes)."""
+        arr = np.asarray(embeddings)
+        digest = hashlib.sha256(f"{arr.dtype.str}{list(arr.shape)}".encode())
+        digest.update(np.ascontiguousarray(arr).tobytes())
+        return cls(start, embeddings, digest.digest())
+
+    @property
+    def length(self) -> int:
+        return int(self.embeddings.shape[0])
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @cached_property
+    def cache_ids(self) -> tuple[int, ...]:
+        """What the prefix cache holds at the span's positions instead of the placeholder
+        ids: per position, 63 bits of blake2b(key, offset) as a negative int64, so never a
+        token id (ids are >= 0) and two spans' positions agree only when their keys do (up to
+        a 2**-63 chance a position)."""
+        out = []
+        for j in range(self.length):
+            h = hashlib.blake2b(self.key + j.to_bytes(8, "little"), digest_size=8).digest()
+            out.append(-1 - (int.from_bytes(h, "little") >> 1))
+        return tuple(out)
+
+
+def prompt_key(
+    prompt: Sequence[int],
+    spans: Sequence[EmbeddingSpan] = (),
+    start: int = 0,
+    end: int | None = None,
+) -> list[int]:
+    """The prefix cache's key of `prompt[start:end]`: its ids, with each span's `cache_ids` at
+    the span's positions (a prompt without spans: its ids)."""
+    end = len(prompt) if end is None else end
+    key = [int(t) for t in prompt[start:end]]
+    for s in spans:
+        lo, hi = max(s.start, start), min(s.end, end)
+        if lo < hi:
+            key[lo - start : hi - start] = s.cache_ids[lo - s.start : hi - s.start]
+    return key
+
+
+def span_rows(spans: Sequence[EmbeddingSpan], start: int, end: int) -> list[tuple[int, Any]]:
+    """The rows of `spans` that fall in positions start .. end - 1: (offset from `start`,
+    rows [n, hidden]) in position order."""
+    out = []
+    for s in sorted(spans, key=lambda s: s.start):
+        lo, hi = max(s.start, start), min(s.end, end)
+        if lo < hi:
+            out.append((lo - start, s.embeddings[lo - s.start : hi - s.start]))
+    return out
+
+
+def check_spans(spans: Sequence[EmbeddingSpan], length: int, hidden: int) -> None:
+    """ValueError unless `spans` lie inside a prompt of `length` positions, none overlapping
+    another, each [n, hidden] rows (`hidden` 0: any width)."""
+    at = 0
+    for s in sorted(spans, key=lambda s: s.start):
+        if s.start < at:
+            raise ValueError(f"embedding spans overlap at position {s.start}")
+        if s.end > length:
+            raise ValueError(f"an embedding span ends at {s.end}, past the prompt's {length}")
+        if hidden > 0 and int(s.embeddings.shape[1]) != hidden:
+            raise ValueError(
+                f"an embedding span has rows of {s.embeddings.shape[1]}, the model {hidden}"
+            )
+        at = s.end
 
 
 @dataclass(frozen=True)
@@ -36,6 +138,9 @@ class PrefillChunk:
     # start == 0 opens the row: the engine resets it and may reuse a cached prefix of the
     # prompt (prefix cache, or a running row holding the same prefix); it then runs at most
     # end - start positions from the reused length, never past the prompt.
+    # the whole prompt's embedding spans (the forward takes those overlapping the positions
+    # it runs; the prefix is matched on `prompt_key(prompt, spans)`)
+    spans: tuple[EmbeddingSpan, ...] = ()
 
     @property
     def fresh(self) -> bool:

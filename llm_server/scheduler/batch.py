@@ -181,7 +181,13 @@ class BatchScheduler:
         self.submit_all([req])
 
     def submit_all(self, reqs: list[GenerationRequest]) -> None:
-        """Admit every request of `reqs` (the choices of one HTTP request) or none of them."""
+        """Admit every request of `reqs` (the choices of one HTTP request) or none of them.
+        A request's embedding spans are checked against the loaded engine first
+        (`Engine.check_spans`: EmbeddingInputUnsupported, ValueError)."""
+        if self.engine is not None:
+            for req in reqs:
+                if req.embeddings:
+                    self.engine.check_spans(len(req.prompt), req.embeddings)
         with self._cond:
             if self._closing or self.load_error is not None:
                 raise SchedulerClosed("the server is shutting down")

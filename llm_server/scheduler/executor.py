@@ -60,7 +60,10 @@ class PlanExecutor:
     def run_exclusive(self, req: GenerationRequest) -> None:
         """Decode `req` alone to completion while the other rows wait (`--constrained-mode exclusive`)."""
         try:
-            logits = self.engine.prefill(req.row, req.prompt)
+            if req.embeddings:
+                logits = self.engine.prefill(req.row, req.prompt, req.embeddings)
+            else:
+                logits = self.engine.prefill(req.row, req.prompt)
             req.prefilled = len(req.prompt)
             req.cached_tokens = self.engine.cached_tokens(req.row)
             while self._advance(req, logits):

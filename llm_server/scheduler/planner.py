@@ -40,7 +40,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from llm_server.engines.contract import SCORE_CHUNK
-from llm_server.engines.plan import Admission, DecodeRow, PrefillChunk, ScoreChunk, StepPlan
+from llm_server.engines.plan import (
+    Admission,
+    DecodeRow,
+    PrefillChunk,
+    ScoreChunk,
+    StepPlan,
+    prompt_key,
+)
 from llm_server.scheduler.request import GenerationRequest
 
 if TYPE_CHECKING:
@@ -103,7 +110,7 @@ def plan(
                 continue
             if share_min and _wait_for_prefix(req, live.values(), chunks, share_min):
                 break
-            row = rows[0] if row_for is None else row_for(req.prompt, rows)
+            row = rows[0] if row_for is None else row_for(_key(req.prompt, req.embeddings), rows)
             rows.remove(row)
             admissions.append(Admission(req.seq, row, req.exclusive))
             if req.exclusive:
@@ -151,7 +158,7 @@ def _score_chunks(scoring: Sequence[OpenPrompt], left: int | None) -> tuple[Scor
 
 def _chunk(req: GenerationRequest, row: int, start: int, left: int | None) -> PrefillChunk:
     end = len(req.prompt) if left is None else min(len(req.prompt), start + left)
-    return PrefillChunk(req.seq, row, req.prompt, start, end)
+    return PrefillChunk(req.seq, row, req.prompt, start, end, req.embeddings)
 
 
 def _wait_for_prefix(
@@ -162,9 +169,19 @@ def _wait_for_prefix(
 ) -> bool:
     """Whether a prompt prefilled in this step would give `req` a longer prefix next step than
     the rows hold now."""
-    ready = max((min(_common(req.prompt, r.prompt), r.prefilled) for r in running), default=0)
-    wanted = max((_common(req.prompt, c.prompt) for c in chunks), default=0)
+    key = _key(req.prompt, req.embeddings)
+    ready = max(
+        (min(_common(key, _key(r.prompt, r.embeddings)), r.prefilled) for r in running),
+        default=0,
+    )
+    wanted = max((_common(key, _key(c.prompt, c.spans)) for c in chunks), default=0)
     return wanted >= share_min and wanted > ready
+
+
+def _key(prompt: list[int], spans) -> list[int]:
+    """What rows and the prefix cache match a prompt on: its ids, a span's content key at
+    its positions (engines/plan.py: `prompt_key`)."""
+    return prompt_key(prompt, spans) if spans else prompt
 
 
 def _common(prompt: list[int], other) -> int:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llm_server.decoding import Decoder, FinishReason, TokenLogprob
+from llm_server.engines.plan import EmbeddingSpan
 from llm_server.scheduler.draft_state import DraftState, PredictionUsage
 
 
@@ -83,6 +84,9 @@ class GenerationRequest:
     draft: DraftState | None = None  # speculative drafting record (None: never drafted)
     # OpenAI predicted output: token ids the output is expected to repeat (a drafting source)
     prediction: tuple[int, ...] | None = None
+    # input embeddings at prompt positions (placeholder ids there), computed elsewhere (a
+    # vision tower): the forward takes them instead of those ids' embeddings (step.py)
+    embeddings: tuple[EmbeddingSpan, ...] = ()
     _wake: Callable[[], None] | None = None
 
     def cancel(self) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llm_server.engines.contract import EngineError, ScoreChunkResult
+from llm_server.engines.contract import EmbeddingInputUnsupported, EngineError, ScoreChunkResult
 from llm_server.engines.forward.score_reduce import log_softmax, reduce_logprobs
 from llm_server.engines.plan import StepPlan, StepResult
 
@@ -194,6 +194,10 @@ class CoreMLEngine:
     def run(self, plan: StepPlan) -> StepResult:
         return run_by_primitives(self, plan)  # no mixed forward: prompts prefill whole
 
+    def check_spans(self, length: int, spans) -> None:
+        if spans:
+            raise EmbeddingInputUnsupported("coreml: the model's forward cannot take embeddings")
+
     def cursor(self, row: int) -> int:
         return self._driver.cursors[row]
 
@@ -225,6 +229,8 @@ def run_by_primitives(engine: CoreMLEngine, plan: StepPlan) -> StepResult:
     cached: dict[int, int] = {}
     if plan.score:
         raise ValueError(f"{engine.name} has no scoring rows (score_rows = 0)")
+    if any(c.spans for c in plan.prefill):
+        raise ValueError(f"{engine.name}: the model's forward cannot take embeddings")
     if plan.decode:
         rows += [d.row for d in plan.decode]
         parts.append(engine.decode(rows, [d.token for d in plan.decode]))

@@ -19,6 +19,8 @@ weights, sliding windows, unknown attention extras); the engine then keeps the m
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -159,6 +161,7 @@ class FusedForward:
         groups: list[tuple[mx.array, list, list[int], object]],
         split: bool,
         every: frozenset[int] = frozenset(),
+        inputs: Mapping[int, tuple[tuple[int, mx.array], ...]] | None = None,
     ):
         """Several row groups in ONE forward -> logits [rows, vocab] at each row's last position
         (every position, row by row, of the groups whose index is in `every`: drafts being
@@ -167,14 +170,15 @@ class FusedForward:
         Each group is (ids [b, q], caches, starts, mask) as for `forward`: the decoding rows (q=1)
         and each prompt chunk (one row, q=chunk length) are separate groups. Decode positions
         (the q=1 groups and the drafts in `every`) take the arithmetic of a pure decode step.
+        `inputs`: group index -> its input embeddings (`Group.inputs`).
         """
-        return self.run(
-            [
-                self.group(ids, caches, starts, mask, ids.shape[1] == 1 or g in every, g in every)
-                for g, (ids, caches, starts, mask) in enumerate(groups)
-            ],
-            split,
-        )
+        built = [
+            self.group(ids, caches, starts, mask, ids.shape[1] == 1 or g in every, g in every)
+            for g, (ids, caches, starts, mask) in enumerate(groups)
+        ]
+        for g, rows in (inputs or {}).items():
+            built[g].inputs = rows
+        return self.run(built, split)
 
     def group(
         self, ids: mx.array, caches: list, starts: list[int], mask, exact: bool, every: bool
@@ -210,7 +214,7 @@ class FusedForward:
         """
         k, ops, inner = self.k, self.ops, self.model.model
         sizes = [g.size for g in groups]
-        embedded = [inner.embed_tokens(g.ids.reshape(-1)) for g in groups]
+        embedded = [with_inputs(inner.embed_tokens(g.ids.reshape(-1)), g.inputs) for g in groups]
         x = embedded[0] if len(groups) == 1 else mx.concatenate(embedded)  # [T, dim]
         decode = all(g.q == 1 for g in groups)  # a decode-only step
         silu_mul = k.activation(sizes, [g.exact for g in groups])
@@ -235,6 +239,18 @@ class FusedForward:
             gate, up = k.pair(layer.gate_up, k.norm(layer.norm_post, x, ops), split)
             x = k.add_product(x, layer.down, silu_mul(gate, up), split, decode)
         return k.head(self.lm_head, k.norm(inner.norm, _selected(x, groups), ops), split)
+
+
+def with_inputs(x: mx.array, inputs) -> mx.array:
+    """Token embeddings x [n, dim] with input embeddings in their place: `inputs` is
+    (offset, rows [m, dim]) in order (`Group.inputs`; mlx-lm's forward, mlx_forward.py)."""
+    if not inputs:
+        return x
+    parts, at = [], 0
+    for offset, rows in inputs:
+        parts += [x[at:offset], rows.astype(x.dtype)]
+        at = offset + rows.shape[0]
+    return mx.concatenate([*parts, x[at:]])
 
 
 def _selected(x: mx.array, groups: list[Group]) -> mx.array:

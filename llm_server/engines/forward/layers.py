@@ -112,6 +112,9 @@ class Group:
     attention: object
     exact: bool  # decode positions: the arithmetic of a pure decode step (S10)
     every: bool  # logits at every position (drafts, scoring), else at each row's last
+    # (offset, rows [n, dim]): input embeddings that take the place of the token embeddings
+    # at the group's packed positions offset .. offset + n - 1 (engines/plan.py: EmbeddingSpan)
+    inputs: tuple[tuple[int, mx.array], ...] = ()
 
     @property
     def rows(self) -> int:

@@ -9,12 +9,14 @@ they are evaluated together. A model served serially runs on mlx-lm's caches of 
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from llm_server.engines.forward.fused import FusedForward
+from llm_server.engines.contract import EmbeddingInputUnsupported
+from llm_server.engines.forward.fused import FusedForward, with_inputs
 from llm_server.engines.forward.kernels import KernelSet
 from llm_server.engines.kv.rows import RowTable
 from llm_server.engines.kv.store import ForwardPlan, row_mask
@@ -22,6 +24,9 @@ from llm_server.engines.mlx.layout import Layout, last_logits, output_head, row_
 
 # (rows, their cursors, each row's new ids): rows that take the same number of positions
 Group = tuple[list[int], list[int], list[list[int]]]
+# a one-row group's input embeddings: (offset in its positions, rows [n, hidden]) in order,
+# taking the place of the token embeddings there (engines/plan.py: EmbeddingSpan)
+Inputs = list[tuple[int, Any]]
 
 
 class ModelForward:
@@ -55,6 +60,15 @@ class ModelForward:
         self.plain_head = plain_head
         self.grouped_scores = grouped_scores
         self.stage = stage
+        # why this forward cannot take input embeddings (None: it can)
+        self.inputs_problem = _inputs_problem(model, fused, stage)
+
+    def check_inputs(self) -> None:
+        """EmbeddingInputUnsupported unless this forward takes input embeddings."""
+        if self.inputs_problem is not None:
+            raise EmbeddingInputUnsupported(
+                f"the model's forward cannot take embeddings ({self.inputs_problem})"
+            )
 
     def split(self, positions: int) -> bool:
         """Whether a forward over `positions` (rows x new tokens) splits its products in halves
@@ -86,34 +100,58 @@ class ModelForward:
         )
 
     def graph(
-        self, rows: list[int], starts: list[int], ids: mx.array, split: bool, every: bool = False
+        self,
+        rows: list[int],
+        starts: list[int],
+        ids: mx.array,
+        split: bool,
+        every: bool = False,
+        inputs: list[tuple[int, mx.array]] | None = None,
     ) -> mx.array:
         """The (lazy) logits [B, vocab] float32 of each row's last position for ids [B, q]
-        (`every`: of each position of the one row, [q, vocab]; see `speculative`)."""
+        (`every`: of each position of the one row, [q, vocab]; see `speculative`); `inputs`:
+        the one row's input embeddings (mlx-lm's `input_embeddings`; unfused forward only)."""
         table = self.table
+        kw = {} if not inputs else {"input_embeddings": self._embedded(ids, inputs)}
         if every:
             plan = self.plan(rows, starts, ids.shape[1])
             views = row_views(self.layout, table.store, table.states, plan)
-            hidden = self.model.model(ids, cache=views)[0]
+            hidden = self.model.model(ids, cache=views, **kw)[0]
             return self._head(hidden).astype(mx.float32)
         if table.serial_cache is not None:  # one row on mlx-lm's own caches
-            return last_logits(self.model, self.inner, ids, table.serial_cache).astype(mx.float32)
+            logits = last_logits(self.model, self.inner, ids, table.serial_cache, **kw)
+            return logits.astype(mx.float32)
         plan = self.plan(rows, starts, ids.shape[1])
         views = row_views(self.layout, table.store, table.states, plan)
         if self.fused is not None:
             logits = self.fused.logits(ids, views, split=split)
         elif self.plain_head:
-            hidden = self.model.model(ids, cache=views)[:, -1, :]
+            hidden = self.model.model(ids, cache=views, **kw)[:, -1, :]
             logits = self._head(hidden)
         else:  # the model's own head: soft-capping, scaled or tied embeddings...
-            logits = last_logits(self.model, self.inner, ids, views)
+            logits = last_logits(self.model, self.inner, ids, views, **kw)
         return logits.astype(mx.float32)
 
-    def run_groups(self, groups: list[Group], every: frozenset[int] = frozenset()) -> np.ndarray:
+    def _embedded(self, ids: mx.array, inputs: list[tuple[int, mx.array]]) -> mx.array:
+        """mlx-lm's `input_embeddings` [1, q, hidden] for one row's ids [1, q]: the token
+        embeddings with `inputs` in their place."""
+        return with_inputs(self.model.model.embed_tokens(ids[0]), inputs)[None]
+
+    def run_groups(
+        self,
+        groups: list[Group],
+        every: frozenset[int] = frozenset(),
+        inputs: dict[int, Inputs] | None = None,
+    ) -> np.ndarray:
         """Logits [rows, vocab] (numpy) of each group row's last position (every position of
         the groups in `every`, row by row; the unfused forward gets only one-row groups
-        there), evaluated now."""
+        there), evaluated now. `inputs`: one-row group index -> its input embeddings."""
         table = self.table
+        rows_in = {
+            g: tuple((off, r if isinstance(r, mx.array) else mx.array(r)) for off, r in spans)
+            for g, spans in (inputs or {}).items()
+            if spans
+        }
         positions = sum(len(rows) * len(toks[0]) for rows, _, toks in groups)
         split = self.split(positions)
         with self.kernels.functions.split_threads(split):
@@ -127,12 +165,14 @@ class ModelForward:
                     plan = self.plan(rows, starts, ids.shape[1])
                     views = row_views(self.layout, table.store, table.states, plan)
                     parts.append((ids, views, starts, plan.mask))
-                logits = self.fused.forward_groups(parts, split, every).astype(mx.float32)
+                extra = {"inputs": rows_in} if rows_in else {}  # (the keyword only when used)
+                logits = self.fused.forward_groups(parts, split, every, **extra)
+                logits = logits.astype(mx.float32)
             else:
                 parts = []
                 for g, (rows, starts, t) in enumerate(groups):
                     ids = mx.array(np.asarray(t, dtype=np.int32))
-                    parts.append(self.graph(rows, starts, ids, split, g in every))
+                    parts.append(self.graph(rows, starts, ids, split, g in every, rows_in.get(g)))
                     if self.stage is not None:
                         # a pipeline stage evaluates one group's transfers at a time: MLX may
                         # order independent graphs differently on each rank, and the ring's
@@ -141,3 +181,20 @@ class ModelForward:
                 logits = mx.concatenate(parts)
             mx.eval(logits, *table.held())
         return np.array(logits, copy=False)
+
+
+def _inputs_problem(model: Any, fused: FusedForward | None, stage: Any) -> str | None:
+    """Why a forward cannot take input embeddings (None: it can): the fused layers always
+    can; mlx-lm's model only when it and its decoder stack take `input_embeddings` and the
+    stack has `embed_tokens`; a pipeline stage never (its ranks see token ids only)."""
+    if stage is not None:
+        return "split over ranks"
+    if fused is not None:
+        return None
+    stack = getattr(model, "model", None)
+    if getattr(stack, "embed_tokens", None) is None:
+        return f"{type(model).__module__}: no token embedding table at model.model.embed_tokens"
+    for fn in (type(model).__call__, type(stack).__call__):
+        if "input_embeddings" not in inspect.signature(fn).parameters:
+            return f"{type(model).__module__}: mlx-lm's forward has no input_embeddings"
+    return None

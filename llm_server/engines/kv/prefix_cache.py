@@ -1,6 +1,8 @@
 """Prompt prefix cache: KV of token prefixes the engine already computed, bounded in bytes.
 
-Entries are token sequences with their keys/values for every layer ([heads, positions, dim]).
+Entries are token sequences with their keys/values for every layer ([heads, positions, dim]);
+a prompt's embedding spans are held as their content keys (engines/plan.py: `prompt_key`,
+negative int64 values that no token id equals), so a span matches only the same content.
 A new prompt reuses the longest prefix it shares with any entry (in memory, else on the disk
 tier, prefix_disk.py, when one is attached).
 
@@ -61,7 +63,7 @@ class PrefixEntry:
     """Token ids and their KV; with a `parent` (a trunk: a prefix two entries share), it
     holds only the positions after the parent's, and `keys`/`values` join the two."""
 
-    tokens: np.ndarray  # [n] int32
+    tokens: np.ndarray  # [n] int64: token ids, and embedding spans' keys (step.prompt_key)
     own_keys: list[mx.array]  # per layer [kv_heads, n - start, dim]
     own_values: list[mx.array]
     nbytes: int  # of its own positions
@@ -153,7 +155,7 @@ class PrefixCache:
         at least `min_tokens`. Looks on the disk tier when memory holds less."""
         if not self.enabled:
             return None, 0
-        query = np.asarray(tokens, dtype=np.int32)
+        query = np.asarray(tokens, dtype=np.int64)
         best, best_len = None, max(floor, self.min_tokens - 1)
         for entry in self._entries.values():
             n = min(len(entry.tokens), len(query) - 1)  # keep one token to compute logits from
@@ -178,7 +180,7 @@ class PrefixCache:
     def add_read(self, tokens: np.ndarray, keys: list[mx.array], values: list[mx.array]) -> bool:
         """An entry read back from the disk tier (`DiskTier.recent`), held in memory as if it
         had been hit; False when it does not fit the bound."""
-        return self._add(np.asarray(tokens, dtype=np.int32), keys, values) is not None
+        return self._add(np.asarray(tokens, dtype=np.int64), keys, values) is not None
 
     def record(self, reused: int) -> None:
         """Count one prefill in the stats: a hit of `reused` tokens (from an entry or a
@@ -196,7 +198,7 @@ class PrefixCache:
         evicts by priority to fit."""
         if not self.enabled or len(tokens) < self.min_tokens:
             return
-        arr = np.asarray(tokens, dtype=np.int32)
+        arr = np.asarray(tokens, dtype=np.int64)
         hits, near, near_len = 0, None, 0
         for eid, entry in list(self._entries.items()):
             n = len(entry.tokens)

@@ -5,7 +5,8 @@ Files live in DIR/<fingerprint>/, the fingerprint covering the checkpoint (confi
 files' names, sizes and times), the dtype, the kernel set and the MLX version: an entry written
 by another model or build is never read (its folder is only deleted, oldest first, to stay
 under the bound). One file an entry: magic, a JSON header (fingerprint, shapes, dtype, CRC-32
-of everything after it), the token ids, then each layer's keys and values. The token ids of
+of everything after it), the token ids (int64: embedding spans' keys are negative; int32 in
+files of the first version, still read), then each layer's keys and values. The token ids of
 every file are indexed in memory at start; the KV is read on a match worth its read (at least
 `READ_TOKENS` shared, or an eighth of the file's: a chat template's opening tokens never pull a
 long conversation's file in), and a file whose checksum, header or size is wrong is skipped
@@ -37,7 +38,9 @@ from llm_server import fingerprint as fp
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"LLMPKV1\n"
+MAGIC = b"LLMPKV2\n"  # token ids as int64 (a server that reads only version 1 skips these)
+MAGIC_V1 = b"LLMPKV1\n"  # token ids as int32
+_TOKEN_BYTES = {MAGIC: 8, MAGIC_V1: 4}
 SUFFIX = ".kv"
 # a read shares at least this many tokens or an eighth of the file's: reading a position (its
 # checksum and a copy, ~0.05 ms for SmolLM2 on 2 cores) costs ~1% of prefilling one, yet
@@ -136,7 +139,8 @@ class DiskTier:
             self._evict()
 
     def _read_head(self, f) -> tuple[dict, np.ndarray]:
-        if f.read(len(MAGIC)) != MAGIC:
+        width = _TOKEN_BYTES.get(f.read(len(MAGIC)))
+        if width is None:
             raise CorruptEntry("not a prefix cache file")
         (length,) = struct.unpack("<Q", f.read(8))
         if length > 1 << 20:
@@ -144,10 +148,10 @@ class DiskTier:
         header = json.loads(f.read(length))
         if header.get("fingerprint") != self.fingerprint:
             raise CorruptEntry("written by another model, dtype or kernel set")
-        tokens = np.frombuffer(f.read(4 * int(header["tokens"])), dtype=np.int32)
-        if len(tokens) != header["tokens"]:
+        raw = f.read(width * int(header["tokens"]))
+        if len(raw) != width * int(header["tokens"]):
             raise CorruptEntry("truncated")
-        return header, tokens
+        return header, np.frombuffer(raw, dtype=f"<i{width}")
 
     def _skip(self, path: Path, exc: Exception) -> None:
         self.corrupt += 1
@@ -217,6 +221,9 @@ class DiskTier:
         path = self.dir / (key + SUFFIX)
         try:
             data = _map(path)  # the page cache's pages, not a copy of them
+            width = _TOKEN_BYTES.get(bytes(data[: len(MAGIC)]))
+            if width is None:
+                raise CorruptEntry("not a prefix cache file")
             head_end = len(MAGIC) + 8 + struct.unpack_from("<Q", data, len(MAGIC))[0]
             header = json.loads(bytes(data[len(MAGIC) + 8 : head_end]))
             if header.get("fingerprint") != self.fingerprint or len(data) != header["size"]:
@@ -225,8 +232,8 @@ class DiskTier:
             if zlib.crc32(body) != header["crc32"]:
                 raise CorruptEntry("checksum mismatch")
             n = int(header["tokens"])
-            tokens = np.frombuffer(body[: 4 * n], dtype=np.int32).copy()
-            keys, values, at = [], [], 4 * n
+            tokens = np.frombuffer(body[: width * n], dtype=f"<i{width}").astype(np.int64)
+            keys, values, at = [], [], width * n
             for shape_k, shape_v in header["layers"]:
                 for shape, out in ((shape_k, keys), (shape_v, values)):
                     dt = np.dtype(_NP[header["dtype"]])
@@ -254,6 +261,7 @@ class DiskTier:
 
     def put(self, tokens: np.ndarray, keys: list[mx.array], values: list[mx.array]) -> None:
         """Queue an entry for writing (skipped when the same tokens are on disk already)."""
+        tokens = np.asarray(tokens, dtype=np.int64)
         key = hashlib.blake2b(tokens.tobytes(), digest_size=16).hexdigest()
         with self._lock:
             if key in self._index:
@@ -288,7 +296,7 @@ class DiskTier:
         self._queue.task_done()
 
     def _write(self, key, tokens, keys, values, dtype) -> None:
-        parts = [tokens.astype(np.int32).tobytes()]
+        parts = [tokens.astype("<i8").tobytes()]
         for k, v in zip(keys, values, strict=True):
             parts += [np.ascontiguousarray(k).tobytes(), np.ascontiguousarray(v).tobytes()]
         crc = 0
@@ -318,9 +326,10 @@ class DiskTier:
                 f.write(part)
         os.replace(tmp, path)
         with self._lock:
-            for other, entry in list(self._index.items()):  # entries this one extends
+            # entries this one extends (or holds, named from int32 ids by version 1)
+            for other, entry in list(self._index.items()):
                 n = len(entry.tokens)
-                if n < len(tokens) and np.array_equal(entry.tokens, tokens[:n]):
+                if n <= len(tokens) and np.array_equal(entry.tokens, tokens[:n]) and other != key:
                     self._remove(other)
             self._index[key] = _Indexed(tokens.copy(), header["size"], time.time())
             self._evict()

@@ -50,7 +50,13 @@ from llm_server.engines.mlx.layout import (
 )
 from llm_server.engines.mlx.selfcheck import VERIFIED_FAMILIES, row_forward_problem
 from llm_server.engines.mlx.sessions import EmbedSession, ScoreSession, all_position_logits
-from llm_server.engines.plan import ScoreChunkResult, StepPlan, StepResult
+from llm_server.engines.plan import (
+    EmbeddingSpan,
+    ScoreChunkResult,
+    StepPlan,
+    StepResult,
+    check_spans,
+)
 from llm_server.engines.probe import supports_batching
 from llm_server.engines.settings import EngineSettings
 from llm_server.native.cpu_kernels import release_streams
@@ -114,6 +120,7 @@ class MLXEngine:
         self._pipeline = pipeline and not sharded
         self.padded_shapes = settings.padded_shapes
         self.vocab_size = int(text["vocab_size"])
+        self.hidden_size = int(text.get("hidden_size") or 0)  # an embedding span's width
         self.num_layers = len(self.layout.leaves)  # caches of the model's cache list
         # the prefix cache evicts by bytes, from the config: every rank of a sharded model
         # counts the same (the heads split evenly, a pipeline stage counts the whole model's)
@@ -289,8 +296,16 @@ class MLXEngine:
     def run(self, plan: StepPlan) -> StepResult:
         return self.executor.run(plan)
 
-    def prefill(self, row: int, tokens: Sequence[int]) -> np.ndarray:
-        return self.executor.prefill(row, tokens)
+    def prefill(
+        self, row: int, tokens: Sequence[int], spans: Sequence[EmbeddingSpan] = ()
+    ) -> np.ndarray:
+        return self.executor.prefill(row, tokens, spans)
+
+    def check_spans(self, length: int, spans: Sequence[EmbeddingSpan]) -> None:
+        """Admission of a prompt's embedding spans (engines/contract.py: `Engine.check_spans`)."""
+        if spans:
+            self.forward.check_inputs()
+            check_spans(spans, length, self.hidden_size)
 
     def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         return self.decoder.decode(rows, tokens)

@@ -6,6 +6,11 @@ every position, and they are reduced to log-probabilities before `run` returns (
 becomes groups of rows (the decode rows at q=1, each drafted length, each chunk at its length)
 for `ModelForward.run_groups` (mlx_forward.py); a decode-only plan is a decode step
 (mlx_decode.py). Rows advance only when the whole step succeeded.
+
+A prompt's embedding spans (step.py: `EmbeddingSpan`) ride with its chunks: the rows give the
+forward the spans' rows at the positions a chunk runs (`span_rows`), and hold the prompt's
+cache key (`prompt_key`: the spans' digests at their positions) as its tokens, so the prefix
+cache, kept rows and other rows' prefixes match a span only by its content.
 """
 
 from __future__ import annotations
@@ -16,16 +21,19 @@ import numpy as np
 
 from llm_server.engines.contract import EngineError
 from llm_server.engines.forward.kernels import KernelSet
-from llm_server.engines.forward.model import Group, ModelForward
+from llm_server.engines.forward.model import Group, Inputs, ModelForward
 from llm_server.engines.kv.rows import RowTable
 from llm_server.engines.mlx.decode import DecodePipeline
 from llm_server.engines.plan import (
     DecodeRow,
+    EmbeddingSpan,
     PrefillChunk,
     ScoreChunk,
     ScoreChunkResult,
     StepPlan,
     StepResult,
+    prompt_key,
+    span_rows,
 )
 
 PREFILL_CHUNK = 512  # prompt positions per prefill forward (bounds activation memory)
@@ -56,8 +64,11 @@ class StepExecutor:
         self.speculative = speculative
         self.model_type = model_type
 
-    def prefill(self, row: int, tokens: Sequence[int]) -> np.ndarray:
-        """Reset `row` and run `tokens` through it in chunks; the last position's logits."""
+    def prefill(
+        self, row: int, tokens: Sequence[int], spans: Sequence[EmbeddingSpan] = ()
+    ) -> np.ndarray:
+        """Reset `row` and run `tokens` through it in chunks (`spans`: its embedding spans);
+        the last position's logits."""
         table = self.table
         table.check_row(row)
         n = len(tokens)
@@ -67,16 +78,22 @@ class StepExecutor:
             raise ValueError(f"prompt of {n} tokens exceeds the context of {self.context_length}")
         if table.ahead[row]:
             raise RuntimeError(f"row {row} has a decode step in flight; release it first")
+        if spans:
+            self.forward.check_inputs()
         tokens = [int(t) for t in tokens]
-        reused = table.open(row, tokens)
+        key = prompt_key(tokens, spans) if spans else tokens
+        reused = table.open(row, key)
         logits = None
         for start in range(reused, n, PREFILL_CHUNK):
-            chunk = tokens[start : start + PREFILL_CHUNK]
+            end = min(start + PREFILL_CHUNK, n)
+            inputs = {0: span_rows(spans, start, end)} if spans else None
             try:
-                logits = self.forward.run_groups([([row], [start], [chunk])])
+                logits = self.forward.run_groups(
+                    [([row], [start], [tokens[start:end]])], inputs=inputs
+                )
             except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
                 raise EngineError(f"forward failed: {exc}") from exc
-            table.tokens[row].extend(chunk)
+            table.tokens[row].extend(key[start:end])
         return logits[0]
 
     def run(self, plan: StepPlan) -> StepResult:
@@ -92,6 +109,8 @@ class StepExecutor:
             return StepResult(tuple(rows), logits)
         if drafted and not self.speculative:
             raise EngineError(f"{self.model_type}: drafts cannot be verified on this model")
+        if any(c.spans for c in plan.prefill):
+            self.forward.check_inputs()
         table = self.table
         groups: list[Group] = []
         rows = [d.row for d in plan.decode]
@@ -134,11 +153,12 @@ class StepExecutor:
             )
         before = table.states.snapshot([*rows, *(c.row for c in plan.prefill)])
         cached: dict[int, int] = {}
-        segments: list[tuple[PrefillChunk, list[int]]] = []
+        segments: list[tuple[PrefillChunk, list[int]]] = []  # each chunk's cache key
+        inputs: dict[int, Inputs] = {}  # group -> the embedding rows of its positions
         try:
             for chunk in plan.prefill:
                 if chunk.fresh:
-                    prompt = [int(t) for t in chunk.prompt]
+                    prompt = prompt_key(chunk.prompt, chunk.spans)
                     if not prompt or len(prompt) > self.context_length:
                         raise ValueError(f"a prompt of {len(prompt)} tokens cannot be run")
                     start = cached[chunk.row] = table.open(chunk.row, prompt)
@@ -147,8 +167,13 @@ class StepExecutor:
                     if start != table.cursor(chunk.row):
                         raise ValueError(f"row {chunk.row} is at {table.cursor(chunk.row)}")
                 # only this chunk's ids: a long prompt is not converted again at every chunk
-                seg = [int(t) for t in chunk.prompt[start : start + chunk.tokens]]
-                segments.append((chunk, seg))
+                end = min(start + chunk.tokens, len(chunk.prompt))
+                seg = [int(t) for t in chunk.prompt[start:end]]
+                if chunk.spans:
+                    inputs[len(groups)] = span_rows(chunk.spans, start, end)
+                    segments.append((chunk, prompt_key(chunk.prompt, chunk.spans, start, end)))
+                else:
+                    segments.append((chunk, seg))
                 groups.append(([chunk.row], [start], [seg]))
             scored: list[tuple[ScoreChunk, list[int]]] = []
             for sc in plan.score:
@@ -156,7 +181,7 @@ class StepExecutor:
                 ids = self._score_segment(sc)
                 scored.append((sc, ids))
                 groups.append(([sc.row], [sc.start], [ids]))
-            logits = self.forward.run_groups(groups, frozenset(every))
+            logits = self.forward.run_groups(groups, frozenset(every), inputs)
             scores = self._reduce_scores(plan.score, logits)
         except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
             table.states.restore(before)

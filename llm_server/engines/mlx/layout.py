@@ -162,11 +162,12 @@ class _HeadProxy:
         return self._sliced if name == self._name else getattr(self._model, name)
 
 
-def last_logits(model, inner: str | None, ids: mx.array, cache: list) -> mx.array:
-    """mlx-lm's forward of `model` over ids [B, q]; logits [B, vocab] of the last position."""
+def last_logits(model, inner: str | None, ids: mx.array, cache: list, **kw) -> mx.array:
+    """mlx-lm's forward of `model` over ids [B, q]; logits [B, vocab] of the last position
+    (`kw`: mlx-lm's `input_embeddings`)."""
     if inner is None:
-        return model(ids, cache=cache)[:, -1, :]
-    return type(model).__call__(_HeadProxy(model, inner), ids, cache=cache)[:, -1, :]
+        return model(ids, cache=cache, **kw)[:, -1, :]
+    return type(model).__call__(_HeadProxy(model, inner), ids, cache=cache, **kw)[:, -1, :]
 
 
 def output_head(model) -> tuple[object, bool]:
