@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import json
 import re
+from functools import lru_cache
 from typing import Any
+
+from jsonschema import Draft202012Validator, validators
+from jsonschema.exceptions import ValidationError, best_match
 
 from llm_server.api.shared.errors import invalid
 from llm_server.tools.spec import ChoiceMode, ToolChoice, ToolRequest, ToolSpec
@@ -71,10 +75,63 @@ def _tool(t: Any, param: str) -> ToolSpec:
         params = {"type": "object", "properties": {}}
     if not isinstance(params, dict):
         raise invalid(f"{param}.function.parameters", "parameters must be a JSON schema object")
+    _check_schema(params, f"{param}.function.parameters", name)
     strict = fn.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise invalid(f"{param}.function.strict", "'strict' must be a boolean")
     return ToolSpec(name=name, description=desc, parameters=params, strict=bool(strict))
+
+
+def _check_schema(schema: dict, param: str, name: str) -> None:
+    """400 naming the first bad keyword of a tool schema that is not a JSON Schema, as the hosted
+    APIs answer (the draft its `$schema` names, else 2020-12)."""
+    problems = _schema_problems(json.dumps(schema, sort_keys=True))
+    if problems is None:
+        return
+    draft, found = problems
+    where, _ = found[0]
+    listed = "; ".join(f"at {f'{w!r}' if w else 'the top'}: {m}" for w, m in found[:3])
+    raise invalid(
+        f"{param}.{where}" if where else param,
+        f"the schema of tool {name!r} is not a valid JSON Schema ({draft}): {listed}",
+    )
+
+
+@lru_cache(maxsize=1024)  # agents send the same tools every turn; a check costs milliseconds
+def _schema_problems(text: str) -> tuple[str, list[tuple[str, str]]] | None:
+    """(draft, [(keyword path, what is wrong)]) in the schema's order, or None when valid.
+    Formats are not checked: a `pattern` in ECMA-262 syntax that Python's `re` rejects is no
+    error of the client's."""
+    schema = json.loads(text)
+    cls = validators.validator_for(schema, default=Draft202012Validator)
+    errors = list(cls(cls.META_SCHEMA).iter_errors(schema))
+    if not errors:
+        return None
+    found: dict[tuple[str, ...], str] = {}
+    for error in errors:
+        leaf = _leaf(error)
+        found.setdefault(tuple(map(str, leaf.absolute_path)), leaf.message)
+    draft = cls.__name__.removesuffix("Validator").replace("Draft", "Draft ")
+    if len(draft) == len("Draft 202012"):
+        draft = f"{draft[:-2]}-{draft[-2:]}"
+    return draft, [(".".join(path), found[path]) for path in sorted(found)]
+
+
+def _leaf(error: ValidationError) -> ValidationError:
+    """The sub-error that says most: the deepest in the schema (an `anyOf` in the meta-schema
+    hides it), a wrong value before a wrong type, the most relevant of those."""
+    leaves, todo = [], [error]
+    while todo:
+        e = todo.pop()
+        if e.context:
+            todo.extend(e.context)
+        else:
+            leaves.append(e)
+    depth = max(len(e.absolute_path) for e in leaves)
+    deepest = [e for e in leaves if len(e.absolute_path) == depth]
+    # of "12 is not of type 'array'" and "12 is not one of [the type names]", the second
+    told = [e for e in deepest if e.validator != "type"] or deepest
+    return best_match(told) or error
 
 
 def _choice(raw: Any, tools: list[ToolSpec]) -> ToolChoice:
