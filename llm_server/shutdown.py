@@ -16,7 +16,7 @@ from types import FrameType
 
 import uvicorn
 
-from llm_server.api.state import AppState
+from llm_server.api.shared.state import AppState
 
 log = logging.getLogger("llm_server")
 

@@ -42,9 +42,9 @@ def load_warm_prompts(path: str | Path) -> list[Any]:
 
 def warm_tokens(service, items: list[Any]) -> list[list[int]]:
     """Each item's prompt ids as the API would build them for `service`'s model."""
-    from llm_server.api.chat_plan import chat_prompt
-    from llm_server.api.errors import APIError
-    from llm_server.api.schemas import parse_chat
+    from llm_server.api.chat.plan import chat_prompt
+    from llm_server.api.shared.errors import APIError
+    from llm_server.api.shared.schemas import parse_chat
 
     out = []
     for i, item in enumerate(items):

@@ -167,7 +167,7 @@ NO_SYSTEM_TEMPLATE = (
 def test_a_template_without_a_system_turn_gets_the_tools_in_the_first_user_turn(tiny_model_path):
     from types import SimpleNamespace
 
-    from llm_server.api.chat_plan import render_prompt
+    from llm_server.api.chat.plan import render_prompt
     from llm_server.tokenizer import Tokenizer
 
     tok = Tokenizer(tiny_model_path, chat_template=NO_SYSTEM_TEMPLATE)

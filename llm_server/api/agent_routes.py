@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from starlette.routing import Route
 
-from llm_server.api.routes_messages import count_tokens, create_message
-from llm_server.api.routes_responses import create_response, delete_response, get_response
+from llm_server.api.anthropic.messages import count_tokens, create_message
+from llm_server.api.openai.responses.routes import create_response, delete_response, get_response
 
 AGENT_ROUTES = [
     Route("/v1/responses", create_response, methods=["POST"]),

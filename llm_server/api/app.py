@@ -13,20 +13,26 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from llm_server.api import messages_output as anthropic
 from llm_server.api.agent_routes import AGENT_ROUTES
-from llm_server.api.common import DEFAULT_MAX_BODY_BYTES
-from llm_server.api.errors import APIError, RefusalLog, error_body, note_refusal
-from llm_server.api.metrics import Metrics, RequestCounter, metrics_endpoint
-from llm_server.api.openapi import openapi_schema
-from llm_server.api.request_log import RequestLogMiddleware, RequestRecorder
-from llm_server.api.routes_chat import chat_completions
-from llm_server.api.routes_completions import completions
-from llm_server.api.routes_embeddings import embeddings
-from llm_server.api.routes_info import detokenize, health, list_models, tokenize, tokenizer_info
-from llm_server.api.routes_models import model_action
-from llm_server.api.security import APIKeyMiddleware, resolve_api_key
-from llm_server.api.state import AppState, scoped_service
+from llm_server.api.info import detokenize, health, list_models, tokenize, tokenizer_info
+from llm_server.api.managed_models import model_action
+from llm_server.api.openai.chat_completions import chat_completions
+from llm_server.api.openai.completions import completions
+from llm_server.api.openai.embeddings import embeddings
+from llm_server.api.openapi.document import openapi_schema
+from llm_server.api.shared.errors import (
+    APIError,
+    RefusalLog,
+    anthropic_error,
+    error_body,
+    is_anthropic,
+    note_refusal,
+)
+from llm_server.api.shared.handling import DEFAULT_MAX_BODY_BYTES
+from llm_server.api.shared.metrics import Metrics, RequestCounter, metrics_endpoint
+from llm_server.api.shared.request_log import RequestLogMiddleware, RequestRecorder
+from llm_server.api.shared.security import APIKeyMiddleware, resolve_api_key
+from llm_server.api.shared.state import AppState, scoped_service
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +45,8 @@ async def _openapi(request: Request) -> Response:
 
 async def _api_error(request: Request, exc: APIError) -> Response:
     note_refusal(request, exc)
-    if anthropic.is_anthropic(request.url.path):
-        return anthropic.error_response(exc.status, exc.message, exc.headers)
+    if is_anthropic(request.url.path):
+        return anthropic_error(exc.status, exc.message, exc.headers)
     return exc.response()
 
 
@@ -51,8 +57,8 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     }
     message = messages.get(exc.status_code, str(exc.detail))
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    if anthropic.is_anthropic(request.url.path):
-        return anthropic.error_response(exc.status_code, message, exc.headers)
+    if is_anthropic(request.url.path):
+        return anthropic_error(exc.status_code, message, exc.headers)
     return JSONResponse(
         error_body(exc.status_code, message, code=code),
         status_code=exc.status_code,
@@ -62,8 +68,8 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 async def _server_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s", request.url.path)
-    if anthropic.is_anthropic(request.url.path):
-        return anthropic.error_response(500, "internal server error")
+    if is_anthropic(request.url.path):
+        return anthropic_error(500, "internal server error")
     return JSONResponse(error_body(500, "internal server error"), status_code=500)
 
 
@@ -142,7 +148,7 @@ def create_app(
         request_log.set_secret(key)
         middleware.append(Middleware(RequestLogMiddleware, recorder=request_log, state=state))
     if state.manager is not None:  # innermost: a request's model loads after the key check
-        from llm_server.models.router import ModelRouter
+        from llm_server.api.model_router import ModelRouter
 
         middleware.append(Middleware(ModelRouter, state=state, max_body_bytes=max_body_bytes))
     app = Starlette(

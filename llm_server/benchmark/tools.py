@@ -13,8 +13,8 @@ import asyncio
 import time
 from pathlib import Path
 
-from llm_server.api.chat_plan import plan_chat
-from llm_server.api.schemas import parse_chat
+from llm_server.api.chat.plan import plan_chat
+from llm_server.api.shared.schemas import parse_chat
 from llm_server.scheduler import TokenEvent
 from llm_server.service import ModelService
 

@@ -22,7 +22,9 @@ URL_ENV = "LLM_SERVER_URL"
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llm-server", description=__doc__)
     verbs = p.add_subparsers(dest="verb", required=True)
-    ls = verbs.add_parser("ls", help="models in the registry file and the Hugging Face cache")
+    ls = verbs.add_parser(
+        "ls", help="models in the registry file, the converted-model cache and the HF cache"
+    )
     ls.add_argument(
         "--models", metavar="FILE", help=f"registry (default {default_registry_path()})"
     )
@@ -53,18 +55,27 @@ def run_verb(argv: list[str]) -> int:
 
 
 def ls(args: argparse.Namespace) -> int:
-    """Registered models (with their source's size on disk), then the HF cache."""
+    """Registered models (with their source's size on disk), the models converted into
+    llm-server's cache (the default model among them, named `default`), then the HF cache."""
+    from llm_server.default_model import converted_models
     from llm_server.models.hub import cached_repos
 
     registry = Path(args.models).expanduser() if args.models else default_registry_path()
+    converted = converted_models()
     cached = cached_repos()
     sizes = {repo.repo_id: format_bytes(repo.size) for repo in cached}
+    for model in converted:
+        if model.default:  # a registry entry with source "default" serves this folder
+            sizes["default"] = _disk(str(model.path))
     rows = [("NAME", "WHERE", "SIZE")]
     if args.models or registry.is_file():
         for entry in load_registry(registry):
             hub = entry.source.split("@", 1)[0]  # a hub id's size: its cache folder's
             size = sizes.get(hub) or _disk(entry.source)
             rows.append((entry.id, f"registry: {entry.source}", size))
+    for model in converted:
+        name = "default" if model.default else model.name
+        rows.append((name, f"converted: {model.path}", _disk(str(model.path))))
     for repo in cached:
         rows.append((repo.repo_id, "hf cache", sizes[repo.repo_id]))
     _table(rows)

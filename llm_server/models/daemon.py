@@ -7,8 +7,8 @@ import argparse
 import copy
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
-from llm_server.api.state import AppState
 from llm_server.model_source import resolve_model_source
 from llm_server.models.manager import ManagerConfig, ModelManager
 from llm_server.models.memory import ModelSize, default_budget, estimate_size
@@ -64,7 +64,13 @@ def resolve_source(source: str) -> Path:
     return resolve_model_source(None if source == "default" else source).path
 
 
-def manage(state: AppState, app) -> None:
+class _Managed(Protocol):
+    """The app state of a many-model daemon (api.state.AppState; models/ does not import api/)."""
+
+    manager: ModelManager
+
+
+def manage(state: _Managed, app) -> None:
     """Per-model metrics on the app: step listeners on each loaded service, labelled gauges."""
     manager = state.manager
     manager.on_loaded(lambda _id, service: app.state.metrics.attach(service))

@@ -20,7 +20,7 @@ MESS = ("/v1/messages", {"messages": ASK, "max_tokens": 3, "temperature": 0})
 @pytest.fixture(scope="module")
 def one_row(tiny_model_path, tmp_path_factory):
     """One row, no queue, a request log (its lines show when a handler has ended)."""
-    from llm_server.api.request_log import RequestRecorder
+    from llm_server.api.shared.request_log import RequestRecorder
     from llm_server.testing.live import serving
 
     log = tmp_path_factory.mktemp("admission") / "log.jsonl"

@@ -16,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 
-from llm_server.api.responses_store import ResponseStore
+from llm_server.api.openai.responses.store import ResponseStore
 from tests.api.helpers import GREEDY, WEATHER_SCHEMA, chat_once
 
 FN_TOOL = {"type": "function", "name": "get_weather", "parameters": WEATHER_SCHEMA, "strict": True}

@@ -10,8 +10,8 @@ import anthropic
 import openai
 import pytest
 
-from llm_server.api.messages_input import parse_messages_request
-from llm_server.api.responses_input import parse_responses
+from llm_server.api.anthropic.input import parse_messages_request
+from llm_server.api.openai.responses.input import parse_responses
 from tests.api.test_reasoning import ANSWER, ASK, THOUGHT, _script
 
 GREEDY = {"temperature": 0}

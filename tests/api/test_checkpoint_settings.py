@@ -11,7 +11,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from llm_server.api.schemas import parse_chat, parse_completion
+from llm_server.api.shared.schemas import parse_chat, parse_completion
 from llm_server.generation_config import SamplingDefaults, load_sampling_defaults
 from llm_server.testing.live import serving
 from llm_server.testing.tiny import EOS_TOKEN

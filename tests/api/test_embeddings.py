@@ -15,7 +15,7 @@ import numpy as np
 import openai
 import pytest
 
-from llm_server.api.routes_embeddings import MAX_INPUTS
+from llm_server.api.openai.embeddings import MAX_INPUTS
 from llm_server.testing.embedding import add_sentence_transformers_files
 from llm_server.testing.tiny import TinySpec, build_tiny_checkpoint
 from tests.embedding_reference import ReferenceLlama

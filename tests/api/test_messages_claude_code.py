@@ -14,7 +14,7 @@ import anthropic
 import httpx
 import pytest
 
-from llm_server.api.messages_system import place_system, renders_system_in_place
+from llm_server.api.anthropic.system import place_system, renders_system_in_place
 from llm_server.testing.tiny import build_tiny_checkpoint
 from llm_server.tokenizer import Tokenizer
 from tests.api.helpers import GREEDY, WEATHER_SCHEMA

@@ -13,7 +13,7 @@ import numpy as np
 import openai
 import pytest
 
-from llm_server.api import chat_plan
+from llm_server.api.chat import plan as chat_plan
 from llm_server.decoding import LogitsConstraint
 from tests.api.helpers import ForcedPrefix
 

@@ -8,7 +8,7 @@ import logging
 import httpx
 import pytest
 
-LOGGER = "llm_server.api.errors"
+LOGGER = "llm_server.api.shared.errors"
 
 
 @pytest.fixture

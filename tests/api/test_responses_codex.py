@@ -19,8 +19,8 @@ import jsonschema
 import openai
 import pytest
 
-from llm_server.api.responses_input import parse_responses
-from llm_server.api.responses_tools import ToolMap, chat_tools, custom_input
+from llm_server.api.openai.responses.input import parse_responses
+from llm_server.api.openai.responses.tools import ToolMap, chat_tools, custom_input
 from llm_server.testing.tiny import HERMES_TEMPLATE, TinySpec, build_tiny_checkpoint
 from tests.api.helpers import WEATHER_SCHEMA
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from llm_server.api.responses_items import input_messages
-from llm_server.api.responses_output import OutputItems
-from llm_server.api.responses_tools import chat_tools
+from llm_server.api.openai.responses.items import input_messages
+from llm_server.api.openai.responses.output import OutputItems
+from llm_server.api.openai.responses.tools import chat_tools
 
 TOOLS = [
     {"type": "namespace", "name": "ns", "description": "d", "tools": [

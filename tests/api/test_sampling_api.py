@@ -230,7 +230,7 @@ def server_tokenizer(model: Path):
 
 
 def test_seeded_choices_use_consecutive_seeds():
-    from llm_server.api.common import choice_params
+    from llm_server.api.shared.handling import choice_params
 
     p = SamplingParams(max_tokens=4, seed=40)
     assert [choice_params(p, i).seed for i in range(3)] == [40, 41, 42]

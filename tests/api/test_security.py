@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from llm_server.api.security import API_KEY_ENV
+from llm_server.api.shared.security import API_KEY_ENV
 from tests.api.helpers import assert_openai_error
 
 KEY = "s3cret-key"

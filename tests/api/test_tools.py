@@ -15,7 +15,7 @@ import openai
 import pydantic
 import pytest
 
-from llm_server.api import chat_plan
+from llm_server.api.chat import plan as chat_plan
 from tests.api.helpers import WEATHER_SCHEMA, ForcedPrefix
 
 TOOLS = [

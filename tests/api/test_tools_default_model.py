@@ -11,9 +11,9 @@ import jsonschema
 import openai
 import pytest
 
-from llm_server.api import chat_plan
-from llm_server.api.chat_tools import parse_tools
-from llm_server.api.schemas import parse_messages
+from llm_server.api.chat import plan as chat_plan
+from llm_server.api.shared.schemas import parse_messages
+from llm_server.api.shared.tool_fields import parse_tools
 from tests.api.helpers import WEATHER_SCHEMA, ForcedPrefix
 
 pytestmark = pytest.mark.slow

@@ -169,3 +169,36 @@ def test_ls_lists_the_registry_with_sizes(tmp_path, tiny_models):
         ["alpha", "registry:", str(tiny_models["alpha"]), size],
         ["later", "registry:", "acme/not-pulled", "-"],
     ]
+
+
+def test_ls_lists_the_converted_models_the_default_as_default(tmp_path):
+    """A new user's `llm-server ls`: the default model converted on first use, other converted
+    GGUFs by name, a registry entry serving "default" sized by that folder; partial conversions,
+    locks and a stale conversion's key are not the default."""
+    from llm_server.default_model import MODEL_NAME, _cache_key, default_gguf_path
+
+    models = tmp_path / "cache" / "models"
+    default = models / f"{MODEL_NAME}-{_cache_key(default_gguf_path())}"
+    stale = models / f"{MODEL_NAME}-000000000000"
+    other = models / "Qwen3-0.6B-Q8_0-0123456789ab"
+    for folder, size in ((default, 3000), (stale, 2000), (other, 1000)):
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"\0" * size)
+    (models / f".{other.name}.partial-1").mkdir()
+    (models / f"{other.name}.lock").write_text("")
+    env = _env(tmp_path, HF_HUB_OFFLINE="1", LLM_SERVER_CACHE=str(tmp_path / "cache"))
+    listed = _cli(env, "ls")
+    assert listed.returncode == 0, listed.stderr
+    assert [line.split() for line in listed.stdout.splitlines()] == [
+        ["NAME", "WHERE", "SIZE"],
+        ["default", "converted:", str(default), format_bytes(3000)],
+        ["Qwen3-0.6B-Q8_0", "converted:", str(other), format_bytes(1000)],
+        [MODEL_NAME, "converted:", str(stale), format_bytes(2000)],
+    ]
+    registry = tmp_path / "models.toml"
+    registry.write_text('[[models]]\nid = "smol"\nsource = "default"\n')
+    listed = _cli(env, "ls", "--models", str(registry))
+    assert listed.returncode == 0, listed.stderr
+    rows = [line.split() for line in listed.stdout.splitlines()]
+    assert rows[1] == ["smol", "registry:", "default", format_bytes(3000)]
+    assert [r[0] for r in rows[2:]] == ["default", "Qwen3-0.6B-Q8_0", MODEL_NAME]

@@ -20,7 +20,7 @@ class Recording:
 @pytest.fixture(scope="session")
 def recording(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Recording:
     """20 mixed requests sent to a serial live server that logs requests."""
-    from llm_server.api.request_log import RequestRecorder
+    from llm_server.api.shared.request_log import RequestRecorder
     from llm_server.testing.live import LiveServer, tiny_service
 
     path = tmp_path_factory.mktemp("replay") / "requests.jsonl"

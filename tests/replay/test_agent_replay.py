@@ -36,7 +36,7 @@ def _traffic(url: str) -> list[str]:
 
 
 def test_agent_endpoints_are_logged_and_replayed(tiny_model_path, make_service, tmp_path):
-    from llm_server.api.request_log import RequestRecorder
+    from llm_server.api.shared.request_log import RequestRecorder
     from llm_server.testing.live import LiveServer
 
     path = tmp_path / "agents.jsonl"

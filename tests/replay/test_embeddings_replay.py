@@ -18,7 +18,7 @@ TEXTS = ["The capital of France", "Hello, how are you today?", "Paris"]
 
 
 def test_embeddings_are_logged_and_replayed(tiny_model_path, make_service, tmp_path):
-    from llm_server.api.request_log import RequestRecorder
+    from llm_server.api.shared.request_log import RequestRecorder
     from llm_server.testing.live import LiveServer
 
     path = tmp_path / "embeddings.jsonl"

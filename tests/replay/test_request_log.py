@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from llm_server.api.request_log import RequestRecorder
+from llm_server.api.shared.request_log import RequestRecorder
 from replay.log import LOG_VERSION, LogEntry, read_log
 from tests.replay.traffic import mixed_requests
 

@@ -1,0 +1,1 @@
+"""The one chat path every chat-shaped API shares: the request's tools, its plan, its run."""

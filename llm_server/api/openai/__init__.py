@@ -1,0 +1,1 @@
+"""The OpenAI-compatible routes: chat completions, completions, embeddings, Responses."""

@@ -1,0 +1,1 @@
+"""The OpenAPI 3.0 document served at /openapi.json (document.py), built from its parts."""
