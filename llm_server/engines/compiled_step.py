@@ -12,8 +12,8 @@ the shape too.
 
 The graph is the forward itself: `FusedForward.run` over one group of decode rows, traced,
 with the group's attention reading and writing the store arrays that are the graph's inputs
-(the kernel set's: the native decode ops, or `GraphAttention`'s MLX ops). Under the linux_cpu kernel set
-(engines/kernels.py) its logits equal the eager forward's bit for bit (native/decode_attention
+(built by the step's kernel context: the native decode ops, or `GraphAttention`'s MLX ops).
+Under the linux_cpu kernel set (engines/kernels.py) its logits equal the eager forward's bit for bit (native/decode_attention
 says why): the eager decode positions, of a pure decode step or of a mixed one, run the same
 products, the same rotation and the same attention arithmetic over the same span, and
 compiling changes no rounding. So a row's greedy tokens do not depend on whether a step was

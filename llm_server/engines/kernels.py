@@ -17,12 +17,16 @@ logits do not depend on batching, mixing or compiling, bit for bit (S10); the ge
 that promise on Metal's terms, which the tests on the CPU check to a stated tolerance where MLX's
 fused attention rounds differently per shape.
 
-Each set is an object of functions, the arithmetic of a fused layer (`KernelSet.functions`:
-norm, the stacked products, activation, attention, the output head) that the one forward
-(engines/fused_decode.py) calls: `GenericKernels` here, `LinuxCPUKernels` with the native code
-(llm_server/native/cpu_set.py). The native decode ops and the skinny library stay optional
-inside `linux_cpu`: where they did not build, the same set runs the MLX-op forms of the same
-arithmetic.
+Each set is one object (`KernelSet.functions`) behind a closed interface (the Protocols below:
+`Kernels` -> `FusedKernels` -> `ForwardContext`): a fused forward gets its kernels from the set,
+and from them the context of each forward over its positions; the context builds the groups'
+attention objects and holds the arithmetic of a fused layer (norm, the stacked products,
+activation, attention, the output head) that the one forward (engines/fused_decode.py) calls.
+`GenericKernels` is here (plain MLX ops; its context holds nothing), `LinuxCPUKernels` with the
+native code (llm_server/native/cpu_set.py: its context splits products over two CPU streams,
+the native decode ops attend), imported only by the registry (`_functions`). The native decode
+ops and the skinny library stay optional inside `linux_cpu`: where they did not build, the same
+set runs the MLX-op forms of the same arithmetic.
 """
 
 from __future__ import annotations
