@@ -230,8 +230,8 @@ def test_the_engine_uses_them_where_they_apply(tiny_llama_path, tiny_model_path)
     from llm_server.engines.mlx.engine import MLXEngine
     from llm_server.engines.settings import EngineSettings
 
-    assert MLXEngine(tiny_llama_path, EngineSettings(rows=1)).fused.ops is not None
-    assert MLXEngine(tiny_model_path, EngineSettings(rows=1)).fused.ops is None
+    assert MLXEngine(tiny_llama_path, EngineSettings(rows=1)).fused.k.ops is not None
+    assert MLXEngine(tiny_model_path, EngineSettings(rows=1)).fused.k.ops is None
 
 
 @pytest.fixture(scope="module")
@@ -326,9 +326,9 @@ def test_the_engine_runs_whole_layers_where_they_apply(tiny_llama_path, tmp_path
     from llm_server.testing.tiny import TinySpec, build_tiny_checkpoint
 
     qwen2 = build_tiny_checkpoint(tmp_path / "tiny-qwen2", TinySpec(arch="qwen2"))
-    assert MLXEngine(qwen2, EngineSettings(rows=1)).fused.whole_layers is False
+    assert MLXEngine(qwen2, EngineSettings(rows=1)).fused.k.whole_layers is False
     llama = MLXEngine(tiny_llama_path, EngineSettings(rows=1)).fused
-    assert llama.whole_layers == skinny.loaded()
+    assert llama.k.whole_layers == skinny.loaded()
 
 
 # ---- the attention's one arithmetic, bit for bit (decode_ops.cpp's header says which) ----

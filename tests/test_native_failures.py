@@ -270,7 +270,7 @@ def test_an_engine_whose_decode_ops_fail_their_check_serves_as_without_them(
             req, out = make_request(tok, prompt, 12, ignore_eos=True)
             sched.submit(req)
             assert out.done.wait(60)
-            return out.tokens, sched.engine.fused.ops
+            return out.tokens, sched.engine.fused.k.ops
         finally:
             sched.close(10)
 

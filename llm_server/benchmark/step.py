@@ -81,9 +81,9 @@ def _build_ms(engine, rows: list[int], tokens: list[int]) -> float:
 
     ids = mx.array([[t] for t in tokens], dtype=mx.int32)
     starts = [engine.cursor(r) for r in rows]
-    split = engine.forward.split(len(rows))
+    context = engine.forward.context(len(rows))
     start = time.perf_counter()
-    logits = engine.forward.graph(rows, starts, ids, split)
+    logits = engine.forward.graph(rows, starts, ids, context)
     built = time.perf_counter() - start
     mx.eval(logits, *engine.row_table.held())
     return built * 1e3

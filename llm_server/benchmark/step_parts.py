@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from contextlib import nullcontext
 
 from llm_server.benchmark.settings import probe_parser
 
@@ -40,7 +39,7 @@ def measure(model: str, rows: int, prompt_len: int, reps: int) -> dict[str, list
 
     from llm_server.engines.mlx.engine import MLXEngine
     from llm_server.engines.settings import EngineSettings
-    from llm_server.native import blas, decode_attention
+    from llm_server.native import decode_attention
 
     engine = MLXEngine(model, EngineSettings(rows=rows, compiled_decode=True))
     fused = engine.fused
@@ -49,7 +48,7 @@ def measure(model: str, rows: int, prompt_len: int, reps: int) -> dict[str, list
     ids = list(range(rows))
     for r in ids:
         engine.prefill(r, [(7 * i + 3 * r) % 1000 + 10 for i in range(prompt_len + 5 * r)])
-    split = engine.forward.split(rows)
+    context = engine.forward.context(rows)  # the step's kernels (products split or not)
     layers, dim = fused.layers, fused.layers[0].qkv.weight.shape[1]
     x = mx.random.normal((rows, dim), key=mx.random.key(0))
     width = decode_attention.span(
@@ -61,18 +60,19 @@ def measure(model: str, rows: int, prompt_len: int, reps: int) -> dict[str, list
     mask = decode_attention.mask(mx.array([width - 1] * rows, dtype=mx.int32), 1, width)
 
     def products():  # chained as in the step: each product waits for the one before
-        k, h = fused.k, x  # the engine's kernel set's products
+        k, h = context, x  # the engine's kernel set's products
         for layer in layers:
-            qkv = k.product(layer.qkv, h, split)
-            o = k.product(layer.o, qkv[:, : layer.heads * layer.head_dim], split)
-            gate, up = k.pair(layer.gate_up, o, split)
-            h = k.product(layer.down, gate * up, split)
-        return k.head(fused.lm_head, h, split)
+            qkv = k.product(layer.qkv, h)
+            o = k.product(layer.o, qkv[:, : layer.heads * layer.head_dim])
+            gate, up = k.pair(layer.gate_up, o)
+            h = k.product(layer.down, gate * up)
+        return k.head(fused.lm_head, h)
 
     def attention():
         return [decode_attention.attend(queries, keys, keys, mask, layer.scale) for layer in layers]
 
-    if fused.ops is not None:  # the step attends with the decode ops: time their `attend`
+    ops = getattr(fused.k, "ops", None)  # the linux_cpu set's native decode ops
+    if ops is not None:  # the step attends with the decode ops: time their `attend`
         width = (first.heads + 2 * first.kv_heads) * first.head_dim
         qkv = mx.random.normal((rows, width), key=mx.random.key(3))
         row_ids = mx.array(ids, dtype=mx.int32)
@@ -82,7 +82,7 @@ def measure(model: str, rows: int, prompt_len: int, reps: int) -> dict[str, list
 
         def attention():
             return [
-                fused.ops.attend(qkv, k, v, *geometry, first.head_dim, 1, first.scale)
+                ops.attend(qkv, k, v, *geometry, first.head_dim, 1, first.scale)
                 for k, v in zip(store.keys, store.values, strict=True)
             ]
 
@@ -96,11 +96,11 @@ def measure(model: str, rows: int, prompt_len: int, reps: int) -> dict[str, list
     parts["norms"] = mx.compile(norms)
     times: dict[str, list[float]] = {k: [] for k in [*parts, "whole step"]}
     tokens = [5] * rows
-    with blas.threads(1) if split else nullcontext():
+    with context:
         for fn in parts.values():
             mx.eval(fn())  # trace
     for _ in range(reps):
-        with blas.threads(1) if split else nullcontext():
+        with context:
             for name, fn in parts.items():
                 times[name] += _timed(fn, 1)
         start = time.perf_counter()

@@ -13,11 +13,11 @@ scoring chunk's scores are held once, where MLX's graph holds them two or three 
 from __future__ import annotations
 
 import threading
-from functools import partial
 
 import mlx.core as mx
 import numpy as np
 
+from llm_server.mlx_ops import silu_mul
 from llm_server.native import jit, skinny
 
 NUMPY_MIN_ELEMENTS = 32_768  # below this an MLX op beats a round trip through numpy
@@ -64,13 +64,6 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
         probs = mx.softmax(scores, axis=-1, precise=True)
     out = probs.reshape(b, kv, rep * length, s) @ values
     return out.reshape(b, h, length, d)
-
-
-@partial(mx.compile, shapeless=True)
-def silu_mul(gate: mx.array, x: mx.array) -> mx.array:
-    """silu(gate) * x as one fused kernel (the decode positions' SiLU, and every position's
-    where `numpy_silu()` is False; the generic set's SiLU)."""
-    return gate * mx.sigmoid(gate) * x
 
 
 def numpy_silu() -> bool:

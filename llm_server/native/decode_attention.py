@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-# attention reads each row's first `span` store positions, span = the step's longest history
-# rounded up to this: softmax's exp costs ~12 ns per position on the CPU, so reading the whole
-# capacity (up to GROW - 1 masked positions) costs more than a new compiled graph every SPAN
-# tokens (a trace takes ~15 ms, once per SPAN tokens of the longest row)
-SPAN = 64
+from llm_server import mlx_ops
+
+# the span of whole SPAN blocks this arithmetic reads, its mask (llm_server/mlx_ops.py: the
+# generic set's compiled step reads the same span)
+SPAN, span, mask = mlx_ops.SPAN, mlx_ops.span, mlx_ops.mask
 
 
 @mx.compile
@@ -41,18 +41,6 @@ def _softmax(scores: mx.array) -> mx.array:
     runs a baseline-x86 exp one element at a time: 14 -> 5 ns an element."""
     e = mx.exp(scores - mx.max(scores, axis=-1, keepdims=True))
     return e / mx.sum(e, axis=-1, keepdims=True)
-
-
-def span(positions: int, capacity: int) -> int:
-    """Store positions attention reads when the longest row of a group holds `positions`
-    (its new ones included): rounded up to SPAN, at most the store's capacity."""
-    return min(capacity, -(-positions // SPAN) * SPAN)
-
-
-def mask(starts: mx.array, q: int, width: int) -> mx.array:
-    """[B, 1, q, width] bool: query i of row b sees store positions 0..starts[b] + i."""
-    at = starts[:, None] + mx.arange(q)[None, :]  # [B, q]
-    return (mx.arange(width)[None, None, :] <= at[:, :, None])[:, None]
 
 
 def read(view, width: int) -> tuple[mx.array, mx.array]:

@@ -8,6 +8,7 @@ import sys
 
 import mlx.core as mx
 
+from llm_server.mlx_ops import PATCHED, use_mlx_lm_own
 from llm_server.native.cpu_kernels import (
     NUMPY_MIN_ELEMENTS,
     attention,
@@ -16,7 +17,7 @@ from llm_server.native.cpu_kernels import (
     swiglu,
 )
 
-_INSTALLED: dict[str, bool] = {}  # model module -> whether its patches are on (install)
+_INSTALLED = PATCHED  # model module -> whether its patches are on (install)
 
 
 def _rows(x: mx.array) -> int:
@@ -79,8 +80,7 @@ def install(model, numpy_large: bool) -> bool:
     practice: LLM_SERVER_KERNELS)."""
     module = sys.modules[type(model).__module__]
     if not numpy_large:
-        if module.__name__ in _INSTALLED:
-            _INSTALLED[module.__name__] = False
+        use_mlx_lm_own(model)
         return False
     if module.__name__ in _INSTALLED:
         _INSTALLED[module.__name__] = True

@@ -217,7 +217,7 @@ def test_unsplit_steps_equal_eager(tiny_model_path):
     same attention arithmetic, the same result bit for bit."""
     compiled, eager = _pair(tiny_model_path, rows=3)
     for engine in (compiled, eager):
-        engine.forward.split = lambda positions: False
+        engine.fused.k.may_split = False
     rng = np.random.default_rng(4)
     last = {}
     for row, n in enumerate((SPAN + 5, 9, 30)):
@@ -372,8 +372,8 @@ def test_whole_layer_steps_equal_separate_op_steps(tiny_llama_path):
         MLXEngine(tiny_llama_path, EngineSettings(rows=3)),
         MLXEngine(tiny_llama_path, EngineSettings(rows=3)),
     )
-    assert whole.fused.whole_layers
-    separate.fused.whole_layers = False  # read when a step's graph is traced
+    assert whole.fused.k.whole_layers
+    separate.fused.k.whole_layers = False  # read when a step's graph is traced
     rng = np.random.default_rng(4)
     last = {}
     for row, n in enumerate((GROW - 5, 2, 33)):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from llm_server.engines.forward.fused import FusedForward
-from llm_server.engines.forward.kernels import GenericKernels
+from llm_server.engines.forward.kernels import GenericKernels, MLXAttention
 from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.engines.mlx.layout import output_head
 from llm_server.engines.plan import DecodeRow, PrefillChunk, StepPlan
@@ -47,16 +47,16 @@ def test_decode_mixed_and_scoring_steps_all_run_the_one_forward(
     calls: list[tuple[int, bool]] = []
     run = FusedForward.run
 
-    def counted(self, groups, split):
+    def counted(self, groups, context):
         calls.append((len(groups), all(g.q == 1 for g in groups)))
-        return run(self, groups, split)
+        return run(self, groups, context)
 
     monkeypatch.setattr(FusedForward, "run", counted)
     compiled = MLXEngine(
         tiny_model_path, EngineSettings(rows=3, kernels=kernels, compiled_decode=True)
     )
-    assert compiled.fused.k.name == kernels
-    assert isinstance(compiled.fused.k, GenericKernels) == (kernels == "generic")
+    assert compiled.fused.kernels.name == kernels
+    assert isinstance(compiled.kernels.functions, GenericKernels) == (kernels == "generic")
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     for row, prompt in enumerate(prompts):
         compiled.prefill(row, prompt)
@@ -101,10 +101,10 @@ def test_each_set_patches_and_heads_mlx_lms_forward(tmp_path):
     path = build_family_checkpoint(tmp_path / "gemma", "gemma3_text")
     model = MLXEngine(path, EngineSettings(rows=1, kernels="generic")).model
     module = type(model).__module__
-    cpu, generic = LinuxCPUKernels(), GenericKernels()
-    cpu.patch_mlx_lm(model)
+    cpu, generic = LinuxCPUKernels(MLXAttention), GenericKernels()
+    cpu.prepare_mlx_lm(model, False)
     assert mlx_lm_patches._INSTALLED[module] is True
-    generic.patch_mlx_lm(model)
+    generic.prepare_mlx_lm(model, False)
     assert mlx_lm_patches._INSTALLED[module] is False
     layer, tied = output_head(model)
     hidden = mx.random.normal((1, 1, layer.weight.shape[1]), key=mx.random.key(3))

@@ -141,7 +141,7 @@ def test_prompt_positions_attend_alike_wherever_their_chunk_starts(tiny_llama_pa
     from llm_server.native import cpu_kernels, decode_attention
 
     engine = MLXEngine(tiny_llama_path, EngineSettings(rows=1))
-    if engine.fused is None or engine.fused.ops is None:
+    if engine.fused is None or engine.fused.k.ops is None:
         pytest.skip("the decode ops do not apply here (not Linux's CPU)")
 
     def elsewhere(*args, **kwargs):

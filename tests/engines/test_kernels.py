@@ -61,8 +61,8 @@ def test_each_set_takes_its_own_branches(tiny_model_path):
     assert not cpu.pipelined
     # generic: mlx-lm's rope, eager decode steps, MLX attention, pipelined greedy steps
     assert generic.fused.table is None and generic.fused.compiled is None
-    assert generic.fused.ops is None and generic.pipelined
-    assert not generic.forward.split(1) and not generic.forward.split(8)
+    assert isinstance(generic.fused.k, kernels.GenericFused) and generic.pipelined  # no ops
+    assert generic.forward.context(1).key is None and generic.forward.context(8).key is None
     unfused = MLXEngine(
         tiny_model_path, EngineSettings(rows=2, kernels="generic", fused_decode=False)
     )

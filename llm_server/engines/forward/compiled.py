@@ -6,14 +6,14 @@ of Python on 2 CPU cores). Here the step is traced once per (rows, KV capacity) 
 kernels. Everything that changes from step to step is an input array: the token ids, each
 row's position, the store rows, and the KV store itself (returned updated, so the compiled
 function stays pure). Attention reads a fixed span of each row's store (the longest history
-rounded up to `decode_attention.SPAN` positions) with a per-row mask, so a graph serves SPAN
+rounded up to `mlx_ops.SPAN` positions) with a per-row mask, so a graph serves SPAN
 tokens of the longest row; the store's capacity (grown in `row_cache.GROW` steps) is part of
 the shape too.
 
 The graph is the forward itself: `FusedForward.run` over one group of decode rows, traced,
 with the group's attention reading and writing the store arrays that are the graph's inputs
-(the native decode ops, or `GraphAttention`'s MLX ops). Under the linux_cpu kernel set
-(engines/forward/kernels.py) its logits equal the eager forward's bit for bit (native/decode_attention
+(built by the step's kernel context: the native decode ops, or `GraphAttention`'s MLX ops).
+Under the linux_cpu kernel set (engines/forward/kernels.py) its logits equal the eager forward's bit for bit (native/decode_attention
 says why): the eager decode positions, of a pure decode step or of a mixed one, run the same
 products, the same rotation and the same attention arithmetic over the same span, and
 compiling changes no rounding. So a row's greedy tokens do not depend on whether a step was
@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from llm_server.engines.forward.layers import Group, Rotation, rotate
-from llm_server.native import decode_attention
-from llm_server.native.cpu_set import OpsAttention
 
 MAX_GRAPHS = 48  # compiled graphs kept (each is a small tape of ops; weights are shared)
 
@@ -47,7 +45,8 @@ class StepShape:
     first_row: int  # the step's rows are range(first_row, first_row + batch): a slice, no
     # gather (-1: scattered rows, gathered). With the scoring rows after the serving rows the
     # store never holds the step's rows alone, and a gather copied every layer's K and V
-    split: bool  # products split across two CPU streams (this thread's: see CompiledSteps)
+    context: Hashable  # the kernel set's forward context (`key`: e.g. products split across
+    # two CPU streams, this thread's: see CompiledSteps)
 
 
 class CompiledSteps:
@@ -77,27 +76,28 @@ class CompiledSteps:
         starts: list[int],
         keys: list[mx.array],
         values: list[mx.array],
-        split: bool,
+        context,
     ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
         """One token per row: ids [B, 1] -> (logits [B, vocab], updated keys, updated values).
 
-        `keys`/`values`: the store's arrays per layer, [store_rows, KV, capacity, Dh].
+        `keys`/`values`: the store's arrays per layer, [store_rows, KV, capacity, Dh];
+        `context`: the kernel set's context of the step (engines/forward/kernels.py: ForwardContext).
         """
         store_rows, _, capacity, _ = keys[0].shape
-        if self.decoder.ops is not None:  # the decode ops read each row's positions 0..p
-            span, first_row = 0, 0  # themselves: one graph for any history and any rows
+        span = self.decoder.k.graph_span(max(starts) + 1, capacity)
+        if span == 0:  # the set's attention reads each row's positions 0..p itself: one
+            first_row = 0  # graph for any history and any rows
         else:
-            span = decode_attention.span(max(starts) + 1, capacity)
             first_row = rows[0] if rows == list(range(rows[0], rows[0] + len(rows))) else -1
-        shape = StepShape(len(rows), capacity, span, store_rows, first_row, split)
-        fn = self._graph(shape)
+        shape = StepShape(len(rows), capacity, span, store_rows, first_row, context.key)
+        fn = self._graph(shape, context)
         pos = mx.array(starts, dtype=mx.int32)
         row_ids = mx.array(rows, dtype=mx.int32)
         out = fn(ids, pos, row_ids, *keys, *values)
         n = len(keys)
         return out[0], list(out[1 : 1 + n]), list(out[1 + n :])
 
-    def _graph(self, shape: StepShape) -> Callable:
+    def _graph(self, shape: StepShape, context) -> Callable:
         graphs = getattr(self._local, "graphs", None)
         if graphs is None:
             graphs = self._local.graphs = OrderedDict()
@@ -105,57 +105,41 @@ class CompiledSteps:
         if fn is not None:
             graphs.move_to_end(shape)
             return fn
-        fn = graphs[shape] = mx.compile(self._step_fn(shape))
+        fn = graphs[shape] = mx.compile(self._step_fn(shape, context))
         with self._lock:
             self.traces += 1
         while len(graphs) > MAX_GRAPHS:
             graphs.popitem(last=False)
         return fn
 
-    def _step_fn(self, shape: StepShape) -> Callable:
-        decoder, rotation = self.decoder, self.rotation
+    def _step_fn(self, shape: StepShape, context) -> Callable:
+        """The step of `shape` with `context`'s kernels (every context of the same key has
+        the same arithmetic: the graph serves them all)."""
+        decoder = self.decoder
         layers = len(decoder.layers)
 
         def step(ids, pos, row_ids, *kv):
             keys, values = list(kv[:layers]), list(kv[layers:])  # replaced layer by layer
-            if decoder.ops is not None:
-                attention = OpsAttention(
-                    decoder.ops, rotation, keys, values, row_ids, pos, 1, _allocated
-                )
-            else:
-                attention = GraphAttention(
-                    decoder.k,
-                    keys,
-                    values,
-                    decode_attention.mask(pos, 1, shape.span),  # [B, 1, 1, span]
-                    rotation,
-                    pos,
-                    _writer(shape, pos, row_ids),
-                    _reader(shape, row_ids),
-                )
+            attention = context.graph_attention(keys, values, pos, row_ids, shape)
             group = Group(ids, attention, exact=True, every=True)
-            logits = decoder.run([group], shape.split).astype(mx.float32)
+            logits = decoder.run([group], context).astype(mx.float32)
             return (logits, *keys, *values)
 
         return step
-
-
-def _allocated(i: int, layer) -> None:
-    raise RuntimeError("a compiled step runs on a store that holds every layer")
 
 
 class GraphAttention:
     """A compiled decode step's attention as MLX ops over the store's arrays (the graph's
     inputs, replaced in `keys`/`values` by the written ones): `write(store, new)` puts a
     layer's new entries into its store array, `read(store)` returns the step's rows of it
-    [B, KV, span, Dh]; mask [B, 1, 1, span] bool; the kernel set's `decode_attention`."""
+    [B, KV, span, Dh]; mask [B, 1, 1, span] bool; the forward context's `attend_graph`."""
 
     whole_layer = None  # (only the decode ops run a whole layer)
 
     def __init__(
-        self, kernels, keys: list, values: list, mask, rotation: Rotation | None, pos, write, read
+        self, context, keys: list, values: list, mask, rotation: Rotation | None, pos, write, read
     ) -> None:
-        self.k, self.keys, self.values, self.mask = kernels, keys, values, mask
+        self.k, self.keys, self.values, self.mask = context, keys, values, mask
         self.rotation, self.pos, self.write, self.read = rotation, pos, write, read
         if rotation is not None:  # [B, 1, 1, Dh], gathered once per step
             self.cos2 = rotation.cos2[pos][:, None, None]
@@ -176,10 +160,10 @@ class GraphAttention:
         self.keys[i] = self.write(self.keys[i], qk[:, nh:])
         self.values[i] = self.write(self.values[i], v)
         keys, values = self.read(self.keys[i]), self.read(self.values[i])
-        return self.k.decode_attention(layer, qk[:, :nh], keys, values, self.mask)
+        return self.k.attend_graph(layer, qk[:, :nh], keys, values, self.mask)
 
 
-def _writer(shape: StepShape, pos: mx.array, row_ids: mx.array) -> Callable:
+def writer(shape: StepShape, pos: mx.array, row_ids: mx.array) -> Callable:
     """store [R, KV, cap, Dh], new [B, KV, 1, Dh] -> store with each row's new entry written."""
 
     start = mx.stack([row_ids[0], pos[0]]) if shape.batch == 1 else None  # once, not per layer
@@ -193,7 +177,7 @@ def _writer(shape: StepShape, pos: mx.array, row_ids: mx.array) -> Callable:
     return write
 
 
-def _reader(shape: StepShape, row_ids: mx.array) -> Callable:
+def reader(shape: StepShape, row_ids: mx.array) -> Callable:
     """store [R, KV, cap, Dh] -> the step's rows [B, KV, span, Dh]."""
 
     whole = shape.first_row == 0 and shape.batch == shape.store_rows

@@ -40,7 +40,6 @@ from llm_server.engines.forward.layers import (
 )
 from llm_server.engines.kv.store import RowView
 from llm_server.engines.mlx.layout import PLAIN_HEAD_MODULES, model_family, output_head
-from llm_server.native.cpu_set import OpsAttention
 
 
 class FusedForward:
@@ -53,7 +52,6 @@ class FusedForward:
     ):
         self.model = model
         self.kernels = kernels  # engines/forward/kernels.py: the engine's KernelSet
-        self.k = kernels.functions  # the set's arithmetic
         self.layers = layers
         self.lm_head = lm_head
         self.use_table(table)
@@ -61,16 +59,14 @@ class FusedForward:
         # CPU, `EngineSettings(compiled_decode=...)`): every step builds its graph eagerly
         self.compiled: CompiledSteps | None = None
 
-    def use_table(self, table: mx.array | None, ops: bool = True) -> None:
+    def use_table(self, table: mx.array | None, native: bool = True) -> None:
         """Rotate by `table` ([positions, Dh] cos | sin, shared by every layer; None: the
-        layers' rope modules), and run every position's attention on the engine's rows as the
-        native decode ops where the kernel set offers them for these layers and `ops`. Call
-        before `enable_compiled`."""
+        layers' rope modules), with the kernel set's kernels for these layers (`k`: the
+        contexts of this forward's steps; `native`: the set's native attention where it has
+        one, e.g. the Linux-CPU set's decode ops). Call before `enable_compiled`."""
         self.table = table
         self.rotation = Rotation.of(table)
-        self.ops = self.k.decode_ops(self.layers, table) if ops else None
-        # a decode step runs each layer in four decode ops where the set allows (whole_layer)
-        self.whole_layers = self.k.whole_layers(self.layers, self.ops)
+        self.k = self.kernels.functions.fused(self.layers, table, self.rotation, native)
 
     def enable_compiled(self) -> None:
         """Run decode steps (q = 1) as compiled graphs from now on (see compiled_step)."""
@@ -122,8 +118,9 @@ class FusedForward:
             )
         return cls(model, layers, lm_head, table, kernels)
 
-    def logits(self, ids: mx.array, views: list[RowView], split: bool) -> mx.array:
-        """ids [B, q] on the engine's rows -> logits [B, vocab] at each row's last position.
+    def logits(self, ids: mx.array, views: list[RowView], context) -> mx.array:
+        """ids [B, q] on the engine's rows -> logits [B, vocab] at each row's last position
+        (`context`: the kernel set's context of the step, `k.context`).
 
         A decode step (q = 1) on a store that holds every layer runs the compiled graph of its
         shape (see compiled_step); the store's arrays are then replaced by the step's outputs.
@@ -136,13 +133,13 @@ class FusedForward:
             and all(k is not None for k in store.keys)
         ):
             logits, store.keys, store.values = self.compiled.run(
-                ids, plan.rows, plan.starts, store.keys, store.values, split
+                ids, plan.rows, plan.starts, store.keys, store.values, context
             )
             return logits
-        return self.forward(ids, views, plan.starts, plan.mask, split, last_only=True)
+        return self.forward(ids, views, plan.starts, plan.mask, context, last_only=True)
 
     def forward(
-        self, ids: mx.array, caches: list, starts: list[int], mask, split: bool, last_only: bool
+        self, ids: mx.array, caches: list, starts: list[int], mask, context, last_only: bool
     ) -> mx.array:
         """ids [B, q] -> logits [B, vocab] (last position) or [B, q, vocab] (every position):
         `run` with one group.
@@ -152,14 +149,14 @@ class FusedForward:
         position; `mask`: None, "causal" (lower-right aligned) or a bool array [B, 1, q, kv].
         """
         b, q = ids.shape
-        group = self.group(ids, caches, starts, mask, exact=q == 1, every=not last_only)
-        logits = self.run([group], split)
+        group = self.group(ids, caches, starts, mask, context, exact=q == 1, every=not last_only)
+        logits = self.run([group], context)
         return logits if last_only else logits.reshape(b, q, -1)
 
     def forward_groups(
         self,
         groups: list[tuple[mx.array, list, list[int], object]],
-        split: bool,
+        context,
         every: frozenset[int] = frozenset(),
         inputs: Mapping[int, tuple[tuple[int, mx.array], ...]] | None = None,
     ):
@@ -173,35 +170,33 @@ class FusedForward:
         `inputs`: group index -> its input embeddings (`Group.inputs`).
         """
         built = [
-            self.group(ids, caches, starts, mask, ids.shape[1] == 1 or g in every, g in every)
+            self.group(
+                ids, caches, starts, mask, context, ids.shape[1] == 1 or g in every, g in every
+            )
             for g, (ids, caches, starts, mask) in enumerate(groups)
         ]
         for g, rows in (inputs or {}).items():
             built[g].inputs = rows
-        return self.run(built, split)
+        return self.run(built, context)
 
     def group(
-        self, ids: mx.array, caches: list, starts: list[int], mask, exact: bool, every: bool
+        self,
+        ids: mx.array,
+        caches: list,
+        starts: list[int],
+        mask,
+        context,
+        exact: bool,
+        every: bool,
     ) -> Group:
-        """A group of `run` on `caches`: through the decode ops where the forward has them and
-        the caches are the engine's rows, else MLX ops (ViewAttention)."""
-        if self.ops is not None and isinstance(caches[0], RowView):
-            store = caches[0].store
-
-            def allocate(i: int, layer: Layer) -> None:  # the first write since it was cleared
-                store.allocate(i, layer.kv_heads, layer.head_dim, layer.head_dim, mx.float32)
-
-            rows = mx.array(caches[0].plan.rows, dtype=mx.int32)
-            pos = mx.array(starts, dtype=mx.int32)
-            attention = OpsAttention(
-                self.ops, self.rotation, store.keys, store.values, rows, pos, ids.shape[1], allocate
-            )
-        else:
-            at = None if self.rotation is None else self.rotation.at(starts, ids.shape[1])
-            attention = ViewAttention(self.k, caches, starts, mask, at, exact)
+        """A group of `run` on `caches`, attending as the kernel set's context builds it (on
+        the engine's rows, `rows`, the set's native attention where it has one; else MLX ops,
+        ViewAttention)."""
+        rows = caches[0].plan.rows if isinstance(caches[0], RowView) else None
+        attention = context.attention(caches, starts, mask, ids.shape[1], exact, rows)
         return Group(ids, attention, exact, every)
 
-    def run(self, groups: list[Group], split: bool) -> mx.array:
+    def run(self, groups: list[Group], context) -> mx.array:
         """THE forward: the groups' positions packed into one sequence [T, dim] through every
         layer -> logits [selected positions, vocab] (each row's last position; every position
         of an `every` group), in group order. A pure decode step is this function compiled
@@ -210,35 +205,35 @@ class FusedForward:
         Norms, the stacked gate/up and down products run once over all positions (each weight
         read once per step); each group's q/k/v product, attention and o product run on its own
         positions, against its own rows, so every row sees only its own history and its result
-        is the one it gets alone. The arithmetic is the kernel set's (`self.k`).
+        is the one it gets alone. The arithmetic is the kernel set's (`context`, from `self.k`).
         """
-        k, ops, inner = self.k, self.ops, self.model.model
+        k, inner = context, self.model.model
         sizes = [g.size for g in groups]
         embedded = [with_inputs(inner.embed_tokens(g.ids.reshape(-1)), g.inputs) for g in groups]
         x = embedded[0] if len(groups) == 1 else mx.concatenate(embedded)  # [T, dim]
         decode = all(g.q == 1 for g in groups)  # a decode-only step
         silu_mul = k.activation(sizes, [g.exact for g in groups])
         whole = None  # a decode step's layer as one call of the set (None: op by op)
-        if self.whole_layers and len(groups) == 1 and decode:
-            whole = k.whole_layer(groups[0].attention, split)
+        if len(groups) == 1 and decode:
+            whole = groups[0].attention.whole_layer
         for i, layer in enumerate(self.layers):
             if whole is not None:  # the decode ops' four ops, the same values
                 x = whole(layer, i, x)
                 continue
-            h = k.norm(layer.norm_in, x, ops)
+            h = k.norm(layer.norm_in, x)
             if len(groups) == 1:
-                out = groups[0].attention(layer, i, k.product(layer.qkv, h, split))
-                x = k.add_product(x, layer.o, out, split, decode)
+                out = groups[0].attention(layer, i, k.product(layer.qkv, h))
+                x = k.add_product(x, layer.o, out, decode)
             else:
                 outs, off = [], 0
                 for g, n in zip(groups, sizes, strict=True):
-                    out = g.attention(layer, i, k.product(layer.qkv, h[off : off + n], split))
-                    outs.append(k.product(layer.o, out, split))
+                    out = g.attention(layer, i, k.product(layer.qkv, h[off : off + n]))
+                    outs.append(k.product(layer.o, out))
                     off += n
                 x = x + mx.concatenate(outs)
-            gate, up = k.pair(layer.gate_up, k.norm(layer.norm_post, x, ops), split)
-            x = k.add_product(x, layer.down, silu_mul(gate, up), split, decode)
-        return k.head(self.lm_head, k.norm(inner.norm, _selected(x, groups), ops), split)
+            gate, up = k.pair(layer.gate_up, k.norm(layer.norm_post, x))
+            x = k.add_product(x, layer.down, silu_mul(gate, up), decode)
+        return k.head(self.lm_head, k.norm(inner.norm, _selected(x, groups)))
 
 
 def with_inputs(x: mx.array, inputs) -> mx.array:
@@ -271,12 +266,12 @@ def _selected(x: mx.array, groups: list[Group]) -> mx.array:
 class ViewAttention:
     """A group's attention as MLX ops over its caches (RowViews or mlx-lm KV caches): q/k
     norms, the rotation (a cos/sin table, else the layer's rope module), the cache's write and
-    read, and the kernel set's attention."""
+    read, and the kernel set's attention arithmetic (the context's `attend`)."""
 
     whole_layer = None  # (only the decode ops run a whole layer)
 
-    def __init__(self, kernels, caches: list, starts: list[int], mask, cos2_sin2, exact: bool):
-        self.k, self.caches, self.starts, self.mask = kernels, caches, starts, mask
+    def __init__(self, context, caches: list, starts: list[int], mask, cos2_sin2, exact: bool):
+        self.k, self.caches, self.starts, self.mask = context, caches, starts, mask
         self.cos2_sin2, self.exact = cos2_sin2, exact  # [B, 1, q, Dh] each (None: rope)
 
     def __call__(self, layer: Layer, i: int, qkv: mx.array) -> mx.array:
@@ -301,7 +296,5 @@ class ViewAttention:
             keys = rotate_eager(keys, *self.cos2_sin2)
         keys, values = cache.update_and_fetch(keys, values)
         view = cache if isinstance(cache, RowView) else None
-        out = self.k.attention(
-            layer, queries, keys, values, self.mask, view, self.starts, self.exact
-        )
+        out = self.k.attend(layer, queries, keys, values, self.mask, view, self.starts, self.exact)
         return out.transpose(0, 2, 1, 3).reshape(b * q, nh * hd)

@@ -17,28 +17,34 @@ logits do not depend on batching, mixing or compiling, bit for bit (S10); the ge
 that promise on Metal's terms, which the tests on the CPU check to a stated tolerance where MLX's
 fused attention rounds differently per shape.
 
-Each set is an object of functions, the arithmetic of a fused layer (`KernelSet.functions`:
-norm, the stacked products, activation, attention, the output head) that the one forward
-(engines/forward/fused.py) calls: `GenericKernels` here, `LinuxCPUKernels` with the native code
-(llm_server/native/cpu_set.py). The native decode ops and the skinny library stay optional
-inside `linux_cpu`: where they did not build, the same set runs the MLX-op forms of the same
-arithmetic.
+Each set is one object (`KernelSet.functions`) behind a closed interface (the Protocols below:
+`Kernels` -> `FusedKernels` -> `ForwardContext`): a fused forward gets its kernels from the set,
+and from them the context of each forward over its positions; the context builds the groups'
+attention objects and holds the arithmetic of a fused layer (norm, the stacked products,
+activation, attention, the output head) that the one forward (engines/forward/fused.py) calls.
+`GenericKernels` is here (plain MLX ops; its context holds nothing), `LinuxCPUKernels` with the
+native code (llm_server/native/cpu_set.py: its context splits products over two CPU streams,
+the native decode ops attend), imported only by the registry (`_functions`). The native decode
+ops and the skinny library stay optional inside `linux_cpu`: where they did not build, the same
+set runs the MLX-op forms of the same arithmetic.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
 
+from llm_server import mlx_ops
 from llm_server.engines.contract import ScoreChunkResult
+from llm_server.engines.forward.compiled import GraphAttention, StepShape, reader, writer
+from llm_server.engines.forward.fused import ViewAttention
+from llm_server.engines.forward.layers import Rotation
 from llm_server.engines.forward.score_reduce import log_softmax, reduce_logits_mlx, reduce_logprobs
-from llm_server.native import mlx_lm_patches
-from llm_server.native.cpu_kernels import silu_mul
 
 ENV = "LLM_SERVER_KERNELS"
 LINUX_CPU = "linux_cpu"
@@ -46,99 +52,203 @@ GENERIC = "generic"
 NAMES = (LINUX_CPU, GENERIC)
 
 
-class GenericKernels:
-    """The generic set's functions: plain MLX ops, what Metal runs. The interface every set
-    implements (duck-typed; native/cpu_set.py: LinuxCPUKernels); `split` is always False here
-    (the generic set splits no product) and `ops` always None (no native decode ops)."""
+# -- the interface: what the engines call on a kernel set ------------------------------------
 
-    name = GENERIC
+
+class Attention(Protocol):
+    """A group's attention in one forward (engines/forward/layers.py: Group.attention)."""
+
+    # (layer, index, x [rows, dim]) -> x': a decode layer as one call of the set, where this
+    # attention runs whole layers (None: the forward runs the layer op by op)
+    whole_layer: Callable | None
+
+    def __call__(self, layer, i: int, qkv: mx.array) -> mx.array:
+        """qkv [rows * q, (H + 2 KV) * Dh] -> [rows * q, H * Dh], writing the new keys and
+        values into the group's store."""
+        ...
+
+
+class ForwardContext(Protocol):
+    """One forward's kernels: the arithmetic of a fused layer and the attention objects of the
+    forward's groups. Entered (`with`) while the forward is built and evaluated; a compiled
+    graph traced with it serves every context of the same `key`."""
+
+    key: Hashable
+
+    def __enter__(self) -> ForwardContext: ...
+
+    def __exit__(self, *exc) -> None: ...
+
+    def attention(
+        self, caches: list, starts: list[int], mask, q: int, exact: bool, rows: list[int] | None
+    ) -> Attention:
+        """The attention of a group of `q` new positions per row from `starts` over `caches`
+        (`rows`: the engine's store rows the caches view; None: mlx-lm caches)."""
+        ...
+
+    def graph_attention(
+        self, keys: list, values: list, pos: mx.array, row_ids: mx.array, shape: StepShape
+    ) -> Attention:
+        """A compiled decode step's attention over the store arrays `keys`/`values` (the graph's
+        inputs, replaced by the written ones)."""
+        ...
+
+    def norm(self, module, x: mx.array) -> mx.array:
+        """The layer's RMSNorm module, [T, dim] -> [T, dim]."""
+        ...
+
+    def product(self, linear, x: mx.array) -> mx.array:
+        """x [T, in] @ linear [out, in].T (+ bias) -> [T, out]."""
+        ...
+
+    def add_product(self, x: mx.array, linear, a: mx.array, decode: bool) -> mx.array:
+        """x + a @ linear (the residual of the o and down products; `decode`: a decode-only
+        step)."""
+        ...
+
+    def pair(self, linear, x: mx.array) -> tuple[mx.array, mx.array]:
+        """The gate and up halves of the stacked gate/up product."""
+        ...
+
+    def head(self, linear, x: mx.array) -> mx.array:
+        """The output projection."""
+        ...
+
+    def activation(self, sizes: list[int], exact: list[bool]) -> Callable:
+        """silu(gate) * up for a step of packed groups of `sizes` positions (`exact`: the
+        decode positions among them)."""
+        ...
+
+    def attend(self, layer, queries, keys, values, mask, view, starts: list[int], exact: bool):
+        """queries [B, H, q, Dh] over keys/values [B, KV, kv_len, Dh] with the plan's mask ->
+        [B, H, q, Dh] (`view`: the engine's RowView or None; `exact`: decode positions)."""
+        ...
+
+    def attend_graph(self, layer, queries, keys, values, mask) -> mx.array:
+        """A compiled decode step's attention: queries [B, H, 1, Dh] over keys/values
+        [B, KV, span, Dh] with mask [B, 1, 1, span] bool -> [B, H * Dh]."""
+        ...
+
+
+class FusedKernels(Protocol):
+    """A kernel set's kernels for one fused forward (its layers and rotation table)."""
+
+    def context(self, positions: int) -> ForwardContext:
+        """The context of a forward over `positions` (rows x new tokens)."""
+        ...
+
+    def graph_span(self, positions: int, capacity: int) -> int:
+        """Store positions per row a compiled decode step's attention reads when its longest
+        row holds `positions` (0: every row's own history, one graph for any history and any
+        rows)."""
+        ...
+
+
+class Kernels(Protocol):
+    """A kernel set: `GenericKernels` here, `LinuxCPUKernels` in native/cpu_set.py."""
+
+    name: str
+
+    def fused(
+        self, layers: list, table: mx.array | None, rotation: Rotation | None, native: bool
+    ) -> FusedKernels:
+        """The kernels of a fused forward over `layers` rotating by `table` (`native`: the
+        set's own attention code may run, where it has some)."""
+        ...
+
+    def prepare_mlx_lm(self, model, layers: bool) -> None:
+        """The set's forms of mlx-lm's modules in `model` (`layers`: mlx-lm's forward runs the
+        decoder layers, with a plain head)."""
+        ...
+
+    def mlx_lm_head(self, layer, tied: bool, hidden: mx.array) -> mx.array:
+        """The model's output projection `layer` (`tied`: the embedding's `as_linear`)."""
+        ...
+
+    def thread_exit(self) -> None:
+        """The thread driving the engine ends (its MLX streams finished and freed)."""
+        ...
+
+
+# -- the generic set ----------------------------------------------------------------------
+
+
+class MLXAttention:
+    """The attention objects of MLX ops (q/k norms, rotation, the cache's write and read) with
+    a context's arithmetic (`attend`, `attend_graph`): every group of the generic set, and the
+    Linux-CPU set's groups its native code does not take."""
 
     @staticmethod
-    def decode_ops(layers: list, table: mx.array | None):
-        """The native decode ops the layers attend through (None: MLX ops)."""
+    def view(context, caches, starts, mask, q: int, exact: bool, rotation) -> ViewAttention:
+        at = None if rotation is None else rotation.at(starts, q)
+        return ViewAttention(context, caches, starts, mask, at, exact)
+
+    @staticmethod
+    def graph(context, keys, values, pos, row_ids, shape: StepShape, rotation) -> GraphAttention:
+        return GraphAttention(
+            context,
+            keys,
+            values,
+            mlx_ops.mask(pos, 1, shape.span),  # [B, 1, 1, span]
+            rotation,
+            pos,
+            writer(shape, pos, row_ids),
+            reader(shape, row_ids),
+        )
+
+
+class GenericContext:
+    """The generic set's forward context: plain MLX ops, nothing held."""
+
+    key = None
+
+    def __init__(self, rotation: Rotation | None) -> None:
+        self.rotation = rotation
+
+    def __enter__(self) -> GenericContext:
+        return self
+
+    def __exit__(self, *exc) -> None:
         return None
 
-    @staticmethod
-    def whole_layers(layers: list, ops) -> bool:
-        """Whether a decode step runs each layer as one native call (the sets that may say yes
-        also give `whole_layer(attention, split)`: that call, or None for op by op)."""
-        return False
+    def attention(self, caches, starts, mask, q, exact, rows) -> ViewAttention:
+        return MLXAttention.view(self, caches, starts, mask, q, exact, self.rotation)
+
+    def graph_attention(self, keys, values, pos, row_ids, shape) -> GraphAttention:
+        return MLXAttention.graph(self, keys, values, pos, row_ids, shape, self.rotation)
 
     @staticmethod
-    def splits(positions: int) -> bool:
-        """Whether a forward over `positions` splits its products over two streams."""
-        return False
-
-    @staticmethod
-    def split_threads(split: bool):
-        """A context the split products of one forward run in (nothing to hold here)."""
-        return nullcontext()
-
-    @staticmethod
-    def hold_split(split: bool) -> None:
-        """A decode step splitting its products starts (a pipelined step: until released)."""
-
-    @staticmethod
-    def release_split(split: bool) -> None:
-        """The step `hold_split` saw is finished or dropped."""
-
-    @staticmethod
-    def patch_mlx_lm(model) -> None:
-        """mlx-lm's own attention and SwiGLU for the model's family (a linux_cpu engine loaded
-        before may have patched the module, which every model of the family shares)."""
-        mlx_lm_patches.install(model, False)
-
-    @staticmethod
-    def split_mlx_lm(model) -> None:
-        """Products of a model outside the fused layers as they are."""
-
-    @staticmethod
-    def mlx_lm_head(layer, tied: bool, hidden: mx.array) -> mx.array:
-        """The model's output projection `layer` (`tied`: the embedding's `as_linear`)."""
-        return layer.as_linear(hidden) if tied else layer(hidden)
-
-    @staticmethod
-    def norm(module, x: mx.array, ops) -> mx.array:
-        """The layer's RMSNorm module, [T, dim] -> [T, dim]."""
+    def norm(module, x: mx.array) -> mx.array:
         return module(x)
 
     @staticmethod
-    def product(linear, x: mx.array, split: bool) -> mx.array:
-        """x [T, in] @ linear [out, in].T (+ bias) -> [T, out]."""
+    def product(linear, x: mx.array) -> mx.array:
         out = x @ linear.wt
         return out if linear.bias is None else out + linear.bias
 
     @classmethod
-    def add_product(cls, x: mx.array, linear, a: mx.array, split: bool, decode: bool) -> mx.array:
-        """x + a @ linear (the residual of the o and down products)."""
-        return x + cls.product(linear, a, split)
+    def add_product(cls, x: mx.array, linear, a: mx.array, decode: bool) -> mx.array:
+        return x + cls.product(linear, a)
 
     @classmethod
-    def pair(cls, linear, x: mx.array, split: bool) -> tuple[mx.array, mx.array]:
-        """The gate and up halves of the stacked gate/up product."""
-        gate, up = mx.split(cls.product(linear, x, split), 2, axis=-1)
+    def pair(cls, linear, x: mx.array) -> tuple[mx.array, mx.array]:
+        gate, up = mx.split(cls.product(linear, x), 2, axis=-1)
         return gate, up
 
     head = product  # the output projection
 
     @staticmethod
     def activation(sizes: list[int], exact: list[bool]) -> Callable:
-        """silu(gate) * up for a step of packed groups of `sizes` positions (`exact`: the
-        decode positions among them)."""
-        return silu_mul
+        return mlx_ops.silu_mul
 
     @staticmethod
-    def attention(layer, queries, keys, values, mask, view, starts: list[int], exact: bool):
-        """queries [B, H, q, Dh] over keys/values [B, KV, kv_len, Dh] with the plan's mask ->
-        [B, H, q, Dh] (`view`: the engine's RowView or None; `exact`: decode positions)."""
+    def attend(layer, queries, keys, values, mask, view, starts: list[int], exact: bool):
         return mx.fast.scaled_dot_product_attention(
             queries, keys, values, scale=layer.scale, mask=mask
         )
 
     @staticmethod
-    def decode_attention(layer, queries, keys, values, mask) -> mx.array:
-        """A compiled decode step's attention: queries [B, H, 1, Dh] over keys/values
-        [B, KV, span, Dh] with mask [B, 1, 1, span] bool -> [B, H * Dh]."""
+    def attend_graph(layer, queries, keys, values, mask) -> mx.array:
         b, nh, _, hd = queries.shape
         out = mx.fast.scaled_dot_product_attention(
             queries, keys, values, scale=layer.scale, mask=mask
@@ -146,11 +256,55 @@ class GenericKernels:
         return out.reshape(b, nh * hd)
 
 
-def _functions(name: str):
+class GenericFused:
+    """The generic set's kernels of a fused forward: one context for any forward."""
+
+    def __init__(self, rotation: Rotation | None) -> None:
+        self.rotation = rotation
+        self._context = GenericContext(rotation)
+
+    def context(self, positions: int) -> GenericContext:
+        return self._context
+
+    @staticmethod
+    def graph_span(positions: int, capacity: int) -> int:
+        return mlx_ops.span(positions, capacity)
+
+
+class GenericKernels:
+    """The generic set: plain MLX ops, what Metal runs (the interface: `Kernels`)."""
+
+    name = GENERIC
+
+    @staticmethod
+    def fused(layers, table, rotation, native: bool) -> GenericFused:
+        return GenericFused(rotation)
+
+    @staticmethod
+    def prepare_mlx_lm(model, layers: bool) -> None:
+        """mlx-lm's own attention and SwiGLU for the model's family (a linux_cpu engine loaded
+        before may have patched the module, which every model of the family shares)."""
+        mlx_ops.use_mlx_lm_own(model)
+
+    @staticmethod
+    def mlx_lm_head(layer, tied: bool, hidden: mx.array) -> mx.array:
+        return layer.as_linear(hidden) if tied else layer(hidden)
+
+    @staticmethod
+    def thread_exit() -> None:
+        """On the CPU, this thread's work finished and its streams freed: a CPU thread that
+        ended without it aborted the process at exit ~1 run in 4 (Metal: nothing)."""
+        if mx.default_device() == mx.cpu:
+            mx.synchronize()
+            mx.clear_streams()
+
+
+def _functions(name: str) -> Kernels:
+    """The set's object: the one place the Linux-CPU set (native/) is imported."""
     if name == LINUX_CPU:
         from llm_server.native.cpu_set import LinuxCPUKernels
 
-        return LinuxCPUKernels()
+        return LinuxCPUKernels(MLXAttention)
     return GenericKernels()
 
 
@@ -161,7 +315,7 @@ class KernelSet:
     `pipeline`...), never the device; under `linux_cpu` each choice is on, under `generic` off."""
 
     name: str
-    functions: object = field(init=False, compare=False, repr=False)
+    functions: Kernels = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "functions", _functions(self.name))

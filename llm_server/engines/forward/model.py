@@ -10,6 +10,7 @@ they are evaluated together. A model served serially runs on mlx-lm's caches of 
 from __future__ import annotations
 
 import inspect
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import mlx.core as mx
@@ -70,13 +71,11 @@ class ModelForward:
                 f"the model's forward cannot take embeddings ({self.inputs_problem})"
             )
 
-    def split(self, positions: int) -> bool:
-        """Whether a forward over `positions` (rows x new tokens) splits its products in halves
-        across two CPU streams: the kernel set's rule (`splits`), for the fused float32
-        forward only."""
-        if self.fused is None or self.dtype != "float32":
-            return False
-        return self.kernels.functions.splits(positions)
+    def context(self, positions: int) -> AbstractContextManager:
+        """The kernel set's context of a forward over `positions` (rows x new tokens), entered
+        while the forward is built and evaluated: the fused forward's (engines/forward/kernels.py:
+        ForwardContext), nothing for mlx-lm's."""
+        return nullcontext() if self.fused is None else self.fused.k.context(positions)
 
     def _head(self, hidden: mx.array) -> mx.array:
         """The model's own output projection over hidden [..., dim], as the kernel set runs it
@@ -104,13 +103,14 @@ class ModelForward:
         rows: list[int],
         starts: list[int],
         ids: mx.array,
-        split: bool,
+        context,
         every: bool = False,
         inputs: list[tuple[int, mx.array]] | None = None,
     ) -> mx.array:
         """The (lazy) logits [B, vocab] float32 of each row's last position for ids [B, q]
-        (`every`: of each position of the one row, [q, vocab]; see `speculative`); `inputs`:
-        the one row's input embeddings (mlx-lm's `input_embeddings`; unfused forward only)."""
+        (`every`: of each position of the one row, [q, vocab]; see `speculative`); `context`:
+        the step's (`context`); `inputs`: the one row's input embeddings (mlx-lm's
+        `input_embeddings`; unfused forward only)."""
         table = self.table
         kw = {} if not inputs else {"input_embeddings": self._embedded(ids, inputs)}
         if every:
@@ -124,7 +124,7 @@ class ModelForward:
         plan = self.plan(rows, starts, ids.shape[1])
         views = row_views(self.layout, table.store, table.states, plan)
         if self.fused is not None:
-            logits = self.fused.logits(ids, views, split=split)
+            logits = self.fused.logits(ids, views, context)
         elif self.plain_head:
             hidden = self.model.model(ids, cache=views, **kw)[:, -1, :]
             logits = self._head(hidden)
@@ -153,8 +153,8 @@ class ModelForward:
             if spans
         }
         positions = sum(len(rows) * len(toks[0]) for rows, _, toks in groups)
-        split = self.split(positions)
-        with self.kernels.functions.split_threads(split):
+        context = self.context(positions)
+        with context:
             # the store grows before any group's views are made: every view reads the same arrays
             table.store.ensure_rows(max(max(r) for r, _, _ in groups) + 1)
             table.store.ensure(max(max(s) + len(t[0]) for _, s, t in groups))
@@ -166,13 +166,13 @@ class ModelForward:
                     views = row_views(self.layout, table.store, table.states, plan)
                     parts.append((ids, views, starts, plan.mask))
                 extra = {"inputs": rows_in} if rows_in else {}  # (the keyword only when used)
-                logits = self.fused.forward_groups(parts, split, every, **extra)
+                logits = self.fused.forward_groups(parts, context, every, **extra)
                 logits = logits.astype(mx.float32)
             else:
                 parts = []
                 for g, (rows, starts, t) in enumerate(groups):
                     ids = mx.array(np.asarray(t, dtype=np.int32))
-                    parts.append(self.graph(rows, starts, ids, split, g in every, rows_in.get(g)))
+                    parts.append(self.graph(rows, starts, ids, context, g in every, rows_in.get(g)))
                     if self.stage is not None:
                         # a pipeline stage evaluates one group's transfers at a time: MLX may
                         # order independent graphs differently on each rank, and the ring's

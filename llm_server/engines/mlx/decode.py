@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -29,7 +30,7 @@ class DecodeStep:
     tokens: Sequence[int] | mx.array  # input ids (ints, or lazy ids of the step before)
     logits: mx.array  # [B, vocab] float32, evaluating
     greedy: mx.array  # [B] int32 argmax of logits, evaluating
-    split: bool
+    context: ExitStack  # the kernel set's context of the step, entered until it is settled
 
 
 class DecodePipeline:
@@ -40,7 +41,6 @@ class DecodePipeline:
         self.table = table
         self.forward = forward
         self.context_length = context_length
-        self.kernels = forward.kernels.functions  # holds BLIS threads for split steps
 
     def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         """One token for each of `rows` in one batched forward; logits [B, vocab]."""
@@ -66,20 +66,21 @@ class DecodePipeline:
             ids = tokens.astype(mx.int32).reshape(-1, 1)
         else:
             ids = mx.array(np.asarray(tokens, dtype=np.int32).reshape(-1, 1))
-        split = self.forward.split(len(rows))
-        self.kernels.hold_split(split)  # until the step is finished
+        context = self.forward.context(len(rows))
+        held = ExitStack()  # the context entered until the step is finished or dropped
+        held.enter_context(context)
         before = table.states.snapshot(rows)
         try:
-            logits = self.forward.graph(rows, starts, ids, split)
+            logits = self.forward.graph(rows, starts, ids, context)
             greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
             mx.async_eval(logits, greedy, *table.held())
         except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
             table.states.restore(before)  # the rows' states as before the failed step
-            self.kernels.release_split(split)
+            held.close()
             raise EngineError(f"forward failed: {exc}") from exc
         for r in rows:
             table.ahead[r] += 1
-        return DecodeStep(rows, [table.epoch[r] for r in rows], tokens, logits, greedy, split)
+        return DecodeStep(rows, [table.epoch[r] for r in rows], tokens, logits, greedy, held)
 
     def finish(self, step: DecodeStep) -> np.ndarray:
         """Wait for `step`; advance its rows (those not released since); logits [B, vocab]."""
@@ -116,4 +117,4 @@ class DecodePipeline:
             table.ahead[r] -= 1
             if tokens is not None:
                 table.tokens[r].append(tokens[i])
-        self.kernels.release_split(step.split)
+        step.context.close()

@@ -59,7 +59,6 @@ from llm_server.engines.plan import (
 )
 from llm_server.engines.probe import supports_batching
 from llm_server.engines.settings import EngineSettings
-from llm_server.native.cpu_kernels import release_streams
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +96,6 @@ class MLXEngine:
         self.stage = _shard(self.model, settings, text, config["model_type"]) if sharded else None
         self.has_lm_head = getattr(self.model, "has_lm_head", True)
         self.quantized = quantized.prepare(self.model, settings.keep_quantized, ks.dequantize)
-        ks.functions.patch_mlx_lm(self.model)  # the set's attention/SwiGLU in mlx-lm's modules
         self.model.set_dtype(_DTYPES[self.dtype])
         max_pos = int(text.get("max_position_embeddings") or 2048)
         self.context_length = min(settings.context_length or max_pos, max_pos)
@@ -113,8 +111,9 @@ class MLXEngine:
         self.fused = self._build_fused(settings.fused_decode and not sharded, settings)
         mx.eval(self.model.parameters())
         mx.clear_cache()  # the buffers freed while stacking
-        if self.fused is None and self._plain_head:  # the fused layers take the set's products
-            ks.functions.split_mlx_lm(self.model)  # linux_cpu: 1-2 row products on both cores
+        # the set's attention/SwiGLU in mlx-lm's modules (linux_cpu: and, where mlx-lm's forward
+        # runs the layers with a plain head, its 1-2 row products on both cores)
+        ks.functions.prepare_mlx_lm(self.model, self.fused is None and self._plain_head)
         self.model_path = path
         pipeline = ks.pipeline if settings.pipeline is None else settings.pipeline
         self._pipeline = pipeline and not sharded
@@ -275,10 +274,10 @@ class MLXEngine:
         return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
 
     def thread_exit(self) -> None:
-        """The thread driving the engine ends: free its CPU streams (native/cpu_kernels.py: a
-        device fact, whatever the set); the prefix cache's entries go to its disk tier."""
+        """The thread driving the engine ends: its MLX streams finished and freed (the kernel
+        set's `thread_exit`); the prefix cache's entries go to its disk tier."""
         self.persist()
-        release_streams()
+        self.kernels.functions.thread_exit()
 
     def kept_tokens(self) -> int:
         """Positions of released rows' histories held only in their rows (PrefixCacheStats)."""

@@ -53,13 +53,13 @@ class ScoreSession(_Session):
         n, q = tokens.shape
         ids = mx.array(np.asarray(tokens, dtype=np.int32))
         fused = self.forward.fused
-        split = self.forward.split(n * q)
-        with self.kernels.functions.split_threads(split):  # as in ModelForward.run_groups
+        context = self.forward.context(n * q)
+        with context:  # as in ModelForward.run_groups
             try:
                 if fused is not None:
                     mask = "causal" if q > 1 else None  # every row at the same offset
                     starts = [self._offset] * n
-                    logits = fused.forward(ids, self._cache, starts, mask, split, last_only=False)
+                    logits = fused.forward(ids, self._cache, starts, mask, context, last_only=False)
                 else:
                     logits = self.model(ids, cache=self._cache)
                 result = self.kernels.reduce_scores(logits, targets, top_k)
