@@ -50,3 +50,28 @@ def test_every_link_between_the_docs_resolves():
     docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     broken = {doc.name: b for doc in docs if (b := _broken(doc))}
     assert not broken, broken
+
+
+# a path cited in backticks, `engines/mlx/engine.py` or `llm_server/api/app.py:create_app`
+CITED = re.compile(r"`([\w.-]+(?:/[\w.-]+)+\.(?:py|md|c|cpp|toml|sh|json))(?::[^`]*)?`")
+
+
+def _cited_paths_missing(doc: Path) -> list[str]:
+    """The repository paths `doc` cites in backticks that do not exist: a path is read from the
+    repository root, from `llm_server/` (the docs write `engines/...` for the package's
+    folders) or from the doc's own folder; paths inside a model folder (`1_Pooling/...`) are
+    not the repository's and are left alone."""
+    roots = {p.name for p in ROOT.iterdir()} | {p.name for p in (ROOT / "llm_server").iterdir()}
+    missing = []
+    for path in CITED.findall(doc.read_text()):
+        if path.split("/")[0] not in roots:
+            continue
+        if not any((base / path).exists() for base in (ROOT, ROOT / "llm_server", doc.parent)):
+            missing.append(path)
+    return missing
+
+
+def test_every_path_the_docs_cite_exists():
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    missing = {doc.name: m for doc in docs if (m := _cited_paths_missing(doc))}
+    assert not missing, missing
