@@ -165,10 +165,11 @@ def test_prefill_tokens_reaches_the_scheduler_and_a_negative_value_is_refused(ti
     import pytest
 
     from llm_server.cli import build_parser, main
-    from llm_server.server import service_from_args
+    from llm_server.server import make_service
+    from llm_server.settings import ServerSettings
 
     args = build_parser().parse_args(["--model", str(tiny_model_path), "--prefill-tokens", "2048"])
-    service = service_from_args(args, tiny_model_path, "tiny")
+    service = make_service(ServerSettings.from_args(args), tiny_model_path)
     try:
         assert service.scheduler.prefill_tokens == 2048
         assert service.scheduler.step_tokens == args.step_tokens == 128
@@ -184,10 +185,11 @@ def test_kv_keep_alive_reaches_the_engine_and_bad_values_are_refused(tiny_model_
     import pytest
 
     from llm_server.cli import build_parser
-    from llm_server.server import service_from_args
+    from llm_server.server import make_service
+    from llm_server.settings import ServerSettings
 
     args = build_parser().parse_args(["--model", str(tiny_model_path), "--kv-keep-alive", "2.5"])
-    service = service_from_args(args, tiny_model_path, "tiny")
+    service = make_service(ServerSettings.from_args(args), tiny_model_path)
     try:
         assert service.scheduler.wait_ready(120).row_table.keep_alive == 2.5
     finally:

@@ -20,8 +20,6 @@ PACKAGES = ("llm_server", "converters", "replay")
 # Known cycles, each for its package's owners to open: a cycle is known when all its modules
 # match one entry's patterns (fnmatch), so a module joining its family's circle is no news.
 KNOWN = (
-    # distributed/launch.py's `__main__` block (what mlx.launch runs) imports cli.main
-    ("llm_server.cli", "llm_server.distributed.launch", "llm_server.server"),
     # the engine contract's type hints <-> the step messages
     ("llm_server.engines.base", "llm_server.engines.step"),
     # BatchScheduler and its PlanExecutor mixin
