@@ -29,8 +29,8 @@ class HTTPSettings:
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """One model's engine and service behind one HTTP server (a registry's models each get a
-    copy with their entry's overrides, `for_entry`)."""
+    """One model's engine and service behind one HTTP server (each model of a registry gets a
+    copy with its entry's overrides: models.daemon.entry_settings)."""
 
     engine: EngineSettings = field(default_factory=EngineSettings)
     service: ServiceConfig = field(default_factory=ServiceConfig)

@@ -202,3 +202,27 @@ def test_kv_keep_alive_reaches_the_engine_and_bad_values_are_refused(tiny_model_
         assert f"--kv-keep-alive: expected seconds >= 0, e.g. 60 or 0.5, got '{bad}'" in (
             capsys.readouterr().err
         )
+
+
+def test_the_command_line_is_read_once_into_server_settings(tmp_path):
+    """ServerSettings.from_args: each flag in the part that uses it; a value the engine's
+    settings refuse is one line naming it."""
+    import pytest
+
+    from llm_server.cli import _settings, build_parser
+    from llm_server.settings import ServerSettings
+
+    argv = ["--concurrent-requests", "3", "--dtype", "float16", "--max-queued", "5"]
+    argv += ["--port", "0", "--cors-origin", "http://a", "--prefix-cache-dir", str(tmp_path)]
+    argv += ["--compiled-decode", "off", "--tool-parser", "hermes", "--distributed", "ring"]
+    settings = ServerSettings.from_args(build_parser().parse_args(argv))
+    assert (settings.engine.rows, settings.engine.dtype) == (3, "float16")
+    assert settings.engine.compiled_decode is False and settings.engine.prefix_cache_dir == tmp_path
+    assert (settings.service.max_queued, settings.service.tool_parser) == (5, "hermes")
+    assert (settings.http.port, settings.http.cors_origins) == (0, ("http://a",))
+    assert settings.distributed == "ring" and settings.engine.group is None
+    assert settings.replace(rows=1, port=9, backend="mlx").engine.rows == 1
+    with pytest.raises(TypeError, match="no field 'bogus'"):
+        settings.replace(bogus=1)
+    with pytest.raises(SystemExit, match="llm-server: prefix_cache_bytes must be >= 0, got -1"):
+        _settings(build_parser().parse_args(["--prefix-cache-bytes", "-1"]))
