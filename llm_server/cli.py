@@ -10,6 +10,7 @@ import os
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from llm_server.engines.settings import KV_KEEP_ALIVE_S
 from llm_server.listen import tcp_socket
@@ -21,6 +22,9 @@ from llm_server.scheduler.batch import (
     DEFAULT_STEP_TOKENS,
 )
 from llm_server.tools.registry import PARSERS
+
+if TYPE_CHECKING:
+    from llm_server.settings import HTTPSettings, ServerSettings
 
 log = logging.getLogger("llm_server")
 
@@ -396,6 +400,16 @@ def validate_args(args: argparse.Namespace) -> None:
         )
 
 
+def _settings(args: argparse.Namespace) -> ServerSettings:
+    """The process's settings (one line on stderr for a value out of range)."""
+    from llm_server.settings import ServerSettings
+
+    try:
+        return ServerSettings.from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"llm-server: {exc}") from None
+
+
 def _serve_models(args: argparse.Namespace) -> int:
     """The many-model daemon: the registry, then serving until stopped."""
     from llm_server.models.registry import RegistryError, check_unique, load_registry
@@ -413,27 +427,30 @@ def _serve_models(args: argparse.Namespace) -> int:
         raise SystemExit(f"llm-server: {exc}") from None
     if not entries:
         raise SystemExit("llm-server: no models to serve (the Hugging Face cache is empty)")
-    sock, url = _bind(args)
+    settings = _settings(args)
+    sock, url = _bind(settings.http)
     from llm_server.server import run_models_server
 
-    return asyncio.run(run_models_server(args, entries, sock, url))
+    return asyncio.run(
+        run_models_server(settings, entries, sock, url, args.max_memory, args.idle_unload)
+    )
 
 
-def _bind(args: argparse.Namespace) -> tuple[socket.socket, str]:
-    if args.uds:
+def _bind(http: HTTPSettings) -> tuple[socket.socket, str]:
+    if http.uds:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(args.uds)
+            os.unlink(http.uds)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(args.uds)
-        return sock, f"unix:{args.uds}"
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+        sock.bind(http.uds)
+        return sock, f"unix:{http.uds}"
+    family = socket.AF_INET6 if ":" in http.host else socket.AF_INET
     sock = tcp_socket(family)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((args.host, args.port))
+        sock.bind((http.host, http.port))
     except OSError as exc:
         raise SystemExit(
-            f"llm-server: cannot bind {args.host}:{args.port}: {exc.strerror}"
+            f"llm-server: cannot bind {http.host}:{http.port}: {exc.strerror}"
         ) from None
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if family == socket.AF_INET6 else host
@@ -471,22 +488,23 @@ def main(argv: list[str] | None = None) -> None:
     model_path = source.path
     if args.model_id is None:
         args.model_id = source.model_id
-    args.group = None
+    settings = _settings(args)
     if args.distributed:
         from llm_server.distributed import launch
 
-        args.group = launch.join(args.distributed)
-        if args.group.rank() != 0:  # a follower: no HTTP, rank 0's calls only
-            sys.exit(launch.follow_main(args, model_path, args.group))
+        settings = settings.in_group(launch.join(args.distributed))
+        if settings.engine.group.rank() != 0:  # a follower: no HTTP, rank 0's calls only
+            sys.exit(launch.follow_main(settings, model_path))
     if args.replay:
         from llm_server.server import run_replay
 
-        sys.exit(asyncio.run(run_replay(args, model_path)))
-    sock, url = _bind(args)
+        replay = (args.replay, args.replay_concurrent, args.replay_check, args.replay_report)
+        sys.exit(asyncio.run(run_replay(settings, model_path, *replay)))
+    sock, url = _bind(settings.http)
     from llm_server.server import run_server
 
-    code = asyncio.run(run_server(args, model_path, sock, url))
-    if args.group is not None:
+    code = asyncio.run(run_server(settings, model_path, sock, url))
+    if settings.engine.group is not None:
         from llm_server.distributed.launch import EXIT_GROUP_LOST, LOST
 
         code = EXIT_GROUP_LOST if LOST else code

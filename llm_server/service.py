@@ -41,12 +41,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ServiceConfig:
-    model_path: Path
-    model_id: str
+    """How the service admits and shapes requests; the engine's own settings (rows, dtype)
+    are EngineSettings'."""
+
+    model_id: str = ""  # the id /v1/models reports ("": the model folder's name)
     aliases: tuple[str, ...] = ()  # other names requests may use (a registry entry's aliases)
-    concurrent_requests: int = 1
     max_queued: int = 16
-    dtype: str = "float32"
     default_max_tokens: int = 512
     constrained_mode: str = "batched"  # "batched" | "exclusive" (each alone, the batch waits)
     chat_template: str | None = None  # overrides the checkpoint's (--chat-template FILE)
@@ -93,20 +93,24 @@ class ModelService:
 
     def __init__(
         self,
+        model_path: Path,
         config: ServiceConfig,
+        rows: int,
         engine_factory: Callable[[], Engine],
         on_step: Callable[[float, int], None] | None = None,
     ) -> None:
+        """`model_path`: the tokenizer's folder; `rows`: the requests decoded together (the
+        engine may serve fewer: BatchScheduler.load decides, S1)."""
         self.config = config
-        self.tokenizer = Tokenizer(config.model_path, chat_template=config.chat_template)
+        self.tokenizer = Tokenizer(model_path, chat_template=config.chat_template)
         # what a request that omits temperature/top_p gets (the checkpoint's generation_config)
-        self.sampling_defaults = load_sampling_defaults(config.model_path)
+        self.sampling_defaults = load_sampling_defaults(model_path)
         self.syntax = model_syntax(
             self.tokenizer.template_source, _TokenLookup(self.tokenizer.hf), config.tool_parser
         )
         self.scheduler = BatchScheduler(
             engine_factory,
-            max_concurrent=config.concurrent_requests,
+            max_concurrent=rows,
             max_queued=config.max_queued,
             on_step=on_step,
             step_tokens=config.step_tokens,
@@ -116,14 +120,14 @@ class ModelService:
         )
         # Scoring rides in the step plans on the engine's scoring rows, or (the fallback) runs
         # between steps on its separate session, a pump (C1; Scorer.attach chooses).
-        pump_queued = config.concurrent_requests + config.max_queued  # requests per pump
+        pump_queued = rows + config.max_queued  # requests per pump
         self.scorer = Scorer(wake=self.scheduler.wake, max_queued=pump_queued)
         self.scheduler.scorer = self.scorer
         # Embeddings run the same way, on their own session; the two pumps take turns.
         self.embedding: EmbeddingConfig | None = None
         self.embedding_error: str | None = None  # why embeddings are refused, if they are
         try:
-            self.embedding = load_embedding_config(config.model_path, config.pooling)
+            self.embedding = load_embedding_config(model_path, config.pooling)
         except EmbeddingConfigError as exc:
             self.embedding_error = str(exc)
             log.warning("embeddings are off for this model: %s", exc)
@@ -255,11 +259,10 @@ class ModelService:
 
     def prefix_cache_stats(self):
         """The engine's prefix cache counters (PrefixCacheStats), or None without one."""
-        cache = getattr(self.engine, "prefix_cache", None)
+        cache = None if self.engine is None else self.engine.prefix_cache
         if cache is None:
             return None
-        kept = getattr(self.engine, "kept_tokens", None)  # an MLX engine's rows
-        return dataclasses.replace(cache.stats(), kept_tokens=kept()) if kept else cache.stats()
+        return dataclasses.replace(cache.stats(), kept_tokens=self.engine.kept_tokens())
 
     def close(self, timeout: float | None = None) -> bool:
         closed = self.scheduler.close(timeout)

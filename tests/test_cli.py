@@ -166,10 +166,11 @@ def test_prefill_tokens_reaches_the_scheduler_and_a_negative_value_is_refused(ti
     import pytest
 
     from llm_server.cli import build_parser, main
-    from llm_server.server import service_from_args
+    from llm_server.server import make_service
+    from llm_server.settings import ServerSettings
 
     args = build_parser().parse_args(["--model", str(tiny_model_path), "--prefill-tokens", "2048"])
-    service = service_from_args(args, tiny_model_path, "tiny")
+    service = make_service(ServerSettings.from_args(args), tiny_model_path)
     try:
         assert service.scheduler.prefill_tokens == 2048
         assert service.scheduler.step_tokens == args.step_tokens == 128
@@ -185,10 +186,11 @@ def test_kv_keep_alive_reaches_the_engine_and_bad_values_are_refused(tiny_model_
     import pytest
 
     from llm_server.cli import build_parser
-    from llm_server.server import service_from_args
+    from llm_server.server import make_service
+    from llm_server.settings import ServerSettings
 
     args = build_parser().parse_args(["--model", str(tiny_model_path), "--kv-keep-alive", "2.5"])
-    service = service_from_args(args, tiny_model_path, "tiny")
+    service = make_service(ServerSettings.from_args(args), tiny_model_path)
     try:
         assert service.scheduler.wait_ready(120).row_table.keep_alive == 2.5
     finally:
@@ -201,3 +203,27 @@ def test_kv_keep_alive_reaches_the_engine_and_bad_values_are_refused(tiny_model_
         assert f"--kv-keep-alive: expected seconds >= 0, e.g. 60 or 0.5, got '{bad}'" in (
             capsys.readouterr().err
         )
+
+
+def test_the_command_line_is_read_once_into_server_settings(tmp_path):
+    """ServerSettings.from_args: each flag in the part that uses it; a value the engine's
+    settings refuse is one line naming it."""
+    import pytest
+
+    from llm_server.cli import _settings, build_parser
+    from llm_server.settings import ServerSettings
+
+    argv = ["--concurrent-requests", "3", "--dtype", "float16", "--max-queued", "5"]
+    argv += ["--port", "0", "--cors-origin", "http://a", "--prefix-cache-dir", str(tmp_path)]
+    argv += ["--compiled-decode", "off", "--tool-parser", "hermes", "--distributed", "ring"]
+    settings = ServerSettings.from_args(build_parser().parse_args(argv))
+    assert (settings.engine.rows, settings.engine.dtype) == (3, "float16")
+    assert settings.engine.compiled_decode is False and settings.engine.prefix_cache_dir == tmp_path
+    assert (settings.service.max_queued, settings.service.tool_parser) == (5, "hermes")
+    assert (settings.http.port, settings.http.cors_origins) == (0, ("http://a",))
+    assert settings.distributed == "ring" and settings.engine.group is None
+    assert settings.replace(rows=1, port=9, backend="mlx").engine.rows == 1
+    with pytest.raises(TypeError, match="no field 'bogus'"):
+        settings.replace(bogus=1)
+    with pytest.raises(SystemExit, match="llm-server: prefix_cache_bytes must be >= 0, got -1"):
+        _settings(build_parser().parse_args(["--prefix-cache-bytes", "-1"]))

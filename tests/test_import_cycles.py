@@ -1,9 +1,10 @@
-"""The import graph of the project's packages: no module imports one that imports it back.
+"""The import graph of the project's packages: no module imports one that imports it back,
+and no folder imports one that imports it back.
 
 Every `import` counts, also those inside functions, under TYPE_CHECKING or in a `__main__`
-block: a circle there still ties two modules' designs together. The cycles left are listed
-here with their owners; the test fails on a new one and on a listed one that is gone (then
-remove it from the list).
+block: a circle there still ties two modules' designs together. Cycles that must stay for a
+while are listed in KNOWN with their owners (none today); the test fails on a new one and on a
+listed one that is gone (then remove it from the list).
 
     python -m tests.test_import_cycles   # print the cycles
 """
@@ -19,10 +20,7 @@ PACKAGES = ("llm_server", "converters", "replay")
 
 # Known cycles, each for its package's owners to open: a cycle is known when all its modules
 # match one entry's patterns (fnmatch), so a module joining its family's circle is no news.
-KNOWN = (
-    # distributed/launch.py's `__main__` block (what mlx.launch runs) imports cli.main
-    ("llm_server.cli", "llm_server.distributed.launch", "llm_server.server"),
-)
+KNOWN = ()
 
 
 def _known(cycle: tuple[str, ...], entry: tuple[str, ...]) -> bool:
@@ -111,6 +109,31 @@ def test_no_import_cycles_but_the_known_ones():
     assert not gone, f"no such cycle any more, remove it from KNOWN: {gone}"
 
 
+def folder(module: str) -> str:
+    """The part of the layout a module belongs to: its folder under `llm_server/` (api,
+    engines, scheduler, ...), a top-level module itself (cli, server, service, ...), or its
+    top package (converters, replay)."""
+    parts = module.split(".")
+    if parts[0] != "llm_server" or len(parts) == 1:
+        return parts[0]
+    return parts[1]
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """folder -> the folders its modules import (itself left out)."""
+    out: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        out.setdefault(folder(module), set()).update(
+            folder(m) for m in imported if folder(m) != folder(module)
+        )
+    return out
+
+
+def test_no_folder_imports_a_folder_that_imports_it_back():
+    loops = cycles(folder_graph(import_graph()))
+    assert not loops, f"folders importing each other: {sorted(loops)}"
+
+
 def test_the_cycle_finder_sees_a_cycle_through_a_function_level_import():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == {("a", "b", "c")}
@@ -123,3 +146,5 @@ def test_the_cycle_finder_sees_a_cycle_through_a_function_level_import():
 if __name__ == "__main__":
     for cycle in sorted(cycles(import_graph())):
         print(" <-> ".join(cycle))
+    for loop in sorted(cycles(folder_graph(import_graph()))):
+        print("folders:", " <-> ".join(loop))

@@ -28,11 +28,11 @@ from llm_server.api.shared.errors import (
     is_anthropic,
     note_refusal,
 )
-from llm_server.api.shared.handling import DEFAULT_MAX_BODY_BYTES
 from llm_server.api.shared.metrics import Metrics, RequestCounter, metrics_endpoint
 from llm_server.api.shared.request_log import RequestLogMiddleware, RequestRecorder
 from llm_server.api.shared.security import APIKeyMiddleware, resolve_api_key
 from llm_server.api.shared.state import AppState, scoped_service
+from llm_server.settings import DEFAULT_MAX_BODY_BYTES
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ async def health(request: Request) -> Response:
                 "engine": svc.engine.name,
                 "dtype": svc.engine.dtype,
                 # the engine's kernel set (engines/forward/kernels.py): linux_cpu or generic
-                "kernels": getattr(getattr(svc.engine, "kernels", None), "name", None),
+                "kernels": svc.engine.kernels_name,
                 "batching": svc.batching,
                 "concurrent_requests": stats.rows,
                 "rows_busy": stats.rows_busy,
@@ -53,9 +53,7 @@ async def health(request: Request) -> Response:
                 "system_fingerprint": svc.fingerprint,
                 "last_error": stats.last_error,
                 "speculative": {
-                    "mode": svc.scheduler.speculative
-                    if getattr(svc.engine, "speculative", False)
-                    else "off",
+                    "mode": svc.scheduler.speculative if svc.engine.speculative else "off",
                     "spec_tokens": svc.scheduler.spec_tokens,
                     "drafted_tokens": stats.drafted_tokens,
                     "accepted_tokens": stats.accepted_tokens,
@@ -63,16 +61,9 @@ async def health(request: Request) -> Response:
                 },
             }
         )
-        ranks = getattr(svc.engine, "group_size", None)  # a model sharded over ranks
-        if ranks is not None:
-            body["distributed"] = {
-                "backend": svc.engine.backend,
-                "mode": svc.engine.mode,  # tensor or pipeline parallel
-                "ranks": ranks,
-                "steps": svc.engine.steps,  # calls every rank ran, in lock-step
-                "rank_steps": list(svc.engine.rank_steps),  # calls each rank reported done
-                "lost": svc.engine.lost,
-            }
+        group = svc.engine.group_status()  # a model sharded over ranks
+        if group is not None:
+            body["distributed"] = group
         cache = svc.prefix_cache_stats()
         if cache is not None:
             body["prefix_cache"] = dataclasses.asdict(cache)  # memory and disk tiers

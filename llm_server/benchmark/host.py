@@ -104,11 +104,13 @@ def measure(model, concurrency: int, requests: int, max_tokens: int) -> HostTime
     import numpy as np
 
     from llm_server.server import make_service
+    from llm_server.settings import ServerSettings
 
     probe = _Probe()
     restore = _patch_decoder(probe)
     factory = _timed_engine_factory(model, concurrency, probe)
-    svc = make_service(model, model.name, concurrency, requests, engine_factory=factory)
+    settings = ServerSettings().replace(rows=concurrency, max_queued=requests)
+    svc = make_service(settings, model, engine_factory=factory)
     try:
         svc.wait_ready(300)
 

@@ -1,7 +1,7 @@
 """Rank 0's engine: each call is broadcast to the followers, then run on the local shard.
 
-Wraps the rank's `MLXEngine`; everything that only reads state (cursors, sizes, names) goes
-straight to it. Calls that run a forward or change a row are sent first, so every rank runs
+Wraps the rank's `MLXEngine`; every member of the `Engine` protocol that only reads state
+(cursors, sizes, names) goes straight to it. Calls that run a forward or change a row are sent first, so every rank runs
 the same calls in the same order (the collectives inside the sharded forward pair up). The
 wrapper is never pipelined: a step's input ids must be known before it is broadcast.
 """
@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from llm_server.engines.contract import (
     ScoreChunkResult,
 )
 from llm_server.engines.plan import StepPlan, StepResult
+
+if TYPE_CHECKING:
+    from llm_server.engines.kv.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,7 @@ class LockstepEngine:
     # drafts are not verified across ranks: the codec does not carry DecodeRow.draft and a
     # rewind would move rank 0's rows only (scheduler/drafting.py)
     speculative = False
+    no_embeddings = "this model does not serve embeddings: it is sharded over ranks"
 
     def __init__(
         self, engine: Any, transport: Transport, size: int, backend: str, mode: str = "tensor"
@@ -63,8 +67,91 @@ class LockstepEngine:
         self.lost: str | None = None  # why the group is gone (then every call fails at once)
         self.on_lost = None  # called once with the reason (launch.py: shut the server down)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
+    # -- read-only members: the local shard's ------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._engine.name
+
+    @property
+    def rows(self) -> int:
+        return self._engine.rows
+
+    @property
+    def context_length(self) -> int:
+        return self._engine.context_length
+
+    @property
+    def vocab_size(self) -> int:
+        return self._engine.vocab_size
+
+    @property
+    def dtype(self) -> str:
+        return self._engine.dtype
+
+    @property
+    def serial_reason(self) -> str | None:
+        return self._engine.serial_reason
+
+    @property
+    def shared_prefix_min(self) -> int:
+        return self._engine.shared_prefix_min
+
+    @property
+    def dynamic_shapes(self) -> bool:
+        return self._engine.dynamic_shapes
+
+    @property
+    def padded_shapes(self) -> bool:
+        return self._engine.padded_shapes
+
+    @property
+    def has_lm_head(self) -> bool:
+        return self._engine.has_lm_head
+
+    @property
+    def score_rows(self) -> int:
+        return self._engine.score_rows  # 0 when sharded: the separate session, broadcast
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        return self._engine.prefix_cache
+
+    @property
+    def kernels_name(self) -> str | None:
+        return self._engine.kernels_name
+
+    def cursor(self, row: int) -> int:
+        return self._engine.cursor(row)
+
+    def cached_tokens(self, row: int) -> int:
+        return self._engine.cached_tokens(row)
+
+    def preferred_row(self, tokens: list[int], rows: list[int]) -> int | None:
+        return self._engine.preferred_row(tokens, rows)
+
+    def kept_tokens(self) -> int:
+        return self._engine.kept_tokens()
+
+    def idle_due(self) -> float | None:
+        return self._engine.idle_due()  # None when sharded: no rank trims (kv_keep_alive 0)
+
+    def trim_idle(self) -> bool:
+        return self._engine.trim_idle()
+
+    def rewind(self, row: int, cursor: int) -> None:
+        raise EngineError("a row of a model sharded over ranks cannot be rewound")
+
+    def group_status(self) -> dict[str, Any]:
+        """The group as /health reports it."""
+        return {
+            "backend": self.backend,
+            "mode": self.mode,  # tensor or pipeline parallel
+            "ranks": self.group_size,
+            "steps": self.steps,  # calls every rank ran, in lock-step
+            "rank_steps": list(self.rank_steps),  # calls each rank reported done
+            "lost": self.lost,
+        }
 
     def _send(self, call: Call) -> None:
         if self.stopped:
@@ -166,7 +253,13 @@ class LockstepEngine:
         self._call(Call(Op.SCORE_END), self._engine.score_end)
 
     def embed_begin(self, batch: int) -> None:
-        raise EmbeddingsUnsupported("embeddings are not served on a model sharded over ranks")
+        raise EmbeddingsUnsupported(self.no_embeddings)
+
+    def embed_chunk(self, tokens: np.ndarray) -> np.ndarray:
+        raise EmbeddingsUnsupported(self.no_embeddings)
+
+    def embed_end(self) -> None:
+        pass  # no session was opened
 
     def stop(self) -> None:
         """Tell the followers to leave their loop (once)."""

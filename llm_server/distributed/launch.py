@@ -1,8 +1,8 @@
 """Joining the group and taking a rank's role: rank 0 serves, the others follow.
 
 `llm-server --distributed ring ...` under `mlx.launch` (which sets each rank's hostfile and
-rank), or `llm-server --hosts HOSTFILE ...`, which starts `mlx.launch` itself with this module
-as the program on every host. A watchdog on rank 0 ends the process (non-zero) when a call to
+rank), or `llm-server --hosts HOSTFILE ...`, which starts `mlx.launch` itself with the installed
+`llm-server` as the program on every host. A watchdog on rank 0 ends the process (non-zero) when a call to
 the group has not returned in `--distributed-timeout` seconds: a dead or hung rank never
 leaves the server hanging. An idle rank 0 broadcasts a heartbeat every quarter of that timeout,
 and a follower that hears nothing from rank 0 for twice the timeout exits (non-zero) too.
@@ -10,7 +10,6 @@ and a follower that hears nothing from rank 0 for twice the timeout exits (non-z
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -18,10 +17,17 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llm_server.settings import ServerSettings
 
 log = logging.getLogger("llm_server.distributed")
 
 EXIT_GROUP_LOST = 3
+# the program mlx.launch starts on each host with this interpreter: the installed `llm-server`
+# (a Python script beside it; each host has the same environment at the same path)
+RANK_PROGRAM = Path(sys.executable).with_name("llm-server")
 
 
 def join(backend: str):
@@ -39,20 +45,23 @@ def join(backend: str):
     return group
 
 
-def build_engine(args: argparse.Namespace, model_path: Path, group):
-    """The rank's sharded engine, with the settings rank 0's service gives its own."""
+def build_engine(settings: ServerSettings, model_path: Path):
+    """The rank's sharded engine (`settings.engine.group`), as rank 0's service loads its own."""
     from llm_server.engines.mlx.engine import MLXEngine
-    from llm_server.engines.settings import from_cli
 
-    return MLXEngine(model_path, from_cli(args, group))
+    return MLXEngine(model_path, settings.engine)
 
 
-def wrap(engine, group, backend: str, timeout: float, mode: str = "tensor"):
-    """Rank 0's engine: broadcast each call, and watch that the group answers."""
+def wrap(engine, settings: ServerSettings):
+    """Rank 0's engine: broadcast each call, and watch that the group answers within
+    `settings.distributed_timeout`."""
     from llm_server.distributed.engine import LockstepEngine
     from llm_server.distributed.transport import GroupTransport
 
-    lockstep = LockstepEngine(engine, GroupTransport(group), group.size(), backend, mode)
+    group, timeout = settings.engine.group, settings.distributed_timeout
+    lockstep = LockstepEngine(
+        engine, GroupTransport(group), group.size(), settings.distributed, settings.engine.parallel
+    )
     lockstep.on_lost = shut_down
     watch(lockstep, timeout)
     beat(lockstep, timeout / 4)
@@ -142,16 +151,17 @@ def watch_rank_zero(heard, silence: float, rank: int) -> threading.Thread:
     return thread
 
 
-def follow_main(args: argparse.Namespace, model_path: Path, group) -> int:
-    """A follower rank: load the shard, run rank 0's calls until it stops (0), or until rank
-    0 is gone (EXIT_GROUP_LOST)."""
+def follow_main(settings: ServerSettings, model_path: Path) -> int:
+    """A follower rank (of `settings.engine.group`): load the shard, run rank 0's calls until
+    it stops (0), or until rank 0 is gone (EXIT_GROUP_LOST)."""
     from llm_server.distributed.engine import BACKEND_ERRORS
     from llm_server.distributed.follower import Heard, follow
     from llm_server.distributed.transport import GroupTransport
 
-    engine = build_engine(args, model_path, group)
+    group = settings.engine.group
+    engine = build_engine(settings, model_path)
     heard = Heard()  # rank 0 loads its shard meanwhile: the silence counts from here
-    watch_rank_zero(heard, 2 * args.distributed_timeout, group.rank())
+    watch_rank_zero(heard, 2 * settings.distributed_timeout, group.rank())
     try:
         count = follow(engine, GroupTransport(group), heard)
     except Exception as exc:
@@ -179,11 +189,5 @@ def launch_hosts(argv: list[str], hostfile: str, backend: str) -> int:
         rest += ["--distributed", backend]
     launcher = Path(sys.executable).with_name("mlx.launch")
     cmd = [str(launcher), "--backend", backend, "--hostfile", hostfile]
-    cmd += ["--python", sys.executable, __file__, *rest]
+    cmd += ["--python", sys.executable, str(RANK_PROGRAM), *rest]
     return subprocess.call(cmd)
-
-
-if __name__ == "__main__":  # the program mlx.launch starts on each host
-    from llm_server.cli import main
-
-    main(sys.argv[1:])

@@ -7,11 +7,14 @@ A serial engine is the same contract with one row. Engines are driven from ONE t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from llm_server.engines.plan import EmbeddingSpan, ScoreChunkResult, StepPlan, StepResult
+
+if TYPE_CHECKING:
+    from llm_server.engines.kv.prefix_cache import PrefixCache
 
 # The scoring session advances this many positions per forward (C3).
 SCORE_CHUNK = 128
@@ -52,12 +55,45 @@ class Engine(Protocol):
     pipelined: bool
     # True when `run` verifies decode rows' drafts (DecodeRow.draft: logits at every position,
     # StepResult.verified) and `rewind(row, cursor)` drops rejected positions (MLX, rows
-    # without recurrent state); absent or False: the scheduler never drafts
+    # without recurrent state); False: the scheduler never drafts
     speculative: bool
     # scoring rows the row store holds after the `rows` serving rows (rows .. rows+score_rows-1):
-    # scoring chunks then ride in `run(plan)` (StepPlan.score). 0 or absent: the engine scores
-    # on its separate session (`score_begin`/`score_chunk`), the fallback (scheduler/scorer.py)
+    # scoring chunks then ride in `run(plan)` (StepPlan.score). 0: the engine scores
+    # on its separate session (`score_begin`/`score_chunk`), the fallback
+    # (scheduler/scorer.py)
     score_rows: int
+    # the prompt prefix cache (its stats on /health; None: the engine reuses no prefix)
+    prefix_cache: PrefixCache | None
+    # the kernel set the forwards run on (engines/forward/kernels.py; None: the engine has none)
+    kernels_name: str | None
+    # why embed_begin/embed_chunk/embed_end are not served (None: they are); an HTTP 400
+    no_embeddings: str | None
+
+    def preferred_row(self, tokens: list[int], rows: list[int]) -> int | None:
+        """The free row of `rows` to open `tokens` on (the one still holding the longest
+        prefix of it; None: no preference, the lowest)."""
+        ...
+
+    def kept_tokens(self) -> int:
+        """Positions of released rows' histories held only in their rows (PrefixCacheStats)."""
+        ...
+
+    def idle_due(self) -> float | None:
+        """Seconds until the idle KV memory is given back (`trim_idle`; None: none held)."""
+        ...
+
+    def trim_idle(self) -> bool:
+        """Give the idle KV memory back once its keep-alive is over (True: it was)."""
+        ...
+
+    def rewind(self, row: int, cursor: int) -> None:
+        """Drop `row`'s positions from `cursor` on (a draft's rejected ids; `speculative`)."""
+        ...
+
+    def group_status(self) -> dict[str, Any] | None:
+        """The group of ranks the model is split over, as /health reports it (None: one
+        process)."""
+        ...
 
     def prefill(self, row: int, tokens: Sequence[int]) -> np.ndarray:
         """Reset `row`, run `tokens` through it (chunked); its cursor becomes len(tokens).
@@ -123,6 +159,21 @@ class Engine(Protocol):
 
     def score_end(self) -> None:
         """Free the scoring session's cache."""
+        ...
+
+    # The embedding session (when `no_embeddings` is None): hidden states, pooled by the
+    # scheduler's embedder (scheduler/embedder.py).
+
+    def embed_begin(self, batch: int) -> None:
+        """Open a fresh embedding session of `batch` rows (EmbeddingsUnsupported: none)."""
+        ...
+
+    def embed_chunk(self, tokens: np.ndarray) -> np.ndarray:
+        """Run `tokens` [N, q] at the session's cursor; their last hidden states [N, q, H]."""
+        ...
+
+    def embed_end(self) -> None:
+        """Free the embedding session's cache."""
         ...
 
 

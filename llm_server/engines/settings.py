@@ -6,8 +6,8 @@ checkpoint defaults to, rows a model cannot batch, the context it supports) is d
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -57,6 +57,13 @@ class EngineSettings:
     # seconds an idle engine keeps its KV store, the released rows' histories in place (a
     # conversation's next turn reuses its prefix there with no copy); 0: given back at once
     kv_keep_alive: float = KV_KEEP_ALIVE_S
+    # the prefix cache's disk tier (--prefix-cache-dir; None: memory only), read back into the
+    # rows at load, and its bound in bytes (None: prefix_disk.default_disk_bytes)
+    prefix_cache_dir: Path | None = None
+    prefix_cache_disk_bytes: int | None = None
+    # prompts (token ids) prefilled at load and released: the first request that opens with
+    # one is a prefix cache hit (--warm-prompts, tokenized by the service)
+    warm_tokens: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.rows < 1:
@@ -75,23 +82,11 @@ class EngineSettings:
             raise ValueError(f"score_rows must be >= 0, got {self.score_rows}")
         if not self.kv_keep_alive >= 0:  # (NaN too)
             raise ValueError(f"kv_keep_alive must be >= 0 seconds, got {self.kv_keep_alive}")
+        disk = self.prefix_cache_disk_bytes
+        if disk is not None and disk < 0:
+            raise ValueError(f"prefix_cache_disk_bytes must be >= 0, got {disk}")
 
     @property
     def sharded(self) -> bool:
         """Whether the model is split over more than one rank."""
         return self.group is not None and self.group.size() > 1
-
-
-def from_cli(args: argparse.Namespace, group: Any = None) -> EngineSettings:
-    """The engine settings the command line asks for (llm_server.cli's flags)."""
-    return EngineSettings(
-        rows=args.concurrent_requests,
-        context_length=args.context_length,
-        dtype=args.dtype,
-        prefix_cache_bytes=args.prefix_cache_bytes,
-        kv_keep_alive=getattr(args, "kv_keep_alive", KV_KEEP_ALIVE_S),
-        keep_quantized=args.keep_quantized,
-        compiled_decode={"on": True, "off": False}.get(getattr(args, "compiled_decode", None)),
-        group=group,
-        parallel="pipeline" if getattr(args, "pipeline", False) else "tensor",
-    )

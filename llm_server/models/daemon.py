@@ -3,8 +3,6 @@ app's per-model metrics (server.run_models_server wires them to uvicorn)."""
 
 from __future__ import annotations
 
-import argparse
-import copy
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -15,47 +13,51 @@ from llm_server.models.memory import ModelSize, default_budget, estimate_size
 from llm_server.models.metrics import ModelsCollector
 from llm_server.models.registry import ModelEntry
 from llm_server.service import ModelService
+from llm_server.settings import ServerSettings
 
 
-def entry_args(args: argparse.Namespace, entry: ModelEntry) -> argparse.Namespace:
-    """The CLI's settings with the entry's own overrides."""
-    out = copy.copy(args)
-    for name in (
-        "concurrent_requests",
-        "context_length",
-        "keep_quantized",
-        "pooling",
-        "tool_parser",
-    ):
-        value = getattr(entry, name)
-        if value is not None:
-            setattr(out, name, value)
-    out.group = None
-    return out
+def entry_settings(settings: ServerSettings, entry: ModelEntry) -> ServerSettings:
+    """The CLI's settings with the entry's id, aliases and own overrides (one process: no
+    group)."""
+    overrides = {
+        "rows": entry.concurrent_requests,
+        "context_length": entry.context_length,
+        "keep_quantized": entry.keep_quantized,
+        "pooling": entry.pooling,
+        "tool_parser": entry.tool_parser,
+    }
+    given = {name: value for name, value in overrides.items() if value is not None}
+    return settings.replace(**given, model_id=entry.id, aliases=entry.aliases, group=None)
 
 
 def build_manager(
-    args: argparse.Namespace, entries: list[ModelEntry], service_from_args: Callable
+    settings: ServerSettings,
+    entries: list[ModelEntry],
+    make_service: Callable[[ServerSettings, Path], ModelService],
+    max_memory: int | None = None,
+    idle_unload: float | None = None,
 ) -> ModelManager:
-    """The manager for the CLI's settings; `service_from_args(args, path, id, aliases=...)`
-    starts one model's service (server.service_from_args)."""
+    """The manager for the CLI's settings; `make_service(settings, path)` starts one model's
+    service (server.make_service); `max_memory`: the budget (None: default_budget)."""
 
     def factory(entry: ModelEntry, path: Path) -> ModelService:
-        return service_from_args(entry_args(args, entry), path, entry.id, aliases=entry.aliases)
+        return make_service(entry_settings(settings, entry), path)
 
     def estimate(entry: ModelEntry, path: Path) -> ModelSize:
-        a = entry_args(args, entry)
+        engine = entry_settings(settings, entry).engine
         return estimate_size(
             path,
-            a.concurrent_requests,
-            a.context_length,
-            a.dtype,
-            a.keep_quantized,
-            a.prefix_cache_bytes,
+            engine.rows,
+            engine.context_length,
+            engine.dtype,
+            engine.keep_quantized,
+            engine.prefix_cache_bytes,
         )
 
-    budget = args.max_memory if args.max_memory is not None else default_budget()
-    config = ManagerConfig(budget=budget, idle_unload=args.idle_unload, max_waiting=args.max_queued)
+    budget = max_memory if max_memory is not None else default_budget()
+    config = ManagerConfig(
+        budget=budget, idle_unload=idle_unload, max_waiting=settings.service.max_queued
+    )
     return ModelManager(entries, config, factory, estimate, resolve_source)
 
 

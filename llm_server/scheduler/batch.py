@@ -337,7 +337,7 @@ class BatchScheduler:
     def _wait_for_work(self) -> bool:
         """Block until there is work (True) or the scheduler closes (False); meanwhile give
         the engine's idle KV memory back when its keep-alive is over (`trim_idle`)."""
-        due = getattr(self.engine, "idle_due", lambda: None)
+        due = self.engine.idle_due
         while True:
             with self._cond:
                 if self._has_work():
@@ -400,7 +400,7 @@ class BatchScheduler:
                 drafts=step_drafts,
                 scoring=() if self._leases else scoring,
                 prefill_budget=self.prefill_tokens,
-                row_for=getattr(self.engine, "preferred_row", None),
+                row_for=self.engine.preferred_row,
             )
 
     def _may_speculate(self) -> bool:
@@ -415,7 +415,7 @@ class BatchScheduler:
     def _drafts(self) -> dict[int, tuple[int, ...]]:
         """Each decoding row's draft for the next step (drafting.py): prompt lookup under
         `--speculative ngram`, a request's `prediction` in any mode; {} when none applies."""
-        if self.spec_tokens <= 0 or not getattr(self.engine, "speculative", False):
+        if self.spec_tokens <= 0 or not self.engine.speculative:
             return {}
         lookup = self.speculative == "ngram"
         if not (lookup or self.draft_hook or any(r.prediction for r in self._running.values())):

@@ -38,7 +38,8 @@ class EmbeddingError(RuntimeError):
 
 
 def supports_embeddings(engine: Engine) -> bool:
-    return all(hasattr(engine, m) for m in ("embed_begin", "embed_chunk", "embed_end"))
+    """Whether `engine` serves embed_begin/embed_chunk/embed_end (`Engine.no_embeddings`)."""
+    return engine.no_embeddings is None
 
 
 @dataclass(eq=False)

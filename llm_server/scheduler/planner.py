@@ -66,7 +66,7 @@ def plan(
     drafts: Mapping[int, tuple[int, ...]] | None = None,
     scoring: Sequence[OpenPrompt] = (),
     prefill_budget: int | None = None,
-    row_for: Callable[[list[int], list[int]], int] | None = None,
+    row_for: Callable[[list[int], list[int]], int | None] | None = None,
 ) -> StepPlan:
     """The next step. `running`: row -> request; `free`: rows nobody holds; `admit`: False
     while a pipelined step for the current rows is in flight (newcomers join after it);
@@ -75,7 +75,7 @@ def plan(
     verify after its pending token; `scoring`: the scoring prompts open on scoring rows,
     in the order they were opened; `prefill_budget`: positions per forward when no row
     decodes (None: `budget`; 0: unlimited); `row_for(prompt, rows)`: the free row of `rows`
-    a prompt opens on (reads only; None: the lowest)."""
+    a prompt opens on (reads only; None, or its answer None: the lowest)."""
     live = {row: req for row, req in running.items() if not req.cancelled.is_set()}
     retire = tuple(sorted(row for row in running if row not in live))
     queued = list(queue)
@@ -110,7 +110,8 @@ def plan(
                 continue
             if share_min and _wait_for_prefix(req, live.values(), chunks, share_min):
                 break
-            row = rows[0] if row_for is None else row_for(_key(req.prompt, req.embeddings), rows)
+            picked = None if row_for is None else row_for(_key(req.prompt, req.embeddings), rows)
+            row = rows[0] if picked is None else picked
             rows.remove(row)
             admissions.append(Admission(req.seq, row, req.exclusive))
             if req.exclusive:

@@ -174,7 +174,7 @@ class Scorer:
     def attach(self, engine: Engine) -> bool:
         """Choose where scoring runs, once, when the engine is loaded: on the row store's
         scoring rows (True) or on the separate session, the fallback (False)."""
-        rows = int(getattr(engine, "score_rows", 0) or 0)
+        rows = engine.score_rows
         self._free = list(range(engine.rows, engine.rows + rows))
         self.session.enabled = rows == 0
         return rows > 0

@@ -7,14 +7,17 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
 from llm_server.api.app import AppState, create_app
+from llm_server.engines.contract import Engine
 from llm_server.listen import tcp_socket
 from llm_server.service import ModelService
+from llm_server.settings import ServerSettings
 
 
 class LiveServer:
@@ -58,11 +61,19 @@ class LiveServer:
         self.stop()
 
 
-def tiny_service(model_path: Path, concurrent: int = 1, max_queued: int = 16, **kw) -> ModelService:
-    """A started service on `model_path` (helper for tests)."""
+def tiny_service(
+    model_path: Path,
+    concurrent: int = 1,
+    max_queued: int = 16,
+    engine_factory: Callable[[], Engine] | None = None,
+    **fields: Any,
+) -> ModelService:
+    """A started service on `model_path` (helper for tests); `fields`: ServerSettings.replace's
+    (any part's field by its name, e.g. prefix_cache_dir, constrained_mode)."""
     from llm_server.server import make_service
 
-    svc = make_service(model_path, model_path.name, concurrent, max_queued, **kw)
+    settings = ServerSettings().replace(rows=concurrent, max_queued=max_queued, **fields)
+    svc = make_service(settings, model_path, engine_factory)
     svc.wait_ready(120)
     return svc
 

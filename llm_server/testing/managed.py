@@ -11,29 +11,25 @@ import uvicorn
 
 from llm_server.api.app import AppState, create_app
 from llm_server.listen import tcp_socket
-from llm_server.models.daemon import manage
+from llm_server.models.daemon import entry_settings, manage
 from llm_server.models.manager import ManagerConfig, ModelManager
 from llm_server.models.memory import ModelSize, estimate_size
 from llm_server.models.registry import ModelEntry
 from llm_server.service import ModelService
+from llm_server.settings import ServerSettings
 
 GiB = 1 << 30
 
 
-def tiny_factory(concurrent: int = 1, max_queued: int = 16, **kw):
-    """(entry, path) -> a started service, as the daemon makes them (entry overrides kept)."""
+def tiny_factory(concurrent: int = 1, max_queued: int = 16, **fields):
+    """(entry, path) -> a started service, as the daemon makes them (entry overrides kept);
+    `fields`: ServerSettings.replace's."""
     from llm_server.server import make_service
 
+    settings = ServerSettings().replace(rows=concurrent, max_queued=max_queued, **fields)
+
     def make(entry: ModelEntry, path: Path) -> ModelService:
-        return make_service(
-            path,
-            entry.id,
-            entry.concurrent_requests or concurrent,
-            max_queued,
-            context_length=entry.context_length,
-            aliases=entry.aliases,
-            **kw,
-        )
+        return make_service(entry_settings(settings, entry), path)
 
     return make
 

@@ -246,6 +246,8 @@ def test_bare_embedding_checkpoint_serves_embeddings_only(st_model, tmp_path, cl
 class _NoEmbeddingEngine:
     """A real engine without the embedding methods (as the Core ML engine is)."""
 
+    no_embeddings = "the mlx engine does not compute embeddings; serve it with another engine"
+
     def __init__(self, inner) -> None:
         self._inner = inner
 

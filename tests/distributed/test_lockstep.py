@@ -69,7 +69,8 @@ def test_the_follower_ends_where_rank_zero_does(tiny_model_path):
         )
 
     transport = QueueTransport()
-    leader = LockstepEngine(engine(), transport, size=2, backend="queue")
+    local = engine()
+    leader = LockstepEngine(local, transport, size=2, backend="queue")
     first = leader.run(
         StepPlan(prefill=(PrefillChunk(seq=1, row=0, prompt=(3, 4, 5, 6), start=0, end=2),))
     )
@@ -91,7 +92,7 @@ def test_the_follower_ends_where_rank_zero_does(tiny_model_path):
     follower = engine()
     assert follow(follower, transport) == 9
     assert [follower.cursor(r) for r in (0, 1)] == [leader.cursor(0), leader.cursor(1)] == [5, 0]
-    assert follower.row_table.tokens[0] == leader.row_table.tokens[0] == [3, 4, 5, 6, tok]
+    assert follower.row_table.tokens[0] == local.row_table.tokens[0] == [3, 4, 5, 6, tok]
     follower.score_begin(1)
     again = follower.score_chunk(np.array([[3, 4, 5]]), np.array([[4, 5, 6]]), 2)
     np.testing.assert_allclose(again.token_logprobs, scored.token_logprobs, atol=1e-6)
@@ -194,9 +195,10 @@ def test_hosts_runs_the_same_command_under_mlx_launch(monkeypatch):
     argv = ["--model", "M", "--hosts", "h.json", "--port", "9000", "--hosts=x.json"]
     assert launch.launch_hosts(argv, "h.json", "ring") == 0
     launcher = str(Path(sys.executable).with_name("mlx.launch"))
+    assert launch.RANK_PROGRAM.read_text().count("from llm_server.cli import main") == 1
     assert ran == [
         [launcher, "--backend", "ring", "--hostfile", "h.json", "--python", sys.executable,
-         launch.__file__, "--model", "M", "--port", "9000", "--distributed", "ring"]
+         str(launch.RANK_PROGRAM), "--model", "M", "--port", "9000", "--distributed", "ring"]
     ]  # fmt: skip
 
 

@@ -347,9 +347,10 @@ def test_staggered_requests_batched_equal_alone_with_compiled_steps(tiny_model_p
 @pytest.mark.parametrize("flag, on", [([], True), (["--compiled-decode", "off"], False)])
 def test_the_cli_flag_turns_compiled_steps_off(tiny_llama_path, flag, on):
     from llm_server.cli import build_parser
-    from llm_server.server import service_from_args
+    from llm_server.server import make_service
+    from llm_server.settings import ServerSettings
 
-    svc = service_from_args(build_parser().parse_args(flag), tiny_llama_path, "tiny")
+    svc = make_service(ServerSettings.from_args(build_parser().parse_args(flag)), tiny_llama_path)
     try:
         svc.wait_ready(120)
         assert (svc.engine.fused.compiled is not None) is on

@@ -12,7 +12,6 @@ import pytest
 
 from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.engines.settings import EngineSettings
-from llm_server.warm_prompts import prepare_engine
 
 
 @pytest.fixture(scope="module")
@@ -189,8 +188,7 @@ def test_keep_alive_must_be_non_negative():
 
 def _persisted(path, folder, history: list[int]) -> None:
     """A server that served `history` and shut down: its entry on disk in `folder`."""
-    engine = _engine(path)
-    prepare_engine(engine, folder, None, [])
+    engine = _engine(path, prefix_cache_dir=folder)
     engine.prefill(0, history)
     engine.release(0)
     engine.persist()  # as at shutdown (thread_exit): the kept history to disk too
@@ -201,15 +199,14 @@ def test_a_restart_resumes_the_last_conversation_into_its_row(tiny_model_path, t
     first, second, other = turns
     history = first * 2  # 300 tokens: a read worth its file (prefix_disk.READ_TOKENS)
     turn = history + other[:20]
-    lazy = _engine(tiny_model_path, kv_keep_alive=0)  # no resume: read at the hit, copied
     _persisted(tiny_model_path, tmp_path, history)
-    prepare_engine(lazy, tmp_path, None, [])
+    # no resume: read at the hit, copied
+    lazy = _engine(tiny_model_path, kv_keep_alive=0, prefix_cache_dir=tmp_path)
     assert lazy.kv_bytes() == 0
     want = lazy.prefill(0, turn)
     assert lazy.cached_tokens(0) == len(history)
 
-    engine = _engine(tiny_model_path)
-    prepare_engine(engine, tmp_path, None, [])
+    engine = _engine(tiny_model_path, prefix_cache_dir=tmp_path)
     disk = engine.prefix_cache.disk
     assert disk.reads == 1 and engine.row_table.kept[0] == history
     assert engine.preferred_row(other, [0, 1]) == 1  # an unrelated request leaves it alone
@@ -230,9 +227,8 @@ def test_a_corrupt_file_is_not_resumed(tiny_model_path, tmp_path, turns, caplog)
     data = bytearray(path.read_bytes())
     data[-100] ^= 0x01
     path.write_bytes(bytes(data))
-    engine = _engine(tiny_model_path)
     with caplog.at_level(logging.WARNING):
-        prepare_engine(engine, tmp_path, None, [])
+        engine = _engine(tiny_model_path, prefix_cache_dir=tmp_path)
     assert engine.row_table.kept == [[]] * len(engine.row_table.kept)
     assert engine.kv_bytes() == 0 and engine.prefix_cache.disk.corrupt == 1
     assert any("checksum" in r.getMessage() for r in caplog.records)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import mlx.core as mx
@@ -15,7 +15,12 @@ import numpy as np
 import pytest
 
 from llm_server.engines.kv.prefix_cache import PrefixCache
-from llm_server.engines.kv.prefix_disk import READ_TOKENS, DiskTier, engine_fingerprint
+from llm_server.engines.kv.prefix_disk import (
+    READ_TOKENS,
+    DiskTier,
+    checkpoint_digest,
+    engine_fingerprint,
+)
 from llm_server.testing.live import serving
 from llm_server.warm_prompts import load_warm_prompts
 
@@ -164,13 +169,59 @@ def test_disk_bound_and_extension_replace_older_files(tmp_path):
     assert held <= 40_000 and tier.stats()["disk_bytes"] == held
 
 
-def test_fingerprint_covers_dtype_and_kernel_set(tiny_model_path):
-    def fp(**kw):
-        engine = {"model_path": tiny_model_path, "dtype": "float32", "kernels": "linux_cpu"}
-        return engine_fingerprint(SimpleNamespace(**{**engine, **kw}))
+def test_the_fingerprint_changes_with_each_of_its_fields(tiny_model_path, tmp_path):
+    base = {
+        "checkpoint": checkpoint_digest(tiny_model_path),
+        "dtype": "float32",
+        "kernels": "linux_cpu",
+        "fused": True,
+        "quantized": False,
+        "mlx_version": "0.30.0",
+    }
+    other = {
+        "checkpoint": "another checkpoint",
+        "dtype": "bfloat16",
+        "kernels": "generic",
+        "fused": False,
+        "quantized": True,
+        "mlx_version": "0.30.1",
+    }
+    key = engine_fingerprint(**base)
+    assert key == engine_fingerprint(**base) and key.startswith("kv_")
+    for name, value in other.items():
+        assert engine_fingerprint(**{**base, name: value}) != key, name
+    # the checkpoint's identity: its config's text (and its files' names, sizes, times)
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_model_path, copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
+    assert checkpoint_digest(copy) != checkpoint_digest(tiny_model_path)
 
-    assert len({fp(), fp(dtype="float16"), fp(kernels="generic")}) == 3
-    assert fp() == fp()
+
+def test_a_file_written_by_the_fused_forward_is_not_read_without_it(tiny_model_path, tmp_path):
+    """The fused forward's KV and mlx-lm's differ in rounding: an engine without the fused
+    forward never reads the other's files (the fingerprint once always said fused=False)."""
+    from llm_server.engines.mlx.engine import MLXEngine
+    from llm_server.engines.settings import EngineSettings
+
+    history = [int(t) for t in np.random.default_rng(5).integers(3, 380, 300)]
+
+    def engine(fused: bool) -> MLXEngine:
+        settings = EngineSettings(rows=1, fused_decode=fused, prefix_cache_dir=tmp_path)
+        return MLXEngine(tiny_model_path, settings)
+
+    fused = engine(True)
+    assert fused.fused is not None
+    fused.prefill(0, history)
+    fused.release(0)
+    fused.persist()  # as at shutdown: the row's history to disk, the writes finished
+    plain = engine(False)
+    assert plain.fused is None and plain.kv_fingerprint() != fused.kv_fingerprint()
+    plain.prefill(0, history + [7, 8])
+    assert plain.cached_tokens(0) == 0 and plain.prefix_cache.disk.reads == 0
+    again = engine(True)  # the same engine after a restart reads it back
+    again.prefill(0, history + [7, 8])
+    assert again.cached_tokens(0) == len(history)
 
 
 def test_warm_prompts_make_the_first_request_a_hit(tiny_model_path, tmp_path: Path):

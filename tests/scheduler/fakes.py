@@ -26,6 +26,11 @@ class FakeEngine:
     serial_reason = None
     dtype = "float32"
     vocab_size = VOCAB
+    has_lm_head = True
+    speculative = False  # `run` verifies no drafts
+    prefix_cache = None
+    kernels_name = None
+    no_embeddings = "the fake engine does not compute embeddings"
 
     def __init__(
         self, rows: int, context_length: int = 4096, share_min: int = 0, score_rows: int = 0
@@ -97,6 +102,42 @@ class FakeEngine:
         return np.stack([self._logits(r) for r in rows])
 
     def thread_exit(self) -> None:
+        pass
+
+    def preferred_row(self, tokens: list[int], rows: list[int]) -> int | None:
+        return None  # the lowest
+
+    def kept_tokens(self) -> int:
+        return 0
+
+    def idle_due(self) -> float | None:
+        return None
+
+    def trim_idle(self) -> bool:
+        return False
+
+    def rewind(self, row: int, cursor: int) -> None:
+        raise EngineError("the fake engine does not rewind")
+
+    def group_status(self) -> None:
+        return None
+
+    def score_begin(self, batch: int) -> None:
+        raise EngineError("the fake engine scores on its scoring rows only")
+
+    def score_chunk(self, tokens, targets, top_k: int) -> ScoreChunkResult:
+        raise EngineError("the fake engine scores on its scoring rows only")
+
+    def score_end(self) -> None:
+        pass
+
+    def embed_begin(self, batch: int) -> None:
+        raise EngineError(self.no_embeddings)
+
+    def embed_chunk(self, tokens):
+        raise EngineError(self.no_embeddings)
+
+    def embed_end(self) -> None:
         pass
 
 

@@ -166,6 +166,7 @@ def test_engine_error_fails_only_that_batch(tiny_llama_path):
 def test_an_engine_without_embeddings_fails_cleanly(engine):
     class NoEmbed:
         name, rows, dynamic_shapes, padded_shapes, context_length = "coreml", 1, False, True, 64
+        no_embeddings = "the coreml engine does not compute embeddings"
 
     embedder = Embedder(EmbeddingConfig(Pooling.LAST, True))
     req = embedder.submit([[1, 2, 3]])

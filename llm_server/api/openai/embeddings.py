@@ -156,12 +156,8 @@ async def embeddings(request: Request) -> Response:
             "dimensions", f"'dimensions' is {req.dimensions} but the model's embeddings have {size}"
         )
     if not supports_embeddings(service.engine):
-        raise APIError(
-            400,
-            f"the {service.engine.name} engine does not compute embeddings; serve the model "
-            "with the MLX engine",
-            code="embeddings_unavailable",
-        )
+        refused = service.engine.no_embeddings or "the engine does not compute embeddings"
+        raise APIError(400, refused, code="embeddings_unavailable")
     ids = _token_ids(service, req)
     try:
         vectors = await service.embed(ids)  # [n, hidden]

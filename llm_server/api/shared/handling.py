@@ -17,8 +17,6 @@ from llm_server.distributed import group_lost
 from llm_server.scheduler import FinishEvent, QueueFull, SchedulerClosed
 from llm_server.service import GenerationHandle, ModelService
 
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-
 
 def get_service(request: Request) -> ModelService:
     """The ready service, or 503 while loading or draining."""

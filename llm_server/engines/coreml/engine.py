@@ -23,7 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
-from llm_server.engines.contract import EmbeddingInputUnsupported, EngineError, ScoreChunkResult
+from llm_server.engines.contract import (
+    EmbeddingInputUnsupported,
+    EmbeddingsUnsupported,
+    EngineError,
+    ScoreChunkResult,
+)
 from llm_server.engines.forward.score_reduce import log_softmax, reduce_logprobs
 from llm_server.engines.plan import StepPlan, StepResult
 
@@ -160,7 +165,13 @@ class CoreMLEngine:
     dtype = "float16"
     serial_reason = None  # the export's row count decides batching (probe.py)
     shared_prefix_min = 0  # no prefix reuse on Core ML states
+    prefix_cache = None
     has_lm_head = True
+    speculative = False  # a Core ML state cannot be rewound
+    kernels_name = None  # the compiled package runs its own kernels
+    no_embeddings = (
+        "the coreml engine does not compute embeddings; serve the model with the MLX engine"
+    )
 
     def thread_exit(self) -> None:
         """Nothing is held per thread."""
@@ -217,6 +228,33 @@ class CoreMLEngine:
 
     def score_end(self) -> None:
         self._states["score"] = None
+
+    def preferred_row(self, tokens: list[int], rows: list[int]) -> int | None:
+        return None  # no row keeps a history to reuse
+
+    def kept_tokens(self) -> int:
+        return 0
+
+    def idle_due(self) -> float | None:
+        return None  # the state is allocated once, never given back while loaded
+
+    def trim_idle(self) -> bool:
+        return False
+
+    def rewind(self, row: int, cursor: int) -> None:
+        raise EngineError("a Core ML row cannot be rewound")
+
+    def group_status(self) -> None:
+        return None
+
+    def embed_begin(self, batch: int) -> None:
+        raise EmbeddingsUnsupported(self.no_embeddings)
+
+    def embed_chunk(self, tokens: np.ndarray) -> np.ndarray:
+        raise EmbeddingsUnsupported(self.no_embeddings)
+
+    def embed_end(self) -> None:
+        pass  # no session was opened
 
 
 def run_by_primitives(engine: CoreMLEngine, plan: StepPlan) -> StepResult:

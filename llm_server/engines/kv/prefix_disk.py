@@ -2,11 +2,12 @@
 resident entry at shutdown, kept as files that survive restarts, bounded in bytes.
 
 Files live in DIR/<fingerprint>/, the fingerprint covering the checkpoint (config and weight
-files' names, sizes and times), the dtype, the kernel set and the MLX version: an entry written
-by another model or build is never read (its folder is only deleted, oldest first, to stay
-under the bound). One file an entry: magic, a JSON header (fingerprint, shapes, dtype, CRC-32
-of everything after it), the token ids (int64: embedding spans' keys are negative; int32 in
-files of the first version, still read), then each layer's keys and values. The token ids of
+files' names, sizes and times), the dtype, the kernel set, the fused forward, quantization and
+the MLX version: an entry written by another model or build is never read (its folder is only
+deleted, oldest first, to stay under the bound). One file an entry: magic, a JSON header
+(fingerprint, shapes, dtype, CRC-32 of everything after it), the token ids (int64: embedding
+spans' keys are negative; int32 in files of the first version, still read), then each layer's
+keys and values. The token ids of
 every file are indexed in memory at start; the KV is read on a match worth its read (at least
 `READ_TOKENS` shared, or an eighth of the file's: a chat template's opening tokens never pull a
 long conversation's file in), and a file whose checksum, header or size is wrong is skipped
@@ -50,19 +51,33 @@ DEFAULT_DISK_BYTES = 16 << 30  # at most half the free space of the folder's dis
 _NP = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  # bf16 as its bits
 
 
-def engine_fingerprint(engine) -> str:
-    """What the KV depends on: checkpoint, dtype, kernel set, MLX version."""
-    path = Path(engine.model_path)
+def checkpoint_digest(path: Path) -> str:
+    """The checkpoint's identity: its config and weight files' names, sizes and times, and
+    config.json's text."""
+    path = Path(path)
     files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".safetensors"))
     ident = hashlib.sha256()
     for p in files:
         st = p.stat()
         ident.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns};".encode())
     ident.update((path / "config.json").read_bytes())
-    kernels = getattr(engine, "kernels", "default")
-    desc = fp.descriptor(ident.hexdigest(), "mlx", engine.dtype, 0)
-    desc += f";kernels={kernels};fused={getattr(engine, '_fused', None) is not None}"
-    desc += f";quantized={getattr(engine, 'quantized', False)};mlx={mx.__version__}"
+    return ident.hexdigest()
+
+
+def engine_fingerprint(
+    checkpoint: str,
+    dtype: str,
+    kernels: str,
+    fused: bool,
+    quantized: bool,
+    mlx_version: str = mx.__version__,
+) -> str:
+    """What the KV depends on: the checkpoint (`checkpoint_digest`), the compute dtype, the
+    kernel set's name, whether the fused forward computes it, whether quantized layers serve
+    it (kept quantized, not dequantized at load) and the MLX version."""
+    desc = fp.descriptor(checkpoint, "mlx", dtype, 0)
+    desc += f";kernels={kernels};fused={bool(fused)};quantized={bool(quantized)}"
+    desc += f";mlx={mlx_version}"
     return "kv_" + hashlib.sha256(desc.encode()).hexdigest()[:16]
 
 

@@ -30,6 +30,12 @@ from llm_server.engines.forward.fused import FusedForward
 from llm_server.engines.forward.kernels import resolve as resolve_kernels
 from llm_server.engines.forward.model import ModelForward
 from llm_server.engines.kv.prefix_cache import PrefixCache, default_bound, kv_token_bytes
+from llm_server.engines.kv.prefix_disk import (
+    DiskTier,
+    checkpoint_digest,
+    default_disk_bytes,
+    engine_fingerprint,
+)
 from llm_server.engines.kv.rows import RowTable
 from llm_server.engines.kv.state import StateStore
 from llm_server.engines.kv.store import RowStore
@@ -70,6 +76,7 @@ class MLXEngine:
 
     name = "mlx"
     dynamic_shapes = True
+    no_embeddings = None  # embed_begin/embed_chunk/embed_end are served (EmbedSession)
 
     def __init__(self, model_path: str | Path, settings: EngineSettings | None = None) -> None:
         """Load the model at `model_path` as `settings` say (engines/settings.py)."""
@@ -137,6 +144,7 @@ class MLXEngine:
                 self._compose(1)
             else:
                 self._compose(rows)  # forget the check's rows (prefix cache included)
+        self._resume(settings)
 
     def _compose(self, rows: int) -> None:
         """Empty rows (`rows` of them, 1 when serving serially), the prefix cache, and the
@@ -197,6 +205,45 @@ class MLXEngine:
             name=self.model_type,
         )
 
+    def _resume(self, settings: EngineSettings) -> None:
+        """Attach the prefix cache's disk tier (`prefix_cache_dir`) and read its most recent
+        conversations back into the rows, then prefill each warm prompt on a free row and
+        release it: its KV stays in the row, and goes to the prefix cache when the row is
+        needed or the store given back (mlx_rows)."""
+        prompts = settings.warm_tokens
+        if settings.prefix_cache_dir is None and not prompts:
+            return
+        cache = self.prefix_cache
+        if settings.group is not None or not cache.enabled:
+            log.warning("prefix cache off for this model: --prefix-cache-dir/--warm-prompts unused")
+            return
+        if settings.prefix_cache_dir is not None:
+            folder = Path(settings.prefix_cache_dir)
+            bound = settings.prefix_cache_disk_bytes
+            bound = default_disk_bytes(folder) if bound is None else bound
+            cache.attach_disk(DiskTier(folder, bound, self.kv_fingerprint(), cache.min_tokens))
+            resumed = self.row_table.resume()
+            if resumed:
+                log.info("resumed %d conversation(s) from %s into the KV store", resumed, folder)
+        for ids in prompts:
+            ids = list(ids[: self.context_length])
+            if len(ids) >= cache.min_tokens:
+                row = self.preferred_row(ids, list(range(self.rows)))  # not over a resumed one
+                self.prefill(row, ids)
+                self.release(row)
+        if prompts:
+            log.info("prefilled %d warm prompts into the prefix cache", len(prompts))
+
+    def kv_fingerprint(self) -> str:
+        """The disk tier's key for this engine's KV (prefix_disk.engine_fingerprint)."""
+        return engine_fingerprint(
+            checkpoint_digest(self.model_path),
+            self.dtype,
+            self.kernels.name,
+            fused=self.fused is not None,
+            quantized=self.quantized,
+        )
+
     def _build_fused(self, wanted: bool, settings: EngineSettings) -> FusedForward | None:
         """Steps with stacked q/k/v and gate/up products (None: mlx-lm's forward). Built while
         the weights are still lazy, so the separate ones only ever exist one layer at a time:
@@ -226,6 +273,13 @@ class MLXEngine:
         return self.row_table.prefix_cache
 
     @property
+    def kernels_name(self) -> str:
+        return self.kernels.name
+
+    def group_status(self) -> None:
+        return None  # not split over ranks (LockstepEngine reports a group's)
+
+    @property
     def shared_prefix_min(self) -> int:
         """The shortest prefix a fresh row copies from another row (0: no prefix reuse)."""
         return self.prefix_cache.min_tokens if self.prefix_cache.enabled else 0
@@ -244,10 +298,6 @@ class MLXEngine:
     def preferred_row(self, tokens: list[int], rows: list[int]) -> int:
         """The free row to open `tokens` on: the one still holding the longest prefix of it."""
         return self.row_table.preferred_row(tokens, rows)
-
-    def resume(self) -> int:
-        """Read the disk tier's most recent conversations back into the rows (a restart)."""
-        return self.row_table.resume()
 
     def idle_due(self) -> float | None:
         """Seconds until the idle KV store is given back (None: none held idle)."""

@@ -1,5 +1,5 @@
 """Resident memory through a sequence of loads and unloads under a budget that holds two copies
-of a model: `python -m llm_server.models.measure [MODEL]` (default: the embedded model)."""
+of a model: `python -m llm_server.benchmark.model_memory [MODEL]` (default: the embedded model)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ async def measure(source: Path) -> list[tuple[str, int, int, int]]:
     """(step, RSS, MLX arrays, budgeted bytes) after each step: load A, load B, unload A,
     load C."""
     from llm_server.server import make_service
+    from llm_server.settings import ServerSettings
 
     size = estimate_size(source, 1, None)
     budget = 2 * size.total + size.total // 2  # holds two, not three
@@ -29,7 +30,7 @@ async def measure(source: Path) -> list[tuple[str, int, int, int]]:
     manager = ModelManager(
         entries,
         ManagerConfig(budget=budget),
-        lambda e, p: make_service(p, e.id, 1),
+        lambda e, p: make_service(ServerSettings().replace(model_id=e.id), p),
         lambda e, p: estimate_size(p, 1, None),
         Path,
     )

@@ -1,0 +1,122 @@
+"""Everything the process is asked for, built once from the command line (`ServerSettings`):
+the engine's settings, the service's, the HTTP server's, the disk tier and the warm prompts."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from llm_server.engines.settings import EngineSettings
+from llm_server.service import ServiceConfig
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # --max-body-size's default
+
+
+@dataclass(frozen=True)
+class HTTPSettings:
+    """Where and how the app is served (uvicorn, the app's checks)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080  # 0 picks a free one
+    uds: str | None = None  # a Unix socket instead of TCP
+    api_key: str | None = None  # None: LLM_SERVER_API_KEY, if set (api/shared/security.py)
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed (none: CORS off)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body gets 413
+    drain_timeout: float = 30.0  # seconds running requests may take after SIGTERM
+    log_requests: str | None = None  # append one JSON line per API request to this file
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """One model's engine and service behind one HTTP server (each model of a registry gets a
+    copy with its entry's overrides: models.daemon.entry_settings)."""
+
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+    http: HTTPSettings = field(default_factory=HTTPSettings)
+    backend: str = "auto"  # "auto" | "mlx" | "coreml" (model_source.pick_backend)
+    # the mx.distributed backend the ranks joined through (--distributed; "": one process),
+    # and how long rank 0 waits on a step of the group before it gives up
+    distributed: str = ""
+    distributed_timeout: float = 20.0
+    # items of a --warm-prompts file (warm_prompts.py): tokenized by the service, then
+    # prefilled by the engine at load (EngineSettings.warm_tokens)
+    warm_prompts: tuple[Any, ...] = ()
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServerSettings:
+        """The settings llm_server.cli's flags ask for (ValueError: a value out of range)."""
+        return cls(
+            engine=EngineSettings(
+                rows=args.concurrent_requests,
+                context_length=args.context_length,
+                dtype=args.dtype,
+                prefix_cache_bytes=args.prefix_cache_bytes,
+                keep_quantized=args.keep_quantized,
+                compiled_decode={"on": True, "off": False}.get(args.compiled_decode),
+                parallel="pipeline" if args.pipeline else "tensor",
+                kv_keep_alive=args.kv_keep_alive,
+                prefix_cache_dir=args.prefix_cache_dir,
+                prefix_cache_disk_bytes=args.prefix_cache_disk_bytes,
+            ),
+            service=ServiceConfig(
+                model_id=args.model_id or "",
+                max_queued=args.max_queued,
+                default_max_tokens=args.default_max_tokens,
+                constrained_mode=args.constrained_mode,
+                chat_template=args.chat_template,
+                tool_parser=args.tool_parser,
+                pooling=args.pooling,
+                step_tokens=args.step_tokens,
+                prefill_tokens=args.prefill_tokens,
+                speculative=args.speculative,
+                spec_tokens=args.spec_tokens,
+            ),
+            http=HTTPSettings(
+                host=args.host,
+                port=args.port,
+                uds=args.uds,
+                api_key=args.api_key,
+                cors_origins=tuple(args.cors_origin),
+                max_body_bytes=args.max_body_size,
+                drain_timeout=args.drain_timeout,
+                log_requests=args.log_requests,
+            ),
+            backend=args.backend,
+            distributed=args.distributed or "",
+            distributed_timeout=args.distributed_timeout,
+            warm_prompts=tuple(args.warm_prompts or ()),
+        )
+
+    def replace(self, **fields: Any) -> ServerSettings:
+        """A copy with `fields` changed, each named as its part names it (`rows`, `max_queued`,
+        `port`, `backend`, ...): the part that has the field gets it."""
+        parts: dict[str, dict[str, Any]] = {"engine": {}, "service": {}, "http": {}}
+        own = {}
+        for name, value in fields.items():
+            if name in _FIELDS["self"]:
+                own[name] = value
+                continue
+            part = next((p for p in parts if name in _FIELDS[p]), None)
+            if part is None:
+                raise TypeError(f"ServerSettings has no field {name!r}")
+            parts[part][name] = value
+        current = {"engine": self.engine, "service": self.service, "http": self.http}
+        for part, changed in parts.items():
+            if changed:
+                own[part] = dataclasses.replace(current[part], **changed)
+        return dataclasses.replace(self, **own)
+
+    def in_group(self, group: Any) -> ServerSettings:
+        """This rank's settings once it joined `group` (an mx.distributed group)."""
+        return self.replace(group=group)
+
+
+_FIELDS = {
+    "self": {f.name for f in dataclasses.fields(ServerSettings)} - {"engine", "service", "http"},
+    "engine": {f.name for f in dataclasses.fields(EngineSettings)},
+    "service": {f.name for f in dataclasses.fields(ServiceConfig)},
+    "http": {f.name for f in dataclasses.fields(HTTPSettings)},
+}
