@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,6 +133,39 @@ def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 def test_no_folder_imports_a_folder_that_imports_it_back():
     loops = cycles(folder_graph(import_graph()))
     assert not loops, f"folders importing each other: {sorted(loops)}"
+
+
+def allowed_imports() -> dict[str, set[str] | None]:
+    """docs/ARCHITECTURE.md's table "Folders and what each may import": folder -> the folders it
+    may import (None: any)."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    table = text.split("<!-- folder-imports: begin -->")[1].split("<!-- folder-imports: end -->")[0]
+    rules: dict[str, set[str] | None] = {}
+    for line in table.strip().splitlines()[2:]:
+        names, _, may = (cell.strip() for cell in line.strip("|").split("|"))
+        named = set(re.findall(r"`([\w.]+)`", may))
+        if may.startswith("anything"):
+            allowed = None if not named else {f for f in folder_graph(import_graph())} - named
+        elif may.startswith("nothing"):
+            allowed = set()
+        else:
+            allowed = named
+        for name in re.findall(r"`([\w.]+)`", names):
+            rules[name] = allowed
+    return rules
+
+
+def test_every_folder_imports_only_what_the_architecture_allows():
+    rules = allowed_imports()
+    graph = folder_graph(import_graph())
+    unlisted = sorted(set(graph) - set(rules) - {"llm_server"})
+    assert not unlisted, f"folders missing from docs/ARCHITECTURE.md's import table: {unlisted}"
+    broken = {
+        f: sorted(imported - rules[f])
+        for f, imported in sorted(graph.items())
+        if f in rules and rules[f] is not None and imported - rules[f]
+    }
+    assert not broken, f"imports the architecture does not allow: {broken}"
 
 
 def test_the_cycle_finder_sees_a_cycle_through_a_function_level_import():
