@@ -16,7 +16,13 @@ from pathlib import Path
 from llm_server.benchmark.settings import Settings
 
 # --peer name -> the report's server kind
-PEERS = {"llama-server": "llama_server", "vllm-mlx": "vllm_mlx", "rapid-mlx": "rapid_mlx"}
+# (`llm-server`: another build of this server, e.g. a previous commit's checkout, side by side)
+PEERS = {
+    "llama-server": "llama_server",
+    "vllm-mlx": "vllm_mlx",
+    "rapid-mlx": "rapid_mlx",
+    "llm-server": "llm_server_peer",
+}
 AGENT_MAX_TOKENS = 32  # the agent workload's default: agents' answers are short
 FULL = {"concurrency": "1,2,4,8", "requests": 32, "max_tokens": 64, "scoring_prompts": 32}
 QUICK = {"concurrency": "1,2", "requests": 4, "max_tokens": 8, "scoring_prompts": 4}

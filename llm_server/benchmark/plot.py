@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 LABELS = {"ours": "llm-server", "mlx_lm": "mlx_lm.server", "llama_server": "llama-server",
-          "vllm_mlx": "vllm-mlx", "rapid_mlx": "rapid-mlx"}  # fmt: skip
+          "vllm_mlx": "vllm-mlx", "rapid_mlx": "rapid-mlx",
+          "llm_server_peer": "llm-server (peer build)"}  # fmt: skip
 
 
 def write_plot(report: dict, path: Path) -> None:

@@ -27,7 +27,12 @@ from llm_server.native.blas import preload_env
 READY_RE = re.compile(r"llm-server ready on (http://\S+)")
 STOP_GRACE_S = 30.0
 # peers: servers started from a command the user gives (`llm-benchmark --peer NAME --peer-cmd`)
-PEER_LABELS = {"llama_server": "llama-server", "vllm_mlx": "vllm-mlx", "rapid_mlx": "rapid-mlx"}
+PEER_LABELS = {
+    "llama_server": "llama-server",
+    "vllm_mlx": "vllm-mlx",
+    "rapid_mlx": "rapid-mlx",
+    "llm_server_peer": "llm-server (peer build)",
+}
 PEER_FIELDS = ("port", "concurrency", "host", "model")  # what a --peer-cmd template may name
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from llm_server.decoding import SamplingParams
 from llm_server.engines.contract import EmbeddingInputUnsupported
-from llm_server.engines.kv.prefix_disk import MAGIC, MAGIC_V1, DiskTier, engine_fingerprint
+from llm_server.engines.kv.prefix_disk import MAGIC, MAGIC_V1, DiskTier
 from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.engines.plan import (
     DecodeRow,
@@ -317,7 +317,7 @@ def test_rows_the_prefix_cache_and_the_disk_tier_match_spans_by_content(tiny_mod
         assert engine.preferred_row(prompt_key(longer, [span]), [0, 1]) == row
 
     # the histories saved to the prefix cache (the store given back) and to its disk tier
-    engine.prefix_cache.attach_disk(DiskTier(tmp_path, 1 << 30, engine_fingerprint(engine)))
+    engine.prefix_cache.attach_disk(DiskTier(tmp_path, 1 << 30, engine.kv_fingerprint()))
     engine.row_table.clear()
     engine.persist()
     assert len(list(tmp_path.glob("kv_*/*.kv"))) == 2  # a's and b's: by content
@@ -336,7 +336,7 @@ def test_rows_the_prefix_cache_and_the_disk_tier_match_spans_by_content(tiny_mod
         engine.release(0)
 
     restarted = MLXEngine(tiny_model_path, EngineSettings(rows=2))
-    disk = DiskTier(tmp_path, 1 << 30, engine_fingerprint(restarted))
+    disk = DiskTier(tmp_path, 1 << 30, restarted.kv_fingerprint())
     restarted.prefix_cache.attach_disk(disk)
     got = restarted.prefill(0, longer, [a])
     assert restarted.cached_tokens(0) == len(HOLDER) and disk.reads == 1
