@@ -142,6 +142,7 @@ FAMILIES: dict[str, dict] = {
         "mamba_d_conv": 4,
         "mamba_n_groups": 1,
         "mamba_conv_bias": True,
+        "mamba_expand": 1,  # (transformers checks heads x head dim == expand x hidden)
         "shared_intermediate_size": 128,
         "position_embedding_type": "rope",
         "time_step_limit": [0.0, 1e9],

@@ -19,7 +19,6 @@ import mlx.core as mx
 
 from llm_server.engines.kv.store import ForwardPlan
 
-
 # one row's state after some position: per recurrent layer (StateStore order), its arrays
 Checkpoint = tuple[tuple[mx.array | None, ...], ...]
 
