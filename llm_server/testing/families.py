@@ -105,6 +105,49 @@ FAMILIES: dict[str, dict] = {
         "use_conv_bias": True,
         "time_step_limit": [0.0, 1e9],
     },
+    # gated delta + attention (Qwen3.5/3.6): layers 0-2 linear attention, layer 3 full
+    "qwen3_5": {
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 4,
+        "num_hidden_layers": 4,
+        "rope_parameters": {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    },
+    "qwen3_5_moe": {
+        **_MOE,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 2,
+        "shared_expert_intermediate_size": 64,
+        "rope_parameters": {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    },
+    # mamba2 + attention (Granite 4)
+    "granitemoehybrid": {
+        "logits_scaling": 1.0,
+        "attention_multiplier": 0.25,
+        "embedding_multiplier": 1.0,
+        "residual_multiplier": 1.0,
+        "layer_types": ["mamba", "attention", "mamba", "mamba"],
+        "num_hidden_layers": 4,
+        "mamba_n_heads": 4,
+        "mamba_d_head": 16,
+        "mamba_proj_bias": False,
+        "mamba_d_state": 16,
+        "mamba_d_conv": 4,
+        "mamba_n_groups": 1,
+        "mamba_conv_bias": True,
+        "mamba_expand": 1,  # (transformers checks heads x head dim == expand x hidden)
+        "shared_intermediate_size": 128,
+        "position_embedding_type": "rope",
+        "time_step_limit": [0.0, 1e9],
+        "tie_word_embeddings": False,
+    },
     # mamba and attention side by side in every layer (a CacheList per layer)
     "falcon_h1": {
         # mlx-lm folds these into the weights at load (as for an HF checkpoint): 1 keeps the

@@ -274,7 +274,7 @@ def test_recent_gives_the_last_used_files_worth_a_read(tmp_path):
     tier.close()
     again = DiskTier(tmp_path, 1 << 30, "kv_a")
     got = again.recent(5)
-    assert [t.tolist() for t, _, _ in got] == [b.tolist(), a.tolist()]
+    assert [t.tolist() for t, *_ in got] == [b.tolist(), a.tolist()]
     assert np.array_equal(np.asarray(got[0][1][0]), np.full((2, len(b), 4), 2.0, np.float32))
     fresh = DiskTier(tmp_path, 1 << 30, "kv_a")  # (a read counts as a use)
-    assert [t.tolist() for t, _, _ in fresh.recent(1)] == [b.tolist()]
+    assert [t.tolist() for t, *_ in fresh.recent(1)] == [b.tolist()]

@@ -88,7 +88,7 @@ def test_bfloat16_entries_round_trip_bit_for_bit(tmp_path):
     tier = DiskTier(tmp_path, 1 << 20, "kv_a")
     _put(tier, tokens, mx.bfloat16)
     tier.close()
-    got_tokens, keys, values = tier.load_longest(np.asarray(tokens + [1], np.int32), 0)
+    got_tokens, keys, values, _ = tier.load_longest(np.asarray(tokens + [1], np.int32), 0)
     assert got_tokens.tolist() == tokens
     want_k, want_v = _kv_positions(tokens)
     for got, want in zip(keys + values, want_k + want_v, strict=True):

@@ -15,15 +15,24 @@ unrelated prompts. An entry that extends another (a conversation's next turn), o
 all but a short tail of it, replaces it and inherits its hits: one copy per conversation. Two
 entries sharing at least `TRUNK_TOKENS` (conversations on one system prompt and tool list) hold
 the shared positions once, in a trunk entry both hang from; a trunk outlives its tails.
+
+Models with recurrent layers (gated delta, mamba, convolutions: a state, not a KV, per layer)
+hold state checkpoints with an entry (`marks`: position -> every recurrent layer's state after
+that position, state.py `Checkpoint`), taken by rows.py while a prompt is prefilled and when a
+row is released. A state cannot be cut back, so such a cache (`stateful`) reuses a prefix only
+up to the latest checkpoint at or before the divergence; checkpoints count in an entry's bytes
+and are evicted with it.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
+
+from llm_server.engines.kv.state import Checkpoint, checkpoint_bytes
 
 MIN_BYTES = 64 << 20  # the default bound is at least this
 AGENT_TOKENS = 2 * 20_480  # the default bound holds two 20k-token agent conversations...
@@ -72,6 +81,15 @@ class PrefixEntry:
     priority: float = 0.0
     parent: PrefixEntry | None = None
     children: int = 0  # entries whose parent it is (it is not evicted before them)
+    # recurrent layers' state after some of its own positions (a stateful cache's)
+    own_marks: dict[int, Checkpoint] = field(default_factory=dict)
+
+    @property
+    def marks(self) -> dict[int, Checkpoint]:
+        """Checkpoints at its positions, its trunk's included."""
+        if self.parent is None:
+            return self.own_marks
+        return {**self.parent.marks, **self.own_marks}
 
     @property
     def keys(self) -> list[mx.array]:
@@ -109,6 +127,11 @@ class PrefixCacheStats:
     kept_tokens: int = 0
 
 
+def usable(marks: dict[int, Checkpoint], length: int) -> int:
+    """The latest checkpoint position at or before `length` (0: none)."""
+    return max((p for p in marks if p <= length), default=0)
+
+
 def _shared(a: np.ndarray, b: np.ndarray, n: int) -> int:
     """Length of the common prefix of a[:n] and b[:n]."""
     same = a[:n] == b[:n]
@@ -119,16 +142,22 @@ class PrefixCache:
     """Prompt prefixes by priority; `match` finds reusable KV, `insert` stores a row's history."""
 
     def __init__(
-        self, max_bytes: int, min_tokens: int = 4, layers: tuple[int, int] = (1, 1)
+        self,
+        max_bytes: int,
+        min_tokens: int = 4,
+        layers: tuple[int, int] = (1, 1),
+        stateful: bool = False,
     ) -> None:
         """`layers`: (counted, held): bytes are counted as if the entries held `counted`
         layers where they hold `held` (a pipeline stage, whose eviction must match every
-        other rank's)."""
+        other rank's); `stateful`: the model has recurrent layers, a prefix is reused only up
+        to one of its entry's checkpoints."""
         if max_bytes < 0:
             raise ValueError("prefix cache bytes must be >= 0")
         self.max_bytes = max_bytes
         self._counted, self._held = layers
         self.min_tokens = min_tokens  # shorter matches are not worth a copy
+        self.stateful = stateful
         self._entries: dict[int, PrefixEntry] = {}
         self._next_id = 0
         self._clock = 0.0
@@ -159,17 +188,19 @@ class PrefixCache:
         best, best_len = None, max(floor, self.min_tokens - 1)
         for entry in self._entries.values():
             n = min(len(entry.tokens), len(query) - 1)  # keep one token to compute logits from
-            if n > best_len and (length := _shared(entry.tokens, query, n)) > best_len:
+            if n > best_len and (length := self.reusable(entry, query, n)) > best_len:
                 best, best_len = entry, length
         if self.disk is not None:  # worth a read when it beats memory by an eighth
             loaded = self.disk.load_longest(
                 query[:-1], best_len + best_len // 8 * (best is not None)
             )
             if loaded is not None:
-                arr, keys, values = loaded  # MLX arrays of their own (a lazy mx.array copy of
-                added = self._add(arr, keys, values)  # them cost the first hit 177 MB more)
+                arr, keys, values, marks = loaded  # MLX arrays of their own (a lazy mx.array
+                added = self._add(arr, keys, values, marks=marks)  # copy cost 177 MB more)
                 if added is not None:
-                    best, best_len = added, _shared(arr, query, min(len(arr), len(query) - 1))
+                    length = self.reusable(added, query, min(len(arr), len(query) - 1))
+                    if length > best_len:
+                        best, best_len = added, length
         if best is None:
             return None, 0
         best.hits += 1
@@ -177,10 +208,23 @@ class PrefixCache:
         self._touch(best)
         return best, best_len
 
-    def add_read(self, tokens: np.ndarray, keys: list[mx.array], values: list[mx.array]) -> bool:
+    def reusable(self, entry: PrefixEntry, query: np.ndarray, n: int) -> int:
+        """Positions of `entry` a prompt `query` can reuse within its first `n`: the shared
+        prefix, cut back to a checkpoint in a stateful cache."""
+        length = _shared(entry.tokens, query, n)
+        return usable(entry.marks, length) if self.stateful else length
+
+    def add_read(
+        self,
+        tokens: np.ndarray,
+        keys: list[mx.array],
+        values: list[mx.array],
+        marks: dict[int, Checkpoint] | None = None,
+    ) -> bool:
         """An entry read back from the disk tier (`DiskTier.recent`), held in memory as if it
         had been hit; False when it does not fit the bound."""
-        return self._add(np.asarray(tokens, dtype=np.int64), keys, values) is not None
+        arr = np.asarray(tokens, dtype=np.int64)
+        return self._add(arr, keys, values, marks=marks) is not None
 
     def record(self, reused: int) -> None:
         """Count one prefill in the stats: a hit of `reused` tokens (from an entry or a
@@ -193,18 +237,27 @@ class PrefixCache:
         else:
             self.misses += 1
 
-    def insert(self, tokens: list[int], keys: list[mx.array], values: list[mx.array]) -> None:
-        """Store KV for `tokens` (copies); replaces the entries it extends or nearly covers;
+    def insert(
+        self,
+        tokens: list[int],
+        keys: list[mx.array],
+        values: list[mx.array],
+        marks: dict[int, Checkpoint] | None = None,
+    ) -> None:
+        """Store KV for `tokens` (copies) and the state checkpoints `marks` (positions ->
+        checkpoint; a stateful cache's); replaces the entries it extends or nearly covers;
         evicts by priority to fit."""
         if not self.enabled or len(tokens) < self.min_tokens:
             return
         arr = np.asarray(tokens, dtype=np.int64)
+        marks = {p: m for p, m in (marks or {}).items() if 0 < p <= len(arr)}
         hits, near, near_len = 0, None, 0
         for eid, entry in list(self._entries.items()):
             n = len(entry.tokens)
             shared = _shared(entry.tokens, arr, min(n, len(arr)))
             if shared == len(arr):
                 self._touch(entry)  # already covered by a longer (or the same) entry
+                self._add_marks(entry, marks)
                 return
             nearly = n - shared <= SHORT_TAIL and shared >= max(n // 2, self.min_tokens)
             if nearly and not entry.children:
@@ -217,7 +270,28 @@ class PrefixCache:
         keys = [mx.array(k[:, start:]) for k in keys]
         values = [mx.array(v[:, start:]) for v in values]
         mx.eval(keys, values)  # own copies: the row may be overwritten right after
-        self._add(arr, keys, values, hits, parent)
+        if parent is not None:  # the trunk's positions' checkpoints are the trunk's
+            self._add_marks(parent, {p: m for p, m in marks.items() if p <= start})
+        own = {p: m for p, m in marks.items() if p > start}
+        self._add(arr, keys, values, hits, parent, own)
+
+    def _add_marks(self, entry: PrefixEntry, marks: dict[int, Checkpoint]) -> None:
+        """Checkpoints `entry` (or its trunk, at the trunk's positions) does not hold yet."""
+        if not self.stateful:
+            return
+        start = len(entry.parent.tokens) if entry.parent is not None else 0
+        new = {p: m for p, m in marks.items() if start < p <= len(entry.tokens)}
+        new = {p: m for p, m in new.items() if p not in entry.own_marks}
+        if entry.parent is not None:
+            self._add_marks(entry.parent, {p: m for p, m in marks.items() if p <= start})
+        if not new:
+            return
+        nbytes = self._marks_bytes(new)
+        if not self._make_room(nbytes, keep=entry):
+            return
+        entry.own_marks.update(new)
+        entry.nbytes += nbytes
+        self.bytes += nbytes
 
     def _trunk(self, entry: PrefixEntry, shared: int) -> PrefixEntry | None:
         """The entry a new one sharing `shared` tokens with `entry` hangs from: `entry`'s
@@ -234,17 +308,41 @@ class PrefixCache:
         entry.own_values = [mx.array(v[:, shared:]) for v in entry.own_values]
         mx.eval(head_k, head_v, entry.own_keys, entry.own_values)
         trunk = PrefixEntry(entry.tokens[:shared].copy(), head_k, head_v, 0, entry.hits)
-        trunk.nbytes = self._nbytes(head_k, head_v)
-        self.bytes += trunk.nbytes + self._nbytes(entry.own_keys, entry.own_values) - entry.nbytes
-        entry.nbytes = self._nbytes(entry.own_keys, entry.own_values)
+        trunk.own_marks = {p: m for p, m in entry.own_marks.items() if p <= shared}
+        entry.own_marks = {p: m for p, m in entry.own_marks.items() if p > shared}
+        trunk.nbytes = self._nbytes(head_k, head_v, trunk.own_marks)
+        own = self._nbytes(entry.own_keys, entry.own_values, entry.own_marks)
+        self.bytes += trunk.nbytes + own - entry.nbytes
+        entry.nbytes = own
         entry.parent, trunk.children, trunk.priority = trunk, 1, entry.priority
         self._entries[self._next_id] = trunk
         self._next_id += 1
         return trunk
 
-    def _nbytes(self, keys: list[mx.array], values: list[mx.array]) -> int:
+    def _nbytes(
+        self,
+        keys: list[mx.array],
+        values: list[mx.array],
+        marks: dict[int, Checkpoint] | None = None,
+    ) -> int:
         nbytes = sum(k.nbytes + v.nbytes for k, v in zip(keys, values, strict=True))
-        return nbytes * self._counted // self._held  # exact: a stage's layers are alike
+        nbytes = nbytes * self._counted // self._held  # exact: a stage's layers are alike
+        return nbytes + self._marks_bytes(marks or {})
+
+    def _marks_bytes(self, marks: dict[int, Checkpoint]) -> int:
+        return sum(checkpoint_bytes(m) for m in marks.values()) * self._counted // self._held
+
+    def _make_room(self, nbytes: int, keep: PrefixEntry | None = None) -> bool:
+        """Evict by priority until `nbytes` more fit (never `keep` or a trunk with children);
+        False when they cannot."""
+        while self.bytes + nbytes > self.max_bytes:
+            leaves = [i for i, e in self._entries.items() if not e.children and e is not keep]
+            if not leaves:
+                return False
+            victim = min(leaves, key=lambda i: (self._entries[i].priority, i))
+            self._clock = max(self._clock, self._entries[victim].priority)
+            self._drop(victim, spill=True)
+        return True
 
     def _add(
         self,
@@ -253,22 +351,19 @@ class PrefixCache:
         values: list[mx.array],
         hits: int = 0,
         parent: PrefixEntry | None = None,
+        marks: dict[int, Checkpoint] | None = None,
     ) -> PrefixEntry | None:
-        nbytes = self._nbytes(keys, values)
+        marks = dict(marks or {}) if self.stateful else {}
+        nbytes = self._nbytes(keys, values, marks)
         if nbytes > self.max_bytes:
             return None
         if parent is not None:
             parent.children += 1  # not evicted to make room for its own child
-        while self.bytes + nbytes > self.max_bytes:
-            leaves = [i for i, e in self._entries.items() if not e.children]
-            if not leaves:  # only the new entry's own trunk is left: it does not fit
-                if parent is not None:
-                    parent.children -= 1
-                return None
-            victim = min(leaves, key=lambda i: (self._entries[i].priority, i))
-            self._clock = max(self._clock, self._entries[victim].priority)
-            self._drop(victim, spill=True)
-        entry = PrefixEntry(arr, keys, values, nbytes, hits, parent=parent)
+        if not self._make_room(nbytes):  # only the new entry's own trunk is left
+            if parent is not None:
+                parent.children -= 1
+            return None
+        entry = PrefixEntry(arr, keys, values, nbytes, hits, parent=parent, own_marks=marks)
         self._touch(entry)
         self._entries[self._next_id] = entry
         self._next_id += 1
@@ -286,7 +381,7 @@ class PrefixCache:
             return
         for entry in self._entries.values():
             if not entry.children:  # a trunk's positions are in its children's files
-                self.disk.put(entry.tokens, entry.keys, entry.values)
+                self.disk.put(entry.tokens, entry.keys, entry.values, entry.marks)
         self.disk.close()
 
     def _drop(self, eid: int, spill: bool = False) -> None:
@@ -295,7 +390,7 @@ class PrefixCache:
         if entry.parent is not None:
             entry.parent.children -= 1
         if spill and self.disk is not None:
-            self.disk.put(entry.tokens, entry.keys, entry.values)
+            self.disk.put(entry.tokens, entry.keys, entry.values, entry.marks)
 
     def stats(self) -> PrefixCacheStats:
         disk = self.disk.stats() if self.disk is not None else {}

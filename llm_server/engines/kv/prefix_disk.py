@@ -7,7 +7,8 @@ the MLX version: an entry written by another model or build is never read (its f
 deleted, oldest first, to stay under the bound). One file an entry: magic, a JSON header
 (fingerprint, shapes, dtype, CRC-32 of everything after it), the token ids (int64: embedding
 spans' keys are negative; int32 in files of the first version, still read), then each layer's
-keys and values. The token ids of
+keys and values, then (a model with recurrent layers) each state checkpoint's arrays, their
+positions and shapes in the header (`marks`). The token ids of
 every file are indexed in memory at start; the KV is read on a match worth its read (at least
 `READ_TOKENS` shared, or an eighth of the file's: a chat template's opening tokens never pull a
 long conversation's file in), and a file whose checksum, header or size is wrong is skipped
@@ -71,13 +72,17 @@ def engine_fingerprint(
     fused: bool,
     quantized: bool,
     mlx_version: str = mx.__version__,
+    state_layout: str = "",
 ) -> str:
     """What the KV depends on: the checkpoint (`checkpoint_digest`), the compute dtype, the
     kernel set's name, whether the fused forward computes it, whether quantized layers serve
-    it (kept quantized, not dequantized at load) and the MLX version."""
+    it (kept quantized, not dequantized at load) and the MLX version; `state_layout`: what a
+    state checkpoint holds (the recurrent layers and their arrays; "" without any)."""
     desc = fp.descriptor(checkpoint, "mlx", dtype, 0)
     desc += f";kernels={kernels};fused={bool(fused)};quantized={bool(quantized)}"
     desc += f";mlx={mlx_version}"
+    if state_layout:
+        desc += f";states={state_layout}"
     return "kv_" + hashlib.sha256(desc.encode()).hexdigest()[:16]
 
 
@@ -91,6 +96,7 @@ class _Indexed:
     tokens: np.ndarray
     nbytes: int
     used: float
+    marks: list[int] | None = None  # checkpoint positions (None: a file without states)
 
 
 class CorruptEntry(ValueError):
@@ -149,7 +155,8 @@ class DiskTier:
             except (OSError, ValueError) as exc:
                 self._skip(path, exc)
                 continue
-            self._index[path.stem] = _Indexed(tokens, st.st_size, st.st_mtime)
+            marks = [int(m[0]) for m in header["marks"]] if "marks" in header else None
+            self._index[path.stem] = _Indexed(tokens, st.st_size, st.st_mtime, marks)
         with self._lock:
             self._evict()
 
@@ -190,7 +197,7 @@ class DiskTier:
     # -- reads ---------------------------------------------------------------------
 
     def load_longest(self, query: np.ndarray, floor: int):
-        """(tokens, keys, values) of the file sharing the longest prefix with `query`, longer
+        """(tokens, keys, values, marks) of the file sharing the longest prefix with `query`, longer
         than `floor` and at least `min_tokens`; None when no valid file does."""
         with self._lock:
             found = []
@@ -200,6 +207,8 @@ class DiskTier:
                     continue
                 same = entry.tokens[:n] == query[:n]
                 length = n if same.all() else int(np.argmin(same))
+                if entry.marks is not None:  # a state resumes only from a checkpoint
+                    length = max((p for p in entry.marks if p <= length), default=0)
                 worth = length >= READ_TOKENS or 8 * length >= len(entry.tokens)
                 if length > floor and length >= self.min_tokens and worth:
                     found.append((length, key))
@@ -210,7 +219,7 @@ class DiskTier:
         return None
 
     def recent(self, n: int) -> list:
-        """(tokens, keys, values) of the `n` most recently used files of at least READ_TOKENS
+        """(tokens, keys, values, marks) of the `n` most recently used files of at least READ_TOKENS
         tokens, most recent first (a restarted server's last conversations), none a prefix of
         another's; corrupt files are skipped as on any read."""
         with self._lock:
@@ -256,6 +265,23 @@ class DiskTier:
                     arr = np.frombuffer(body[at : at + size], dtype=dt).reshape(shape)
                     out.append(_from_numpy(arr, header["dtype"]))
                     at += size
+            marks = {}  # position -> per recurrent layer its arrays (None: not written)
+            for pos, layers in header.get("marks", ()):
+                snap = []
+                for arrays in layers:
+                    got = []
+                    for spec in arrays:
+                        if spec is None:
+                            got.append(None)
+                            continue
+                        shape, name = spec
+                        dt = np.dtype(_NP[name])
+                        size = int(np.prod(shape)) * dt.itemsize
+                        arr = np.frombuffer(body[at : at + size], dtype=dt).reshape(shape)
+                        got.append(_from_numpy(arr, name))
+                        at += size
+                    snap.append(tuple(got))
+                marks[int(pos)] = tuple(snap)
         except FileNotFoundError:  # deleted by another server's bound on the same folder
             with self._lock:
                 self._index.pop(key, None)
@@ -270,20 +296,47 @@ class DiskTier:
                 self._index[key].used = time.time()
         self.reads += 1
         self.read_bytes += len(data)
-        return tokens, keys, values
+        return tokens, keys, values, marks
 
     # -- writes --------------------------------------------------------------------
 
-    def put(self, tokens: np.ndarray, keys: list[mx.array], values: list[mx.array]) -> None:
-        """Queue an entry for writing (skipped when the same tokens are on disk already)."""
+    def put(
+        self,
+        tokens: np.ndarray,
+        keys: list[mx.array],
+        values: list[mx.array],
+        marks: dict | None = None,
+    ) -> None:
+        """Queue an entry for writing (skipped when the same tokens are on disk already);
+        `marks`: its state checkpoints (position -> per recurrent layer its arrays)."""
         tokens = np.asarray(tokens, dtype=np.int64)
         key = hashlib.blake2b(tokens.tobytes(), digest_size=16).hexdigest()
         with self._lock:
-            if key in self._index:
-                self._index[key].used = time.time()
+            known = self._index.get(key)
+            if known is not None and len(known.marks or ()) >= len(marks or ()):
+                known.used = time.time()
                 return
         dtype = _dtype_name(keys[0]) if keys else "float32"
-        item = (key, tokens, [_to_numpy(k) for k in keys], [_to_numpy(v) for v in values], dtype)
+        states = None
+        if marks:
+            states = [
+                (
+                    p,
+                    [
+                        [None if a is None else (_to_numpy(a), _dtype_name(a)) for a in arrays]
+                        for arrays in snap
+                    ],
+                )
+                for p, snap in sorted(marks.items())
+            ]
+        item = (
+            key,
+            tokens,
+            [_to_numpy(k) for k in keys],
+            [_to_numpy(v) for v in values],
+            dtype,
+            states,
+        )
         if self._writer is None or not self._writer.is_alive():
             self._writer = threading.Thread(
                 target=self._write_loop, name="prefix-disk", daemon=True
@@ -310,10 +363,17 @@ class DiskTier:
                 self._queue.task_done()
         self._queue.task_done()
 
-    def _write(self, key, tokens, keys, values, dtype) -> None:
+    def _write(self, key, tokens, keys, values, dtype, states=None) -> None:
         parts = [tokens.astype("<i8").tobytes()]
         for k, v in zip(keys, values, strict=True):
             parts += [np.ascontiguousarray(k).tobytes(), np.ascontiguousarray(v).tobytes()]
+        marks = []
+        for pos, snap in states or ():
+            specs = []
+            for arrays in snap:
+                specs.append([None if a is None else [list(a[0].shape), a[1]] for a in arrays])
+                parts += [np.ascontiguousarray(a[0]).tobytes() for a in arrays if a is not None]
+            marks.append([int(pos), specs])
         crc = 0
         for part in parts:
             crc = zlib.crc32(part, crc)
@@ -325,6 +385,8 @@ class DiskTier:
             "crc32": crc,
             "size": 0,
         }
+        if states is not None:
+            header["marks"] = marks
         body = sum(len(p) for p in parts)
         head = json.dumps(header).encode()
         # the size field's digits change the header's length: settle it in two passes
@@ -346,7 +408,8 @@ class DiskTier:
                 n = len(entry.tokens)
                 if n <= len(tokens) and np.array_equal(entry.tokens, tokens[:n]) and other != key:
                     self._remove(other)
-            self._index[key] = _Indexed(tokens.copy(), header["size"], time.time())
+            positions = [m[0] for m in marks] if states is not None else None
+            self._index[key] = _Indexed(tokens.copy(), header["size"], time.time(), positions)
             self._evict()
         self.writes += 1
         self.write_bytes += header["size"]

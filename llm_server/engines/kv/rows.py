@@ -18,6 +18,15 @@ row opened for a prompt that does not carry it on, the store given back, the eng
 A conversation whose every turn comes back to its row never copies its KV (the copy was ~0.05 s
 a turn at 4k positions of SmolLM2, and ~0.5 s the first time, its pages faulted in), and
 meanwhile other rows' prompts reuse it from the row (`_live_prefix`).
+
+Recurrent layers (a model with a `StateStore` state) cannot be cut back to a shorter prefix,
+so each row also keeps state checkpoints (`marks`: position -> state.py `Checkpoint`): after
+each prefill chunk that reaches a multiple of `CHECKPOINT_SPACING` (the recompute any other
+divergence costs at most), at the end of the prompt and, at release, at the end of the answer
+(where a conversation's next turn diverges). A prefix is then reused (from the row itself,
+another row or the prefix cache, which stores them with the KV) only up to the latest
+checkpoint at or before the divergence: the KV is cut there and the state restored. A row
+keeps at most `MAX_CHECKPOINTS`, thinned evenly (the latest always kept).
 """
 
 from __future__ import annotations
@@ -28,9 +37,12 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from llm_server.engines.kv.prefix_cache import SHORT_TAIL, PrefixCache
-from llm_server.engines.kv.state import StateStore
+from llm_server.engines.kv.prefix_cache import SHORT_TAIL, PrefixCache, usable
+from llm_server.engines.kv.state import Checkpoint, StateStore
 from llm_server.engines.kv.store import RowStore
+
+CHECKPOINT_SPACING = 512  # a prefill chunk reaching a multiple of this keeps the state there
+MAX_CHECKPOINTS = 16  # a row's history keeps at most this many (thinned evenly)
 
 
 class RowTable:
@@ -67,6 +79,9 @@ class RowTable:
         # 0..len-1 (reused in place by the next prompt opened on the row that shares it)
         self.kept: list[list[int]] = [[] for _ in range(total)]
         self.unsaved = [False] * total  # a kept history the prefix cache does not hold yet
+        # each row's state checkpoints (its tokens', then its kept history's): position ->
+        # every recurrent layer's state after it (empty without recurrent layers)
+        self.marks: list[dict[int, Checkpoint]] = [{} for _ in range(total)]
         self.released = [0] * total  # release order of the rows (the oldest kept is given up)
         self._releases = 0
         self.keep_alive = keep_alive
@@ -95,20 +110,60 @@ class RowTable:
         if len(self.kept[row]) - kept > SHORT_TAIL:  # more is lost than the prompt carries on
             self._save(row)
         self.kept[row], self.unsaved[row] = [], False
+        own, self.marks[row] = self.marks[row], {}
         source, shared = self._live_prefix(row, tokens)
         entry, reused = self.prefix_cache.match(tokens, floor=max(shared, kept))
         if entry is not None:  # the cache holds more of this prompt than any row
-            self.store.write_prefix(row, entry.keys, entry.values, reused)
+            self._write(row, entry.keys, entry.values, reused)
+            marks = entry.marks
         elif shared > kept:  # a running row holds more of it than this row kept
             keys, values = self.store.read_row(source, shared)
-            self.store.write_prefix(row, keys, values, shared)
-            reused = shared
+            self._write(row, keys, values, shared)
+            reused, marks = shared, self.marks[source]
         else:  # the row's own KV, where its last request left it: nothing to copy
-            reused = kept
+            reused, marks = kept, own
+        if self.states.stateful and reused:  # resume from the checkpoint there
+            self.states.put(row, marks[reused])
+            self.marks[row] = {p: m for p, m in marks.items() if p <= reused}
         self.prefix_cache.record(reused)
         self.tokens[row] = tokens[:reused]
         self.cached[row] = reused
         return reused
+
+    def _write(self, row: int, keys: list[mx.array], values: list[mx.array], n: int) -> None:
+        """Copy `n` positions of KV (one array per layer with KV, as `read_row` gives and the
+        prefix cache holds) into the start of `row`; layers with a state take none."""
+        if self.states.stateful:
+            kv = iter(range(len(keys)))
+            at = [
+                None if i in self.states.sizes else next(kv) for i in range(self.store.num_layers)
+            ]
+            keys = [None if j is None else keys[j] for j in at]
+            values = [None if j is None else values[j] for j in at]
+        self.store.write_prefix(row, keys, values, n)
+
+    def mark(self, row: int, start: int, total: int) -> None:
+        """After a prefill chunk from `start` (the row's cursor now its end) of a prompt of
+        `total` positions: keep the row's state there when the chunk reached a multiple of
+        `CHECKPOINT_SPACING` or the prompt's end (a model with recurrent layers)."""
+        end = self.cursor(row)
+        if end == total or end // CHECKPOINT_SPACING > start // CHECKPOINT_SPACING:
+            self._checkpoint(row)
+
+    def _checkpoint(self, row: int) -> None:
+        """The row's state at its cursor, among its checkpoints (thinned to MAX_CHECKPOINTS:
+        the one whose neighbours are closest goes, never the latest)."""
+        if (
+            not (self.states.stateful and self.prefix_cache.enabled)
+            or self.serial_cache is not None
+        ):
+            return
+        marks = self.marks[row]
+        marks[self.cursor(row)] = self.states.take(row)
+        while len(marks) > MAX_CHECKPOINTS:
+            at = sorted(marks)
+            gaps = [at[i + 1] - (at[i - 1] if i else 0) for i in range(len(at) - 1)]
+            del marks[at[gaps.index(min(gaps))]]
 
     def _live_prefix(self, row: int, tokens: list[int]) -> tuple[int, int]:
         """The other row holding the longest prefix of `tokens` (all but the last) and its
@@ -126,6 +181,8 @@ class RowTable:
                 continue
             differ = np.flatnonzero(np.asarray(held[:n], dtype=np.int64) != query[:n])
             length = int(differ[0]) if differ.size else n
+            if self.states.stateful:  # a state resumes only from a checkpoint
+                length = usable(self.marks[r], length)
             if length > best and length >= self.prefix_cache.min_tokens:
                 best_row, best = r, length
         return best_row, best
@@ -141,6 +198,8 @@ class RowTable:
             np.asarray(held[:n], dtype=np.int64) != np.asarray(tokens[:n], dtype=np.int64)
         )
         shared = int(differ[0]) if differ.size else n
+        if self.states.stateful:  # a state resumes only from a checkpoint
+            shared = usable(self.marks[row], shared)
         return shared if shared >= self.prefix_cache.min_tokens else 0
 
     def preferred_row(self, tokens: list[int], rows: list[int]) -> int:
@@ -163,9 +222,12 @@ class RowTable:
         self.check_row(row, scoring=True)
         held = self.tokens[row]
         if held and self.prefix_cache.enabled and row < self.rows:
+            self._checkpoint(row)  # the end of the answer: where the next turn diverges
             self.kept[row], self.unsaved[row] = held, True
             self._releases += 1
             self.released[row] = self._releases
+        else:
+            self.marks[row] = {}
         self.tokens[row] = []
         self.ahead[row] = 0
         self.epoch[row] += 1
@@ -187,10 +249,11 @@ class RowTable:
         if disk is None or self.keep_alive <= 0 or any(self.tokens):
             return 0
         loaded = disk.recent(self.rows)
-        for row, (tokens, keys, values) in enumerate(loaded):
-            self.prefix_cache.add_read(tokens, keys, values)
+        for row, (tokens, keys, values, marks) in enumerate(loaded):
+            self.prefix_cache.add_read(tokens, keys, values, marks)
             self.store.reserve(len(tokens))  # room for the conversation's next turn
-            self.store.write_prefix(row, keys, values, len(tokens))
+            self._write(row, keys, values, len(tokens))
+            self.marks[row] = dict(marks) if self.states.stateful else {}
         for row in reversed(range(len(loaded))):
             self.kept[row] = loaded[row][0].tolist()
             self._releases += 1
@@ -207,6 +270,7 @@ class RowTable:
         self.store.clear()
         mx.clear_cache()
         self.kept = [[] for _ in self.kept]
+        self.marks = [{} for _ in self.marks]  # (no row busy: only kept histories' marks)
         self.idle_since = None
 
     def save_kept(self) -> None:
@@ -221,7 +285,7 @@ class RowTable:
     def _save(self, row: int) -> None:
         if self.unsaved[row] and self.kept[row]:
             keys, values = self.store.read_row(row, len(self.kept[row]))
-            self.prefix_cache.insert(self.kept[row], keys, values)
+            self.prefix_cache.insert(self.kept[row], keys, values, self.marks[row])
         self.unsaved[row] = False
 
     def idle_due(self) -> float | None:
@@ -245,6 +309,8 @@ class RowTable:
         if not 0 <= cursor <= self.cursor(row):
             raise ValueError(f"row {row} holds {self.cursor(row)} positions, not {cursor}")
         del self.tokens[row][cursor:]
+        for p in [p for p in self.marks[row] if p > cursor]:
+            del self.marks[row][p]
 
     def held(self) -> list[mx.array]:
         """Every array the rows keep between forwards (evaluated with each step)."""

@@ -8,8 +8,9 @@ rows it runs and stores what the layer writes back into each row's slot. The sta
 token depends only on the row's own history, so rows at different cursors batch exactly.
 
 Unlike keys and values a state cannot be rewound: a row's slot holds the state after its last
-finished forward, so the engine neither reuses prompt prefixes nor pipelines steps for models
-with such layers.
+finished forward, so the engine does not pipeline steps for models with such layers. Prompt
+prefixes are reused through checkpoints instead (`take`/`put`: a copy of a row's slots after
+a given position, kept with the KV of that prefix by rows.py and prefix_cache.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ from __future__ import annotations
 import mlx.core as mx
 
 from llm_server.engines.kv.store import ForwardPlan
+
+# one row's state after some position: per recurrent layer (StateStore order), its arrays
+Checkpoint = tuple[tuple[mx.array | None, ...], ...]
+
+
+def checkpoint_bytes(snap: Checkpoint) -> int:
+    return sum(a.nbytes for arrays in snap for a in arrays if a is not None)
 
 
 class StateStore:
@@ -33,6 +41,25 @@ class StateStore:
     def clear_row(self, row: int) -> None:
         for layer, size in self.sizes.items():
             self.slots[layer][row] = [None] * size
+
+    @property
+    def stateful(self) -> bool:
+        return bool(self.sizes)
+
+    def take(self, row: int) -> Checkpoint:
+        """A copy of `row`'s slots now, every recurrent layer's (a checkpoint; evaluated)."""
+        snap = tuple(
+            tuple(None if a is None else mx.array(a) for a in self.slots[layer][row])
+            for layer in self.sizes
+        )
+        mx.eval([a for arrays in snap for a in arrays if a is not None])
+        return snap
+
+    def put(self, row: int, snap: Checkpoint) -> None:
+        """`row`'s slots as in `snap` (the arrays are shared: a forward replaces, never
+        mutates, a slot's arrays)."""
+        for layer, arrays in zip(self.sizes, snap, strict=True):
+            self.slots[layer][row] = list(arrays)
 
     def snapshot(self, rows: list[int]) -> dict:
         """The rows' slots as they are now (restore() puts them back after a failed forward)."""

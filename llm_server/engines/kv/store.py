@@ -107,10 +107,13 @@ class RowStore:
         self.rows = min(self.first_rows, 1)
 
     def write_prefix(self, row: int, keys: list[mx.array], values: list[mx.array], n: int) -> None:
-        """Copy `n` cached positions ([heads, n, dim] per layer) into the start of `row`."""
+        """Copy `n` cached positions ([heads, n, dim] per layer; None: a layer without KV)
+        into the start of `row`."""
         self.ensure_rows(row + 1)
         self.ensure(n)
         for i in range(self.num_layers):
+            if keys[i] is None:
+                continue
             k, v = keys[i][:, :n], values[i][:, :n]
             if self.keys[i] is None:
                 self._init_layer(i, k[None], v[None])

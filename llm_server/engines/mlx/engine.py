@@ -152,7 +152,8 @@ class MLXEngine:
         serial = self.serial_reason is not None
         self.rows = 1 if serial else rows
         # a recurrent state cannot be rewound: a step is never started before the last one
-        # finished (a cancelled early step would have advanced it), and no prefix is reused
+        # finished (a cancelled early step would have advanced it), and a prefix is reused
+        # only from a state checkpoint (kv/rows.py)
         rewindable = not (self.layout.stateful or serial)
         self.pipelined = self._pipeline and rewindable
         # drafts can be verified (logits at every position) and rejected positions dropped
@@ -166,7 +167,9 @@ class MLXEngine:
             RowStore(self.num_layers, total, self.context_length, first_rows=self.rows),
             StateStore([i for i, _ in states], total, [n for _, n in states]),
             PrefixCache(
-                self._prefix_cache_bytes if rewindable else 0, layers=self._counted_layers()
+                0 if serial else self._prefix_cache_bytes,
+                layers=self._counted_layers(),
+                stateful=self.layout.stateful,
             ),
             self.rows,
             self.score_rows,
@@ -242,7 +245,13 @@ class MLXEngine:
             self.kernels.name,
             fused=self.fused is not None,
             quantized=self.quantized,
+            state_layout=self.state_layout(),
         )
+
+    def state_layout(self) -> str:
+        """What a state checkpoint holds: each recurrent layer's index and arrays ("": none)."""
+        leaves = self.layout.leaves
+        return ",".join(f"{i}:{c.size}" for i, c in enumerate(leaves) if c.kind != KV)
 
     def _build_fused(self, wanted: bool, settings: EngineSettings) -> FusedForward | None:
         """Steps with stacked q/k/v and gate/up products (None: mlx-lm's forward). Built while

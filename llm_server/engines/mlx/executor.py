@@ -94,6 +94,7 @@ class StepExecutor:
             except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
                 raise EngineError(f"forward failed: {exc}") from exc
             table.tokens[row].extend(key[start:end])
+            table.mark(row, start, n)  # a recurrent state's checkpoint, where one is due
         return logits[0]
 
     def run(self, plan: StepPlan) -> StepResult:
@@ -208,6 +209,7 @@ class StepExecutor:
         for i, (chunk, seg) in enumerate(segments):
             table.tokens[chunk.row].extend(seg)
             cursors[chunk.row] = table.cursor(chunk.row)
+            table.mark(chunk.row, cursors[chunk.row] - len(seg), len(chunk.prompt))
             if cursors[chunk.row] == len(chunk.prompt):
                 picked.append(off + i)
         out_rows = tuple(rows + [c.row for c, _ in segments if cursors[c.row] == len(c.prompt)])
