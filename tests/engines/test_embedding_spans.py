@@ -367,6 +367,6 @@ def test_a_first_version_file_of_int32_ids_is_still_read(tmp_path):
     head = json.dumps(header).encode()
     path.write_bytes(MAGIC_V1 + struct.pack("<Q", len(head)) + head + body)
     again = DiskTier(tmp_path, 1 << 20, "kv_a")
-    got_tokens, got_keys, _ = again.load_longest(np.arange(300, 345, dtype=np.int64), 0)
+    got_tokens, got_keys, _, _ = again.load_longest(np.arange(300, 345, dtype=np.int64), 0)
     assert got_tokens.tolist() == tokens.tolist() and again.corrupt == 0
     assert np.array_equal(np.array(got_keys[1]), np.array(keys[1]))
