@@ -20,6 +20,7 @@ weights, sliding windows, unknown attention extras); the engine then keeps the m
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -40,6 +41,16 @@ from llm_server.engines.forward.layers import (
 )
 from llm_server.engines.kv.store import RowView
 from llm_server.engines.mlx.layout import PLAIN_HEAD_MODULES, model_family, output_head
+
+
+class GroupViews(NamedTuple):
+    """One group of `forward_groups`, on the rows' views of the store: `group` turns it into
+    the packed forward's `Group` (layers.py) with the attention the kernel set builds."""
+
+    ids: mx.array  # [rows, q] token ids
+    caches: list  # per layer: the rows' views (store.RowView) or mlx-lm caches
+    starts: list[int]  # each row's cursor
+    mask: object  # None, "causal" or a bool array [B, 1, q, kv] (store.row_mask), as `forward`
 
 
 class FusedForward:
@@ -155,7 +166,7 @@ class FusedForward:
 
     def forward_groups(
         self,
-        groups: list[tuple[mx.array, list, list[int], object]],
+        groups: list[GroupViews],
         context,
         every: frozenset[int] = frozenset(),
         inputs: Mapping[int, tuple[tuple[int, mx.array], ...]] | None = None,
@@ -164,7 +175,7 @@ class FusedForward:
         (every position, row by row, of the groups whose index is in `every`: drafts being
         verified, scoring chunks): `run` over the groups.
 
-        Each group is (ids [b, q], caches, starts, mask) as for `forward`: the decoding rows (q=1)
+        Each group is its ids [b, q] on its rows' views as for `forward`: the decoding rows (q=1)
         and each prompt chunk (one row, q=chunk length) are separate groups. Decode positions
         (the q=1 groups and the drafts in `every`) take the arithmetic of a pure decode step.
         `inputs`: group index -> its input embeddings (`Group.inputs`).

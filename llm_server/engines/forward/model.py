@@ -11,20 +11,29 @@ from __future__ import annotations
 
 import inspect
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
 from llm_server.engines.contract import EmbeddingInputUnsupported
-from llm_server.engines.forward.fused import FusedForward, with_inputs
+from llm_server.engines.forward.fused import FusedForward, GroupViews, with_inputs
 from llm_server.engines.forward.kernels import KernelSet
 from llm_server.engines.kv.rows import RowTable
 from llm_server.engines.kv.store import ForwardPlan, row_mask
 from llm_server.engines.mlx.layout import Layout, last_logits, output_head, row_views
 
-# (rows, their cursors, each row's new ids): rows that take the same number of positions
-Group = tuple[list[int], list[int], list[list[int]]]
+
+class RowGroup(NamedTuple):
+    """What the engine asks of one group: rows that take the same number of new positions.
+    The forward turns it into its own `Group` (engines/forward/layers.py) over the rows'
+    views (`GroupViews`)."""
+
+    rows: list[int]
+    starts: list[int]  # each row's cursor: where its new positions go
+    ids: list[list[int]]  # each row's new ids (one length for all)
+
+
 # a one-row group's input embeddings: (offset in its positions, rows [n, hidden]) in order,
 # taking the place of the token embeddings there (engines/plan.py: EmbeddingSpan)
 Inputs = list[tuple[int, Any]]
@@ -139,7 +148,7 @@ class ModelForward:
 
     def run_groups(
         self,
-        groups: list[Group],
+        groups: list[RowGroup],
         every: frozenset[int] = frozenset(),
         inputs: dict[int, Inputs] | None = None,
     ) -> np.ndarray:
@@ -164,7 +173,7 @@ class ModelForward:
                     ids = mx.array(np.asarray(toks, dtype=np.int32))
                     plan = self.plan(rows, starts, ids.shape[1])
                     views = row_views(self.layout, table.store, table.states, plan)
-                    parts.append((ids, views, starts, plan.mask))
+                    parts.append(GroupViews(ids, views, starts, plan.mask))
                 extra = {"inputs": rows_in} if rows_in else {}  # (the keyword only when used)
                 logits = self.fused.forward_groups(parts, context, every, **extra)
                 logits = logits.astype(mx.float32)

@@ -32,7 +32,7 @@ keeps at most `MAX_CHECKPOINTS`, thinned evenly (the latest always kept).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -96,6 +96,45 @@ class RowTable:
         last = self.rows + (self.score_rows if scoring else 0) - 1
         if not 0 <= row <= last:
             raise ValueError(f"row {row} out of range 0..{last}")
+
+    def check_idle(self, row: int) -> None:
+        """A serving row with no decode step in flight (a prompt may be opened or run on it)."""
+        self.check_row(row)
+        if self.ahead[row]:
+            raise RuntimeError(f"row {row} has a decode step in flight; release it first")
+
+    def advance(self, row: int, ids: Sequence[int]) -> None:
+        """`row` holds the KV of `ids` after its cursor now (the forward just run wrote it)."""
+        self.tokens[row].extend(ids)
+
+    def forget(self, row: int) -> None:
+        """`row` holds nothing (a prompt opened for a step that failed, a scoring chunk's row
+        reset): its next positions are written from 0."""
+        self.tokens[row] = []
+
+    def cached_tokens(self, row: int) -> int:
+        """Prompt tokens of the row's last prefill that came from the prefix cache."""
+        return self.cached[row]
+
+    def decode_starts(self, rows: list[int]) -> list[int]:
+        """Where each row's next decode position is: its cursor plus the steps in flight."""
+        return [self.cursor(r) + self.ahead[r] for r in rows]
+
+    def start_decode(self, rows: list[int]) -> list[int]:
+        """A decode step is in flight on `rows`; their epochs (`finish_decode` checks them)."""
+        for r in rows:
+            self.ahead[r] += 1
+        return [self.epoch[r] for r in rows]
+
+    def finish_decode(self, rows: list[int], epochs: list[int], tokens: list[int] | None) -> None:
+        """The step on `rows` is done: each row still of its epoch (not released since) takes
+        its token (None: the step was dropped and the rows stay where they were)."""
+        for i, (r, epoch) in enumerate(zip(rows, epochs, strict=True)):
+            if self.epoch[r] != epoch:
+                continue  # released (and maybe reused) while the step was in flight
+            self.ahead[r] -= 1
+            if tokens is not None:
+                self.tokens[r].append(tokens[i])
 
     def open(self, row: int, tokens: list[int]) -> int:
         """Reset `row` for a new prompt (its kept history saved to the prefix cache first when

@@ -58,7 +58,7 @@ class DecodePipeline:
         table = self.table
         for r in rows:
             table.check_row(r)
-        starts = [table.cursor(r) + table.ahead[r] for r in rows]
+        starts = table.decode_starts(rows)
         for r, s in zip(rows, starts, strict=True):
             if s >= self.context_length:
                 raise EngineError(f"row {r} is full ({self.context_length} positions)")
@@ -78,9 +78,8 @@ class DecodePipeline:
             table.states.restore(before)  # the rows' states as before the failed step
             held.close()
             raise EngineError(f"forward failed: {exc}") from exc
-        for r in rows:
-            table.ahead[r] += 1
-        return DecodeStep(rows, [table.epoch[r] for r in rows], tokens, logits, greedy, held)
+        epochs = table.start_decode(rows)
+        return DecodeStep(rows, epochs, tokens, logits, greedy, held)
 
     def finish(self, step: DecodeStep) -> np.ndarray:
         """Wait for `step`; advance its rows (those not released since); logits [B, vocab]."""
@@ -110,11 +109,5 @@ class DecodePipeline:
             self._settle(step, None)
 
     def _settle(self, step: DecodeStep, tokens: list[int] | None) -> None:
-        table = self.table
-        for i, (r, epoch) in enumerate(zip(step.rows, step.epochs, strict=True)):
-            if table.epoch[r] != epoch:
-                continue  # released (and maybe reused) while the step was in flight
-            table.ahead[r] -= 1
-            if tokens is not None:
-                table.tokens[r].append(tokens[i])
+        self.table.finish_decode(step.rows, step.epochs, tokens)
         step.context.close()

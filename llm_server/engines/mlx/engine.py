@@ -298,7 +298,7 @@ class MLXEngine:
 
     def cached_tokens(self, row: int) -> int:
         """Prompt tokens of the row's last prefill that came from the prefix cache."""
-        return self.row_table.cached[row]
+        return self.row_table.cached_tokens(row)
 
     def release(self, row: int) -> None:
         """Free `row` (a serving row keeps its history in place for the next turn)."""

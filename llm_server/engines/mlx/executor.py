@@ -21,7 +21,7 @@ import numpy as np
 
 from llm_server.engines.contract import EngineError
 from llm_server.engines.forward.kernels import KernelSet
-from llm_server.engines.forward.model import Group, Inputs, ModelForward
+from llm_server.engines.forward.model import Inputs, ModelForward, RowGroup
 from llm_server.engines.kv.rows import RowTable
 from llm_server.engines.mlx.decode import DecodePipeline
 from llm_server.engines.plan import (
@@ -70,14 +70,12 @@ class StepExecutor:
         """Reset `row` and run `tokens` through it in chunks (`spans`: its embedding spans);
         the last position's logits."""
         table = self.table
-        table.check_row(row)
+        table.check_idle(row)
         n = len(tokens)
         if n == 0:
             raise ValueError("prefill needs at least one token")
         if n > self.context_length:
             raise ValueError(f"prompt of {n} tokens exceeds the context of {self.context_length}")
-        if table.ahead[row]:
-            raise RuntimeError(f"row {row} has a decode step in flight; release it first")
         if spans:
             self.forward.check_inputs()
         tokens = [int(t) for t in tokens]
@@ -89,11 +87,11 @@ class StepExecutor:
             inputs = {0: span_rows(spans, start, end)} if spans else None
             try:
                 logits = self.forward.run_groups(
-                    [([row], [start], [tokens[start:end]])], inputs=inputs
+                    [RowGroup([row], [start], [tokens[start:end]])], inputs=inputs
                 )
             except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
                 raise EngineError(f"forward failed: {exc}") from exc
-            table.tokens[row].extend(key[start:end])
+            table.advance(row, key[start:end])
             table.mark(row, start, n)  # a recurrent state's checkpoint, where one is due
         return logits[0]
 
@@ -113,12 +111,10 @@ class StepExecutor:
         if any(c.spans for c in plan.prefill):
             self.forward.check_inputs()
         table = self.table
-        groups: list[Group] = []
+        groups: list[RowGroup] = []
         rows = [d.row for d in plan.decode]
         for r in {*rows, *(c.row for c in plan.prefill)}:
-            table.check_row(r)
-            if table.ahead[r]:
-                raise RuntimeError(f"row {r} has a decode step in flight")
+            table.check_idle(r)
         # a drafted row is its own group: its pending token and draft, logits at every position
         # (the draft is cut to the positions the row has left)
         drafts = {
@@ -131,7 +127,7 @@ class StepExecutor:
             starts = [table.cursor(d.row) for d in plain]
             if max(starts) >= self.context_length:
                 raise EngineError(f"a row is full ({self.context_length} positions)")
-            groups.append(([d.row for d in plain], starts, [[d.token] for d in plain]))
+            groups.append(RowGroup([d.row for d in plain], starts, [[d.token] for d in plain]))
         # drafted rows with drafts of one length share a group (one attention per layer for
         # them all, not one per row: per-group work is what made 4 drafted rows cost 2x); the
         # unfused forward reads every position of one-row groups only
@@ -146,7 +142,7 @@ class StepExecutor:
             every.add(len(groups))
             order += same
             groups.append(
-                (
+                RowGroup(
                     [d.row for d in same],
                     [table.cursor(d.row) for d in same],
                     [[d.token, *drafts[d.row]] for d in same],
@@ -175,20 +171,20 @@ class StepExecutor:
                     segments.append((chunk, prompt_key(chunk.prompt, chunk.spans, start, end)))
                 else:
                     segments.append((chunk, seg))
-                groups.append(([chunk.row], [start], [seg]))
+                groups.append(RowGroup([chunk.row], [start], [seg]))
             scored: list[tuple[ScoreChunk, list[int]]] = []
             for sc in plan.score:
                 every.add(len(groups))
                 ids = self._score_segment(sc)
                 scored.append((sc, ids))
-                groups.append(([sc.row], [sc.start], [ids]))
+                groups.append(RowGroup([sc.row], [sc.start], [ids]))
             logits = self.forward.run_groups(groups, frozenset(every), inputs)
             scores = self._reduce_scores(plan.score, logits)
         except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
             table.states.restore(before)
             for chunk in (*plan.prefill, *plan.score):
                 if chunk.start == 0:
-                    table.tokens[chunk.row] = []  # opened for this step: back to empty
+                    table.forget(chunk.row)  # opened for this step: back to empty
             if isinstance(exc, EngineError):
                 raise
             raise EngineError(f"forward failed: {exc}") from exc
@@ -197,24 +193,24 @@ class StepExecutor:
         at = {d.row: i for i, d in enumerate(plain)}
         off, verified = len(plain), {}
         for d in plain:
-            table.tokens[d.row].append(int(d.token))
+            table.advance(d.row, [int(d.token)])
         for d in order:  # the drafted rows, in the order of their groups
             n = len(drafts[d.row])
             at[d.row] = off
             verified[d.row] = logits[off + 1 : off + 1 + n]
-            table.tokens[d.row].extend([int(d.token), *drafts[d.row]])  # until `rewind`
+            table.advance(d.row, [int(d.token), *drafts[d.row]])  # until `rewind`
             off += n + 1
         picked = [at[r] for r in rows]
         cursors: dict[int, int] = {}
         for i, (chunk, seg) in enumerate(segments):
-            table.tokens[chunk.row].extend(seg)
+            table.advance(chunk.row, seg)
             cursors[chunk.row] = table.cursor(chunk.row)
             table.mark(chunk.row, cursors[chunk.row] - len(seg), len(chunk.prompt))
             if cursors[chunk.row] == len(chunk.prompt):
                 picked.append(off + i)
         out_rows = tuple(rows + [c.row for c, _ in segments if cursors[c.row] == len(c.prompt)])
         for sc, ids in scored:
-            table.tokens[sc.row].extend(ids)
+            table.advance(sc.row, ids)
         return StepResult(out_rows, logits[picked], cursors, cached, verified, scores)
 
     def _score_segment(self, chunk: ScoreChunk) -> list[int]:
@@ -226,7 +222,7 @@ class StepExecutor:
         if not 0 <= chunk.start < chunk.end <= min(len(chunk.prompt), self.context_length):
             raise ValueError(f"a scoring chunk {chunk.start}..{chunk.end} cannot be run")
         if chunk.start == 0:
-            table.tokens[chunk.row] = []
+            table.forget(chunk.row)
         elif chunk.start != table.cursor(chunk.row):
             raise ValueError(f"scoring row {chunk.row} is at {table.cursor(chunk.row)}")
         return [int(t) for t in chunk.prompt[chunk.start : chunk.end]]
