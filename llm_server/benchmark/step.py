@@ -27,7 +27,10 @@ from llm_server.benchmark.settings import probe_parser
 # one checkout's decode steps: argv model rows steps; prints {"ms": [...]}
 _STEPS_SCRIPT = """
 import json, sys, time
-from llm_server.engines.mlx.engine import MLXEngine
+try:  # the engine's module, wherever this checkout keeps it
+    from llm_server.engines.mlx.engine import MLXEngine
+except ImportError:
+    from llm_server.engines.mlx_engine import MLXEngine
 model, rows, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 try:  # one settings object where this checkout has it
     from llm_server.engines.settings import EngineSettings
@@ -139,7 +142,13 @@ def _row(t: StepTimes) -> str:
 
 def _tree_steps(tree: Path, model: str, rows: int, steps: int) -> list[float]:
     env = dict(os.environ, PYTHONPATH=str(tree))
-    cmd = [sys.executable, "-m", "llm_server.native.blas", sys.executable, "-c", _STEPS_SCRIPT,
+    # the BLAS preload where that checkout keeps it (llm_server/blas.py before the folders)
+    blas = (
+        "llm_server.native.blas"
+        if (tree / "llm_server/native/blas.py").exists()
+        else "llm_server.blas"
+    )
+    cmd = [sys.executable, "-m", blas, sys.executable, "-c", _STEPS_SCRIPT,
            model, str(rows), str(steps)]  # fmt: skip
     out = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
