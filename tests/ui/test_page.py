@@ -160,14 +160,18 @@ def test_the_now_view_draws_live_charts_under_load(browser, daemon, wait):
     threads = _load_in_background(daemon.url, stop)
     try:
         tps = wait(
-            lambda: (t := browser.find_element(By.ID, "now-tps").text) not in ("", "–")
-            and float(t) > 0
-            and t,
+            lambda: (
+                (t := browser.find_element(By.ID, "now-tps").text) not in ("", "–")
+                and float(t) > 0
+                and t
+            ),
             "a tokens/s figure",
         )
         assert float(tps) > 0
-        wait(lambda: browser.find_element(By.ID, "now-ttft").text.startswith(tuple("123456789")),
-             "a TTFT percentile")
+        wait(
+            lambda: browser.find_element(By.ID, "now-ttft").text.startswith(tuple("123456789")),
+            "a TTFT percentile",
+        )
         wait(
             lambda: browser.execute_script("return samples.filter(p => p.tps > 0).length") >= 8,
             "eight seconds of charts",

@@ -9,8 +9,8 @@ from dataclasses import replace
 from starlette.requests import Request
 from starlette.responses import Response
 
-from llm_server.api.shared.errors import APIError, invalid
 from llm_server.api.shared import recent
+from llm_server.api.shared.errors import APIError, invalid
 from llm_server.api.shared.request_log import note_finish
 from llm_server.api.shared.state import MODEL_ID_KEY, AppState, scoped_service
 from llm_server.decoding import FinishReason, LogitsConstraint, SamplingParams

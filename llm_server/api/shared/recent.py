@@ -151,7 +151,7 @@ class RecentRequestsMiddleware:
         return RequestSummary(
             time=flight.wall,
             route=scope["path"],
-            model=scope.get(MODEL_ID_KEY) or _single_model(self.state),
+            model=served_model(scope, self.state),
             status=flight.status,
             prompt_tokens=sum(f.prompt_tokens for f in fins) if fins else None,
             completion_tokens=sum(f.completion_tokens for f in fins) if fins else None,
@@ -161,8 +161,10 @@ class RecentRequestsMiddleware:
         )
 
 
-def _single_model(state: AppState) -> str | None:
-    return state.model_id if state.manager is None else None
+def served_model(scope: Scope, state: AppState) -> str | None:
+    """The model that served a request: the one its `model` resolved to, else the one model
+    (None: many models and none resolved)."""
+    return scope.get(MODEL_ID_KEY) or (state.model_id if state.manager is None else None)
 
 
 def _first_token(finishes: list[tuple[float, FinishEvent]], started: float) -> float | None:

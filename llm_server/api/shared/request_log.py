@@ -19,8 +19,8 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from llm_server.api.shared.recent import RecentRequests, summary_from_log
-from llm_server.api.shared.state import MODEL_ID_KEY, AppState
+from llm_server.api.shared.recent import RecentRequests, served_model, summary_from_log
+from llm_server.api.shared.state import AppState
 from llm_server.scheduler import FinishEvent
 from replay.log import LogEntry, Timings, utc_now
 from replay.sse import aggregate, sse_events
@@ -180,7 +180,7 @@ class RequestLogMiddleware:
             if entry is not None:
                 self.recorder.write(entry)
                 if self.recent is not None:
-                    self.recent.add(summary_from_log(entry, scope.get(MODEL_ID_KEY)))
+                    self.recent.add(summary_from_log(entry, served_model(scope, self.state)))
 
     def _entry(self, path: str, ex: _Exchange) -> LogEntry | None:
         total = time.monotonic() - ex.started
