@@ -22,9 +22,7 @@ from replay.log import LogEntry
 RECENT_REQUESTS = 200  # requests the ring keeps
 LATENCY_WINDOW = 60.0  # seconds of finished requests the percentiles cover
 MAX_ERROR_BODY = 4096  # bytes of a 4xx/5xx body read for its reason
-RECORDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
-# the page's own calls (its poll, model listing) are not what a person looks for here
-NOT_RECORDED = ("/v1/models",)
+RECORDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")  # POSTs only: not the page's poll
 
 
 @dataclass(frozen=True)
@@ -81,12 +79,10 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
 
 
 def recorded(scope: Scope) -> bool:
-    path = scope["path"]
     return (
         scope["type"] == "http"
         and scope["method"] == "POST"
-        and path.startswith(RECORDED_PREFIXES)
-        and not path.startswith(NOT_RECORDED)
+        and scope["path"].startswith(RECORDED_PREFIXES)
     )
 
 
