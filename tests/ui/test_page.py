@@ -121,17 +121,8 @@ def test_model_output_with_markup_is_shown_as_text(browser, daemon, wait):
     browser.find_element(By.ID, "chat-max-tokens").send_keys("200")
     # the answer is forced to EVIL (as a JSON string) by a response_format the test adds
     schema = {"type": "string", "enum": [EVIL]}
-    browser.execute_script(
-        "const format = arguments[0]; const plain = window.fetch;"
-        "window.fetch = (url, options) => {"
-        "  if (String(url).endsWith('/v1/chat/completions')) {"
-        "    const body = JSON.parse(options.body); body.response_format = format;"
-        "    options = {...options, body: JSON.stringify(body)};"
-        "  }"
-        "  return plain(url, options);"
-        "};",
-        {"type": "json_schema", "json_schema": {"name": "markup", "schema": schema}},
-    )
+    format_ = {"type": "json_schema", "json_schema": {"name": "markup", "schema": schema}}
+    _with_fields(browser, {"response_format": format_})
     _send(browser, "Say something with markup.")
     wait(lambda: EVIL in "".join(_answers(browser)), "the answer")
     transcript = browser.find_element(By.ID, "transcript")
@@ -139,6 +130,50 @@ def test_model_output_with_markup_is_shown_as_text(browser, daemon, wait):
     assert transcript.find_elements(By.TAG_NAME, "script") == []
     assert browser.execute_script("return window.pwned === undefined")
     assert json.loads(_answers(browser)[-1]) == EVIL
+
+
+def _with_fields(driver, fields: dict) -> None:
+    """Add `fields` to the chat requests the page sends (what the playground has no control
+    for), so the model's answer takes a shape the test chooses."""
+    driver.execute_script(
+        "const fields = arguments[0]; const plain = window.fetch;"
+        "window.fetch = (url, options) => {"
+        "  if (String(url).endsWith('/v1/chat/completions')) {"
+        "    const body = {...JSON.parse(options.body), ...fields};"
+        "    options = {...options, body: JSON.stringify(body)};"
+        "  }"
+        "  return plain(url, options);"
+        "};",
+        fields,
+    )
+
+
+def test_a_tool_call_is_shown_as_a_call(browser, daemon, wait):
+    _open(browser, daemon.url, "playground")
+    wait(lambda: browser.find_elements(By.CSS_SELECTOR, "#chat-model option"), "the models")
+    browser.execute_script("document.getElementById('chat-model').value = 'alpha'")
+    browser.find_element(By.ID, "chat-max-tokens").clear()
+    browser.find_element(By.ID, "chat-max-tokens").send_keys("200")
+    city = {"type": "string", "enum": ["Paris"]}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": city},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    _with_fields(browser, {"tools": [tool], "tool_choice": "required"})
+    _send(browser, "Weather in Paris?")
+    call = wait(lambda: browser.find_elements(By.CSS_SELECTOR, "#transcript .tool-call"), "a call")
+    wait(lambda: "tokens/s" in browser.find_element(By.ID, "chat-stats").text, "the end")
+    text = call[0].text
+    assert text.startswith("call get_weather(") and text.endswith(")")
+    assert json.loads(text.removeprefix("call get_weather(")[:-1]) == {"city": "Paris"}
 
 
 def _load_in_background(url: str, stop: threading.Event) -> threading.Thread:

@@ -49,6 +49,10 @@ def test_one_model_polls_as_one_loaded_model_with_its_requests(live_server, tiny
     assert (ok["status"], ok["completion_tokens"], ok["route"]) == (200, 5, "/v1/chat/completions")
     assert 0 < ok["ttft"] <= ok["duration"]
     assert state["now"]["ttft"]["count"] == 1 and state["requests_source"] == "memory"
+    # the page asks for no requests while its Requests view is hidden
+    assert httpx.get(srv.url + "/ui/api/state?requests=0").json()["requests"] == []
+    assert len(httpx.get(srv.url + "/ui/api/state?requests=1").json()["requests"]) == 1
+    assert httpx.get(srv.url + "/ui/api/state?requests=x").status_code == 400
 
 
 def test_with_the_request_log_on_the_requests_come_from_it(live_server, tiny_model_path, tmp_path):

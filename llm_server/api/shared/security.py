@@ -25,8 +25,8 @@ def resolve_api_key(option: str | None) -> str | None:
 
 
 class APIKeyMiddleware:
-    """Answer 401 on /v1/* and /ui/api/* unless `Authorization: Bearer <key>` or `x-api-key: <key>` (as
-    Anthropic clients send it) matches."""
+    """Answer 401 on /v1/* and /ui/api/* unless `Authorization: Bearer <key>` or
+    `x-api-key: <key>` (as Anthropic clients send it) matches."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app

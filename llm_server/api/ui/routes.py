@@ -10,7 +10,9 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from llm_server.api.ui.snapshot import snapshot
+from llm_server.api.shared.errors import APIError
+from llm_server.api.shared.recent import RECENT_REQUESTS
+from llm_server.api.ui.snapshot import REQUESTS_SHOWN, snapshot
 
 STATIC = Path(__file__).parent / "static"
 # the page runs only its own files: no inline script, nothing from another origin, no framing
@@ -31,7 +33,14 @@ async def page(request: Request) -> Response:
 
 
 async def state(request: Request) -> Response:
-    body = snapshot(request.app.state.llm, request.app.state.recent)
+    """`?requests=N`: the newest N recent requests (default REQUESTS_SHOWN; the page asks for
+    none while its Requests view is hidden)."""
+    try:
+        shown = int(request.query_params.get("requests", REQUESTS_SHOWN))
+    except ValueError:
+        raise APIError(400, "'requests' must be an integer", code="invalid_value") from None
+    shown = min(max(shown, 0), RECENT_REQUESTS)
+    body = snapshot(request.app.state.llm, request.app.state.recent, shown)
     return JSONResponse(body, headers={"Cache-Control": "no-store"})
 
 

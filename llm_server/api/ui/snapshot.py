@@ -15,14 +15,15 @@ from llm_server.service import ModelService
 REQUESTS_SHOWN = 100  # rows of the Requests view per poll
 
 
-def snapshot(state: AppState, recent: RecentRequests | None) -> dict:
-    """The page's one poll (counters are totals since start; the page takes differences)."""
+def snapshot(state: AppState, recent: RecentRequests | None, shown: int = REQUESTS_SHOWN) -> dict:
+    """The page's one poll (counters are totals since start; the page takes differences) with
+    the newest `shown` recent requests."""
     now = time.time()
     body: dict = {
         "time": now,
         "draining": state.draining,
         "now": _now(state.services()),
-        "requests": recent.latest(REQUESTS_SHOWN) if recent is not None else [],
+        "requests": recent.latest(shown) if recent is not None else [],
         "requests_source": recent.source if recent is not None else None,
     }
     if recent is not None:

@@ -68,6 +68,7 @@ function show(view) {
     section.hidden = section.id !== "view-" + view;
   }
   if (view === "now") drawCharts();
+  if (view === "requests") poll();
   location.hash = view;
 }
 
@@ -310,12 +311,14 @@ async function poll() {
   if (polling) return;
   polling = true;
   try {
-    const response = await api("/ui/api/state");
+    // the recent requests only while their view is shown (the poll stays small otherwise)
+    const shown = $("view-requests").hidden ? 0 : 100;
+    const response = await api("/ui/api/state?requests=" + shown);
     if (!response.ok) throw new Error("state: HTTP " + response.status);
     latest = await response.json();
     sample(latest);
     renderModels(latest);
-    renderRequests(latest);
+    if (!$("view-requests").hidden) renderRequests(latest);
     drawCharts();
     setConnection(latest.draining ? "draining" : "live", latest.draining);
   } catch (error) {
