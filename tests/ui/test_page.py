@@ -53,6 +53,17 @@ def test_the_page_loads_without_console_errors_and_lists_the_models(browser, dae
     assert _severe(browser) == []
 
 
+def test_a_one_model_server_shows_its_model_without_load_buttons(
+    browser, live_server, tiny_model_path, wait
+):
+    srv = live_server(tiny_model_path)
+    browser.get_log("browser")
+    _open(browser, srv.url)
+    wait(lambda: _status(browser, srv.state.model_id) == "loaded", "the model listed as loaded")
+    assert _row(browser, srv.state.model_id).find_elements(By.TAG_NAME, "button") == []
+    assert _severe(browser) == []
+
+
 def test_loading_a_model_from_the_page_changes_its_status(browser, daemon, wait):
     _open(browser, daemon.url)
     wait(lambda: _status(browser, "beta") == "unloaded", "beta listed as unloaded")

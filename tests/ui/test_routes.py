@@ -88,3 +88,19 @@ def test_load_and_unload_refuse_another_origin(ui_models):
         unload = f"{srv.url}/v1/models/alpha/unload"
         assert httpx.post(unload, headers={"Origin": allowed}).status_code == 200  # --cors-origin
         assert httpx.post(load).status_code == 200  # a client that is no browser
+
+
+def test_the_page_files_ship_in_the_package():
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    shipped = patterns["package-data"]["llm_server"]
+    static = root / "llm_server" / "api" / "ui" / "static"
+    files = [p.relative_to(root / "llm_server").as_posix() for p in static.iterdir()]
+    assert {"api/ui/static/index.html", "api/ui/static/app.js", "api/ui/static/style.css"} <= set(
+        files
+    )
+    assert [f for f in files if not any(fnmatch.fnmatch(f, p) for p in shipped)] == []
