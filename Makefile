@@ -23,7 +23,7 @@ HOST    ?= 127.0.0.1
 PORT    ?= 8080
 PYTEST_ARGS ?=
 
-.PHONY: install install-dev print-python serve test test-generic test-agents test-mac-dry-run lint format bench clean
+.PHONY: install install-dev browser print-python serve test test-generic test-agents test-mac-dry-run lint format bench clean
 
 install: $(STAMP)
 
@@ -51,15 +51,26 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m llm_server.native.decode_ops
 	@touch $(STAMP)
 
-# the dev and eval extras: tests, lint, the benchmark's plots
+# the dev and eval extras: tests, lint, the benchmark's plots; on Linux also Debian's headless
+# browser for tests/ui (chromium and its driver, which selenium drives; nothing downloaded at test
+# time). Checked on every run, installed only where missing.
 $(DEV_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e '.[dev,eval]'
 	@touch $(DEV_STAMP)
 
+browser:
+	@if [ "$$(uname -s)" = Linux ] && ! { command -v chromium && command -v chromedriver; } \
+		>/dev/null 2>&1; then \
+		echo "installing chromium and chromium-driver (Debian) for tests/ui"; \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+			$$SUDO apt-get install -y -qq chromium chromium-driver; \
+	fi
+
 serve: install
 	$(VENV)/bin/llm-server --host $(HOST) --port $(PORT)
 
-test: install-dev
+test: install-dev browser
 	$(PY) -m llm_server.native.blas $(PY) -m pytest -q $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-generic
 

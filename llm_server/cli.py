@@ -287,6 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="append one JSON line per API request to FILE (see README, Replay)",
     )
     p.add_argument(
+        "--no-ui",
+        action="store_true",
+        help="serve no page at / (default: the dashboard and playground, README 'The page')",
+    )
+    p.add_argument(
         "--replay",
         metavar="FILE",
         help="instead of serving, run the request log FILE through the API in-process "

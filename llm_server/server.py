@@ -78,6 +78,7 @@ def _http_server(http: HTTPSettings, state: AppState, request_log):
         cors_origins=list(http.cors_origins),
         max_body_bytes=http.max_body_bytes,
         request_log=request_log,
+        ui=http.ui,
     )
     config = uvicorn.Config(
         app,

@@ -26,6 +26,7 @@ class HTTPSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body gets 413
     drain_timeout: float = 30.0  # seconds running requests may take after SIGTERM
     log_requests: str | None = None  # append one JSON line per API request to this file
+    ui: bool = True  # the page at `/` (api/ui/); --no-ui turns it off
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class ServerSettings:
                 max_body_bytes=args.max_body_size,
                 drain_timeout=args.drain_timeout,
                 log_requests=args.log_requests,
+                ui=not args.no_ui,
             ),
             backend=args.backend,
             distributed=args.distributed or "",

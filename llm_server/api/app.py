@@ -29,8 +29,9 @@ from llm_server.api.shared.errors import (
     note_refusal,
 )
 from llm_server.api.shared.metrics import Metrics, RequestCounter, metrics_endpoint
+from llm_server.api.shared.recent import RecentRequests, RecentRequestsMiddleware
 from llm_server.api.shared.request_log import RequestLogMiddleware, RequestRecorder
-from llm_server.api.shared.security import APIKeyMiddleware, resolve_api_key
+from llm_server.api.shared.security import APIKeyMiddleware, SameOriginMiddleware, resolve_api_key
 from llm_server.api.shared.state import AppState, scoped_service
 from llm_server.settings import DEFAULT_MAX_BODY_BYTES
 
@@ -120,18 +121,26 @@ def create_app(
     cors_origins: Sequence[str] = (),
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     request_log: RequestRecorder | None = None,
+    ui: bool = True,
 ) -> Starlette:
     """The ASGI app for `state`.
 
-    `api_key` (else env LLM_SERVER_API_KEY) guards /v1/*; `cors_origins` enables CORS for
-    those origins only; request bodies over `max_body_bytes` get 413; `request_log` records
-    every API request (the caller closes it after the service has drained).
+    `api_key` (else env LLM_SERVER_API_KEY) guards /v1/* and the page's data; `cors_origins`
+    enables CORS for those origins only; request bodies over `max_body_bytes` get 413;
+    `request_log` records every API request (the caller closes it after the service has
+    drained); `ui` serves the page at `/` (api/ui/) and keeps the recent requests it lists.
     """
     if max_body_bytes < 1:
         raise ValueError("max_body_bytes must be at least 1")
     metrics = Metrics(lambda: state.service)
     # outermost: one log line per 4xx, whichever layer answered it
     middleware = [Middleware(RefusalLog), Middleware(RequestCounter, metrics=metrics)]
+    recent = None
+    if ui:  # the page's Requests view: from the request log when it is on, else its own ring
+        recent = RecentRequests(source="request log" if request_log is not None else "memory")
+        if request_log is None:  # before the key check, so refused requests are listed too
+            middleware.append(Middleware(RecentRequestsMiddleware, recent=recent, state=state))
+    middleware.append(Middleware(SameOriginMiddleware, allowed=list(cors_origins)))
     if cors_origins:
         middleware.append(
             Middleware(
@@ -146,13 +155,20 @@ def create_app(
         middleware.append(Middleware(APIKeyMiddleware, api_key=key))
     if request_log is not None:  # innermost: logs only requests the key check let through
         request_log.set_secret(key)
-        middleware.append(Middleware(RequestLogMiddleware, recorder=request_log, state=state))
+        middleware.append(
+            Middleware(RequestLogMiddleware, recorder=request_log, state=state, recent=recent)
+        )
     if state.manager is not None:  # innermost: a request's model loads after the key check
         from llm_server.api.model_router import ModelRouter
 
         middleware.append(Middleware(ModelRouter, state=state, max_body_bytes=max_body_bytes))
+    routes = list(ROUTES)
+    if ui:
+        from llm_server.api.ui.routes import UI_ROUTES
+
+        routes += UI_ROUTES
     app = Starlette(
-        routes=ROUTES,
+        routes=routes,
         middleware=middleware,
         exception_handlers={
             APIError: _api_error,
@@ -163,6 +179,7 @@ def create_app(
     app.state.llm = state
     app.state.metrics = metrics
     app.state.max_body_bytes = max_body_bytes
+    app.state.recent = recent
     app.state.openapi = openapi_schema()
     state.on_service(metrics.attach)
     return app

@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run every server this many times at each concurrency, the servers' order "
                    "alternating round by round; the report keeps each server's median run and lists "
                    "every round's tokens/s and ratios (default 1; 3 or more on a shared machine)")  # fmt: skip
+    p.add_argument("--page-poll", action="store_true",
+                   help="also run our server with a client polling what the page at / polls, once a "
+                   "second, during the load (server 'ours_page'): the page's overhead")  # fmt: skip
     p.add_argument("--prefix-cache", action="store_true",
                    help="also measure TTFT on a multi-turn workload with the prefix cache on and off")  # fmt: skip
     p.add_argument("--constrained", action="store_true",
@@ -144,6 +147,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         peer=peers[0][0] if peers else None, peer_cmd=peers[0][1] if peers else None,
         rounds=args.rounds, peers=tuple(peers), agent_log=args.agent_log,
         agent_turns=args.agent_turns, agent_conversations=args.agent_conversations,
+        page_poll=args.page_poll,
     )  # fmt: skip
 
 

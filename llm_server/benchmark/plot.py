@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 LABELS = {"ours": "llm-server", "mlx_lm": "mlx_lm.server", "llama_server": "llama-server",
-          "vllm_mlx": "vllm-mlx", "rapid_mlx": "rapid-mlx",
+          "vllm_mlx": "vllm-mlx", "rapid_mlx": "rapid-mlx", "ours_page": "llm-server, page open",
           "llm_server_peer": "llm-server (peer build)"}  # fmt: skip
 
 

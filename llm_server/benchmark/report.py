@@ -155,6 +155,27 @@ def _peer_lines(report: dict) -> list[str]:
     ]
 
 
+def _page_lines(report: dict) -> list[str]:
+    """--page-poll: the same server with a client polling as the open page does (issue 46)."""
+    runs = report["servers"].get("ours_page")
+    if not runs:
+        return []
+    polls = ", ".join(
+        f"{run.get('page_polls', 0)} at concurrency {c}"
+        for c, run in sorted(runs.items(), key=lambda kv: int(kv[0]))
+    )
+    return [
+        "## The page open (cells: page closed / page polling)",
+        "",
+        "`ours_page` is our server again, with a client fetching the page's files and then "
+        f"GET /ui/api/state once a second during the load (polls: {polls}).",
+        "",
+        *throughput_table(report, "ours_page"),
+        "",
+        *rounds_table(report, "ours_page"),
+    ]
+
+
 def _identity_lines(report: dict) -> list[str]:
     lines = []
     peer = report["meta"].get("peer")
@@ -281,6 +302,7 @@ def markdown(report: dict) -> str:
         *memory_table(report),
         "",
         *_peer_lines(report),
+        *_page_lines(report),
         "## Greedy output identity",
         "",
         *(_identity_lines(report) or ["Only one concurrency was run."]),

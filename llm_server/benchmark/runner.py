@@ -8,6 +8,7 @@ import platform
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from importlib import metadata, resources
 from pathlib import Path
@@ -18,6 +19,7 @@ from llm_server.benchmark import (
     engine_rate,
     load,
     memory,
+    page_poll,
     report,
     roofline,
     scoring,
@@ -30,6 +32,7 @@ from llm_server.benchmark.plot import write_plot
 from llm_server.benchmark.settings import Settings
 
 GIB = 1 << 30
+PAGE_KIND = "ours_page"  # our server with the page open (--page-poll)
 SETTLE_S = 2.0  # idle time after a load before reading "RSS after the load"
 MLX_LM_NOTE = (
     "mlx_lm.server {version} runs with its own batching defaults (--decode-concurrency 32, "
@@ -210,12 +213,13 @@ def _one_server(
 ) -> None:
     """One run of `kind` at concurrency `c` (round `rnd`), appended to state["rounds"]."""
     extra: tuple[str, ...] = ()
-    if kind == "ours" and s.step_tokens is not None:
+    if kind in ("ours", PAGE_KIND) and s.step_tokens is not None:
         extra += ("--step-tokens", str(s.step_tokens))
-    if kind == "ours" and s.speculative is not None:
+    if kind in ("ours", PAGE_KIND) and s.speculative is not None:
         extra += ("--speculative", s.speculative)
+    launched = "ours" if kind == PAGE_KIND else kind  # the same server, with the page open
     spec = servers.ServerSpec(
-        kind, s.model, c, max_queued=max(s.requests, c), extra_args=extra, peer_cmd=s.peer_cmd
+        launched, s.model, c, max_queued=max(s.requests, c), extra_args=extra, peer_cmd=s.peer_cmd
     )
     name = f"{kind}-c{c}" + (f"-r{rnd + 1}" if s.rounds > 1 else "")
     label = f"{kind} c={c}" + (f" round {rnd + 1}/{s.rounds}" if s.rounds > 1 else "")
@@ -227,10 +231,15 @@ def _one_server(
         warm = memory.sample(srv.pid)
         progress.phase(f"{label}: load")
         spec_before = spec_report.snapshot(srv.url) if kind == "ours" else None
-        result = load.run_load(srv.url, prompts, c, s.requests, s.max_tokens, count, progress.step)
+        with page_poll.polling(srv.url) if kind == PAGE_KIND else nullcontext() as polls:
+            result = load.run_load(
+                srv.url, prompts, c, s.requests, s.max_tokens, count, progress.step
+            )
         time.sleep(SETTLE_S)
         after = memory.sample(srv.pid)
         run = summary.summarize_load(result, warm, after)
+        if polls is not None:
+            run.update(page_polls=polls.polls, page_polls_failed=polls.failed)
         if kind == "ours":  # draft ids verified/kept in this load, the cost model after it
             run.update(spec_report.delta(spec_before, spec_report.snapshot(srv.url)))
         state["rounds"].setdefault(kind, {}).setdefault(c, []).append(
@@ -277,6 +286,8 @@ def run_benchmark(s: Settings) -> OutputPaths:
     kinds = ["ours", "mlx_lm"] if s.mlx_lm else ["ours"]
     if s.peer is not None:
         kinds.append(s.peer)
+    if s.page_poll:
+        kinds.append(PAGE_KIND)
     state: dict = {"meta": _meta(s, prompts), "servers": {}, "outputs": {}, "scoring": None,
                    "failures": [], "encode": encode, "rounds": {}}  # fmt: skip
     print("llm-benchmark: measuring read bandwidth", file=sys.stderr)

@@ -31,6 +31,7 @@ class Settings:
     agent_log: str = "codex"  # agent workload: agent_conversation.LOGS name or a JSON path
     agent_turns: int = 5
     agent_conversations: int = 1
+    page_poll: bool = False  # also run ours with a client polling as the open page does
 
 
 def probe_parser(probe: str, doc: str | None) -> argparse.ArgumentParser:

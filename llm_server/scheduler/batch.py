@@ -64,6 +64,7 @@ class SchedulerStats:
     last_error: str | None
     drafted_tokens: int = 0  # speculative draft ids verified since start
     accepted_tokens: int = 0  # of those, the ones that matched the greedy choice
+    generated_tokens: int = 0  # tokens emitted to requests since start
 
 
 class BatchScheduler:
@@ -237,6 +238,7 @@ class BatchScheduler:
                 last_error=self.last_error,
                 drafted_tokens=self.drafted_tokens,
                 accepted_tokens=self.accepted_tokens,
+                generated_tokens=self.executor.generated_tokens,
             )
 
     @property

@@ -55,6 +55,7 @@ class PlanExecutor:
         self.decode_steps = 0
         self.drafted_tokens = 0  # draft ids verified
         self.accepted_tokens = 0  # draft ids kept
+        self.generated_tokens = 0  # tokens emitted since start (the page's live tokens/s)
         self.last_error: str | None = None
 
     def run_exclusive(self, req: GenerationRequest) -> None:
@@ -211,6 +212,7 @@ class PlanExecutor:
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
         req.emit(TokenEvent(out.token_id, out.text, out.logprob))
+        self.generated_tokens += 1
         if out.finish is None:
             return True
         self._retire(req, out.finish, None)

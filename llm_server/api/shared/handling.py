@@ -9,6 +9,7 @@ from dataclasses import replace
 from starlette.requests import Request
 from starlette.responses import Response
 
+from llm_server.api.shared import recent
 from llm_server.api.shared.errors import APIError, invalid
 from llm_server.api.shared.request_log import note_finish
 from llm_server.api.shared.state import MODEL_ID_KEY, AppState, scoped_service
@@ -216,8 +217,10 @@ def settle(request: Request, finishes: list[FinishEvent | None]) -> Response | N
 
 
 def record_finish(request: Request, fin: FinishEvent) -> None:
-    """Feed a finished generation into the app's metrics and the request log."""
+    """Feed a finished generation into the app's metrics, the request log and the page's list
+    of recent requests."""
     note_finish(fin)
+    recent.note_finish(fin)
     request.app.state.metrics.tokens_generated.inc(fin.completion_tokens)
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from llm_server.api.shared.recent import RecentRequests, served_model, summary_from_log
 from llm_server.api.shared.state import AppState
 from llm_server.scheduler import FinishEvent
 from replay.log import LogEntry, Timings, utc_now
@@ -126,12 +127,20 @@ def note_finish(fin: FinishEvent) -> None:
 
 
 class RequestLogMiddleware:
-    """Record every POST to the API routes in LOGGED_PATHS into `recorder`."""
+    """Record every POST to the API routes in LOGGED_PATHS into `recorder` (and its summary
+    into `recent`, the page's list of requests, when given)."""
 
-    def __init__(self, app: ASGIApp, recorder: RequestRecorder, state: AppState) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        recorder: RequestRecorder,
+        state: AppState,
+        recent: RecentRequests | None = None,
+    ) -> None:
         self.app = app
         self.recorder = recorder
         self.state = state
+        self.recent = recent
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
@@ -170,6 +179,8 @@ class RequestLogMiddleware:
             entry = self._entry(scope["path"], ex)
             if entry is not None:
                 self.recorder.write(entry)
+                if self.recent is not None:
+                    self.recent.add(summary_from_log(entry, served_model(scope, self.state)))
 
     def _entry(self, path: str, ex: _Exchange) -> LogEntry | None:
         total = time.monotonic() - ex.started

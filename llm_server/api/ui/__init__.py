@@ -1,0 +1,1 @@
+"""The page for people at `/`: models, live figures, recent requests and a playground."""
