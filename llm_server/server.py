@@ -78,6 +78,8 @@ def _http_server(http: HTTPSettings, state: AppState, request_log):
         cors_origins=list(http.cors_origins),
         max_body_bytes=http.max_body_bytes,
         request_log=request_log,
+        data_dir=http.data_dir,
+        max_file_bytes=http.max_file_bytes,
     )
     config = uvicorn.Config(
         app,

@@ -34,6 +34,7 @@ from llm_server.scheduler.pumps import Pump
 from llm_server.scheduler.request import (
     FinishEvent,
     GenerationRequest,
+    Priority,
     QueueFull,
     SchedulerClosed,
 )
@@ -191,13 +192,38 @@ class BatchScheduler:
         with self._cond:
             if self._closing or self.load_error is not None:
                 raise SchedulerClosed("the server is shutting down")
-            waiting = len(self._queue)
-            if len(self._running) + waiting + len(reqs) > self.max_concurrent + self.max_queued:
-                raise QueueFull(len(self._running), waiting, self.retry_after)
+            interactive = [r for r in reqs if r.priority is Priority.INTERACTIVE]
+            if interactive:
+                # batch lines hold rows on loan (S11): only interactive requests count
+                running = sum(r.priority is Priority.INTERACTIVE for r in self._running.values())
+                waiting = self._interactive_waiting()
+                if running + waiting + len(interactive) > self.max_concurrent + self.max_queued:
+                    raise QueueFull(running, waiting, self.retry_after)
             for req in reqs:
                 req._wake = self.wake
-                self._queue.append(req)
+                self._enqueue(req)
             self._cond.notify_all()
+
+    def _enqueue(self, req: GenerationRequest) -> None:
+        """Append `req`; an interactive request goes ahead of every queued batch line (S11)."""
+        if req.priority is Priority.BATCH:
+            self._queue.append(req)
+            return
+        first_batch = next(
+            (i for i, r in enumerate(self._queue) if r.priority is Priority.BATCH), None
+        )
+        if first_batch is None:
+            self._queue.append(req)
+        else:
+            self._queue.insert(first_batch, req)
+
+    def _interactive_waiting(self) -> int:
+        return sum(r.priority is Priority.INTERACTIVE for r in self._queue)
+
+    def interactive_waiting(self) -> int:
+        """Interactive requests queued for a row now (the Batch API waits while any is)."""
+        with self._cond:
+            return self._interactive_waiting()
 
     def wake(self) -> None:
         with self._cond:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import itertools
 import threading
 import time
@@ -61,6 +62,13 @@ class FinishEvent:
 Event = TokenEvent | FinishEvent
 
 
+class Priority(enum.Enum):
+    """Who waits on a request: a person (interactive) or nobody (a Batch API line, S11)."""
+
+    INTERACTIVE = "interactive"
+    BATCH = "batch"  # queued behind every interactive request, outside --max-queued
+
+
 _ids = itertools.count(1)
 
 
@@ -72,6 +80,7 @@ class GenerationRequest:
     decoder: Decoder
     emit: Callable[[Event], None]  # called on the scheduler thread; must not block
     exclusive: bool = False  # run alone: the batch pauses while this request decodes
+    priority: Priority = Priority.INTERACTIVE
     seq: int = field(default_factory=lambda: next(_ids))
     row: int | None = None
     last_token: int | None = None
