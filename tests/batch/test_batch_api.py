@@ -180,9 +180,11 @@ def test_progress_in_metrics(client, batch_server):
     done = wait_for(client, submit(client, jsonl([chat_line("m", "Hi", max_tokens=2)])).id)
     assert done.status == "completed"
     text = httpx.get(batch_server.url + "/metrics", timeout=10).text
-    assert "llm_server_batch_lines_total " in text
-    assert "llm_server_batch_tokens_per_second " in text
-    answered = next(
-        line for line in text.splitlines() if line.startswith("llm_server_batch_lines_total")
-    )
-    assert float(answered.split()[-1]) >= 0
+    values = {
+        line.split()[0]: float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("llm_server_batch_")
+    }
+    assert values["llm_server_batch_lines_answered_total"] >= 1
+    for name in ("running_lines", "running_lines_done", "tokens_per_second", "eta_seconds"):
+        assert f"llm_server_batch_{name}" in values

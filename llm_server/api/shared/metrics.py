@@ -113,11 +113,11 @@ class _BatchCollector(Collector):
         progress = self._runner.progress
         eta = progress.eta_seconds() if progress is not None else None
         values = {
-            "llm_server_batch_lines_done": (
+            "llm_server_batch_running_lines_done": (
                 "lines of the running batch that have their answer",
                 progress.done if progress else 0,
             ),
-            "llm_server_batch_lines_total": (
+            "llm_server_batch_running_lines": (
                 "lines of the running batch",
                 progress.total if progress else 0,
             ),
@@ -133,8 +133,8 @@ class _BatchCollector(Collector):
         for name, (doc, value) in values.items():
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily(
-            "llm_server_batch_lines",
-            "batch lines answered since start",
+            "llm_server_batch_lines_answered",
+            "batch lines answered since start (all batches)",
             self._runner.finished_lines,
         )
 

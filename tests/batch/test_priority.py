@@ -1,0 +1,69 @@
+"""Batch lines run at the lowest priority (S11): behind every interactive request in the queue,
+and outside --max-queued."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from llm_server.decoding import SamplingParams
+from llm_server.scheduler import Priority, QueueFull
+from llm_server.service import request_priority
+from tests.batch.conftest import chat_line, jsonl, submit, wait_for
+
+
+def test_batch_lines_queue_behind_interactive_and_outside_max_queued(tiny_model_path):
+    from llm_server.testing.live import tiny_service
+
+    svc = tiny_service(tiny_model_path, concurrent=1, max_queued=0)
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    prompt = svc.tokenizer.encode("Hello there")
+
+    async def run() -> list[int]:
+        token = request_priority.set(Priority.BATCH)
+        batch = [svc.start_generation(prompt, params) for _ in range(3)]  # 1 row, no queue
+        request_priority.reset(token)
+        interactive = svc.start_generation(prompt, params)
+        try:
+            svc.start_generation(prompt, params)
+            raise AssertionError("a second interactive request found room")
+        except QueueFull:
+            pass
+        for handle in [*batch, interactive]:
+            async for _ in handle.events():
+                pass
+        seqs = [h.request.seq for h in batch]
+        order = [s for s in svc.scheduler.admitted if s in {*seqs, interactive.request.seq}]
+        assert all(h.request.priority is Priority.BATCH for h in batch)
+        assert interactive.request.priority is Priority.INTERACTIVE
+        return [order.index(s) for s in (*seqs, interactive.request.seq)]
+
+    try:
+        *batch_pos, interactive_pos = asyncio.run(run())
+    finally:
+        svc.close(30)
+    # at most the one line already on the row ran before the interactive request
+    assert sum(p < interactive_pos for p in batch_pos) <= 1
+
+
+def test_interactive_requests_get_answers_while_a_batch_runs(client, batch_server):
+    """4 rows, --max-queued 2: six interactive requests at once all get 200 while a batch
+    holds rows (its lines do not fill the queue)."""
+    lines = [chat_line(f"r{i}", "Hello", max_tokens=64) for i in range(30)]
+    batch = submit(client, jsonl(lines))
+    while client.batches.retrieve(batch.id).request_counts.completed < 1:
+        pass
+
+    def ask(i: int) -> int:
+        body = {"messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 8}
+        return httpx.post(
+            batch_server.url + "/v1/chat/completions", json=body, timeout=60
+        ).status_code
+
+    with ThreadPoolExecutor(6) as pool:
+        statuses = list(pool.map(ask, range(6)))
+    assert statuses == [200] * 6
+    done = wait_for(client, batch.id)
+    assert done.status == "completed" and done.request_counts.completed == 30
