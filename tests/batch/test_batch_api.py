@@ -188,3 +188,29 @@ def test_progress_in_metrics(client, batch_server):
     assert values["llm_server_batch_lines_answered_total"] >= 1
     for name in ("running_lines", "running_lines_done", "tokens_per_second", "eta_seconds"):
         assert f"llm_server_batch_{name}" in values
+
+
+def test_embeddings_and_responses_batches_answer_as_interactive(client):
+    texts = ["The capital of France is Paris.", "Berlin"]
+    lines = [
+        {"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings", "body": {"input": t}}
+        for i, t in enumerate(texts)
+    ]
+    done = wait_for(client, submit(client, jsonl(lines), "/v1/embeddings").id)
+    assert done.status == "completed" and done.request_counts.completed == 2
+    by_id = {o["custom_id"]: o for o in read_lines(client, done.output_file_id)}
+    for i, t in enumerate(texts):
+        alone = client.embeddings.create(model="tiny-qwen3", input=t, encoding_format="float")
+        got = by_id[f"e{i}"]["response"]["body"]["data"][0]["embedding"]
+        assert got == alone.data[0].embedding
+
+    body = {"model": "tiny-qwen3", "input": "Hello", "max_output_tokens": 8, "temperature": 0}
+    line = {"custom_id": "r", "method": "POST", "url": "/v1/responses", "body": body}
+    done = wait_for(client, submit(client, jsonl([line]), "/v1/responses").id)
+    assert done.status == "completed", done
+    answer = read_lines(client, done.output_file_id)[0]["response"]["body"]
+    alone = client.responses.create(**body)
+    texts_out = [
+        c["text"] for item in answer["output"] if item["type"] == "message" for c in item["content"]
+    ]
+    assert "".join(texts_out) == alone.output_text
