@@ -119,6 +119,7 @@ class BatchScheduler:
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
         self.max_rows_busy = 0
+        self.preempted = 0  # batch lines that gave their row to an interactive request (S11)
         # the latest request seq numbers in admission order (tests check FIFO); bounded so a
         # daemon running for days does not grow it
         self.admitted: collections.deque[int] = collections.deque(maxlen=4096)
@@ -205,8 +206,9 @@ class BatchScheduler:
             self._cond.notify_all()
 
     def _enqueue(self, req: GenerationRequest) -> None:
-        """Append `req`; an interactive request goes ahead of every queued batch line (S11)."""
-        if req.priority is Priority.BATCH:
+        """Append `req`; an interactive request goes ahead of every queued batch line, and a
+        preempted batch line ahead of the other batch lines (S11)."""
+        if req.priority is Priority.BATCH and not req.resumed_tokens:
             self._queue.append(req)
             return
         first_batch = next(
@@ -343,6 +345,7 @@ class BatchScheduler:
         directly): serve leases (S6), plan, apply the plan's bookkeeping, run its forward and
         commit it, then let a pump run (C1). Returns the plan it executed."""
         self._serve_leases()
+        self._preempt()
         step = self._plan()
         self._apply(step)
         if step.forward:
@@ -403,6 +406,39 @@ class BatchScheduler:
                     return
                 if not lease.calls:
                     self._cond.wait(timeout=1.0)
+
+    def _preempt(self) -> None:
+        """S11: interactive requests waiting with no row free take the rows of the newest batch
+        lines; those go back to the head of the batch lines with their output appended to
+        their prompt (the release hands the row's tokens to the prefix cache)."""
+        with self._cond:
+            waiting = self._interactive_waiting() - len(self._free)
+            if waiting <= 0:
+                return
+            lines = [
+                r
+                for r in self._running.values()
+                if r.priority is Priority.BATCH and not r.exclusive and not r.cancelled.is_set()
+            ]
+        victims = sorted(lines, key=lambda r: r.seq, reverse=True)[:waiting]
+        if not victims:
+            return
+        self._pipeline.drop(self.engine)  # an early step for these rows must not land
+        for req in victims:
+            row = req.row
+            try:
+                self.engine.release(row)
+            finally:
+                with self._cond:
+                    del self._running[row]
+                    self._free.append(row)
+            output = list(req.decoder.tokens)
+            req.prompt = [*req.prompt[: req.prompt_tokens], *output]
+            req.resumed_tokens = len(output)
+            req.row, req.prefilled = None, 0
+            with self._cond:
+                self._enqueue(req)
+            self.preempted += 1
 
     def _plan(self) -> StepPlan:
         """The next step (planner.plan) on a consistent view of the queue and the rows."""
@@ -491,7 +527,7 @@ class BatchScheduler:
         req.emit(
             FinishEvent(
                 reason=reason,
-                prompt_tokens=len(req.prompt),
+                prompt_tokens=req.prompt_tokens,
                 completion_tokens=len(req.decoder.tokens),
                 timings=req.timings(),
                 error=error,

@@ -67,3 +67,46 @@ def test_interactive_requests_get_answers_while_a_batch_runs(client, batch_serve
     assert statuses == [200] * 6
     done = wait_for(client, batch.id)
     assert done.status == "completed" and done.request_counts.completed == 30
+
+
+def test_an_interactive_request_takes_a_batch_lines_row_and_the_line_resumes_unchanged(
+    tiny_model_path,
+):
+    """One row: a batch line decoding gives its row to an interactive request at the next step
+    boundary, then resumes (its output re-fed as prompt) with the same greedy tokens."""
+    from llm_server.testing.live import tiny_service
+
+    svc = tiny_service(tiny_model_path, concurrent=1, max_queued=0)
+    line = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    quick = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = svc.tokenizer.encode("Hello there")
+
+    async def tokens(handle) -> list[int]:
+        return [ev.token_id async for ev in handle.events() if hasattr(ev, "token_id")]
+
+    async def run():
+        token = request_priority.set(Priority.BATCH)
+        alone = await tokens(svc.start_generation(prompt, line))
+        batch = svc.start_generation(prompt, line)
+        request_priority.reset(token)
+        got, order = [], []
+        async for ev in batch.events():
+            if hasattr(ev, "token_id"):
+                got.append(ev.token_id)
+            if len(got) == 5:
+                interactive = svc.start_generation(prompt, quick)
+                task = asyncio.ensure_future(tokens(interactive))
+                task.add_done_callback(lambda _: order.append(("interactive", len(got))))
+        order.append(("batch", len(got)))
+        await task
+        return alone, got, order, batch.finish, interactive.finish
+
+    try:
+        alone, got, order, finish, quick_finish = asyncio.run(run())
+    finally:
+        svc.close(30)
+    assert svc.scheduler.preempted >= 1
+    assert order[0][0] == "interactive" and order[0][1] < 300  # done while the line ran
+    assert got == alone  # the resumed line's greedy tokens are the uninterrupted ones
+    assert finish.prompt_tokens == len(prompt) and finish.completion_tokens == 300
+    assert quick_finish.completion_tokens == 4

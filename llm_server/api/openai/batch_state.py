@@ -38,8 +38,8 @@ def attach_batch_api(
 
 def batch_room(state: AppState, model: str | None) -> int:
     """How many lines for `model` may be in the app now (S11): none while an interactive
-    request waits for a row or the model is loading; else every row but one, kept for the next
-    interactive request (all of them on a one-row model: it has none to keep)."""
+    request waits for a row or the model is loading; else every row (an interactive request
+    arriving takes a line's row at the next step boundary: BatchScheduler._preempt)."""
     if state.draining:
         return 0
     service = state.service
@@ -55,7 +55,7 @@ def batch_room(state: AppState, model: str | None) -> int:
     scheduler = service.scheduler
     if scheduler.interactive_waiting():
         return 0
-    return max(1, scheduler.max_concurrent - 1)
+    return scheduler.max_concurrent
 
 
 def batch_api(request: Request) -> BatchAPI:
