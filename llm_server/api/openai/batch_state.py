@@ -14,6 +14,7 @@ from llm_server.api.shared.state import AppState
 from llm_server.batch.asgi import app_caller
 from llm_server.batch.runner import BatchRunner
 from llm_server.batch.store import BatchStore, default_data_dir
+from llm_server.models.slots import ModelError
 
 
 @dataclass
@@ -46,7 +47,7 @@ def batch_room(state: AppState, model: str | None) -> int:
     if state.manager is not None:
         try:
             service = state.manager.slot(model).service
-        except LookupError:
+        except ModelError:
             return 1  # unknown model: the line runs to get its 404
         if service is None:
             return 1  # not loaded: the line's request loads it under the memory budget
