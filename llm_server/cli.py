@@ -292,6 +292,13 @@ def build_parser() -> argparse.ArgumentParser:
         "~/Library/Application Support/llm-server)",
     )
     p.add_argument(
+        "--batch-share",
+        action="store_true",
+        help="Batch API lines keep decoding beside interactive requests in rows nobody waits "
+        "for (more batch throughput; interactive steps carry their rows). Default: a batch "
+        "yields every row while any interactive request runs, and resumes 0.2 s after the last",
+    )
+    p.add_argument(
         "--max-file-size",
         type=_size,
         default=DEFAULT_MAX_FILE_BYTES,

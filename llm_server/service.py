@@ -69,6 +69,7 @@ class ServiceConfig:
     prefill_tokens: int = DEFAULT_PREFILL_TOKENS  # ... when no row decodes (--prefill-tokens)
     speculative: str = DEFAULT_SPECULATIVE  # --speculative: "ngram" | "off"
     spec_tokens: int = DEFAULT_SPEC_TOKENS  # --spec-tokens: most draft ids per row and step
+    batch_share: bool = False  # --batch-share: batch lines decode beside interactive ones (S11)
 
 
 class EmbeddingsUnavailable(RuntimeError):
@@ -130,6 +131,7 @@ class ModelService:
             prefill_tokens=config.prefill_tokens,
             speculative=config.speculative,
             spec_tokens=config.spec_tokens,
+            batch_share=config.batch_share,
         )
         # Scoring rides in the step plans on the engine's scoring rows, or (the fallback) runs
         # between steps on its separate session, a pump (C1; Scorer.attach chooses).

@@ -77,6 +77,7 @@ class ServerSettings:
                 prefill_tokens=args.prefill_tokens,
                 speculative=args.speculative,
                 spec_tokens=args.spec_tokens,
+                batch_share=args.batch_share,
             ),
             http=HTTPSettings(
                 host=args.host,

@@ -33,6 +33,7 @@ ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 RETRY_STATUSES = (429, 503)  # the server could not take the line now: not the line's answer
 RETRY_DELAY_S = 0.5
 POLL_S = 0.02  # how often a waiting runner looks for a free row again
+SAVE_EVERY_S = 1.0  # request_counts on disk lag the results by at most this (GET reads live)
 
 
 class BatchNotFound(LookupError):
@@ -80,6 +81,7 @@ class BatchRunner:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.progress: Progress | None = None
+        self._cancelled: set[str] = set()  # batch ids asked to cancel while they run
         self.finished_lines = 0  # lines answered since start (all batches; /metrics)
 
     # -- the API's calls ----------------------------------------------------------------
@@ -144,6 +146,9 @@ class BatchRunner:
         progress = self.progress
         if progress is not None and progress.batch_id == batch_id:
             batch["progress"] = progress.as_json()
+            if batch["status"] == "in_progress":  # the counts on disk lag (SAVE_EVERY_S)
+                lines = self.store.results(batch_id).lines
+                batch["request_counts"] = _counts(lines, batch["request_counts"]["total"])
         return batch
 
     def cancel(self, batch_id: str) -> dict:
@@ -154,6 +159,7 @@ class BatchRunner:
         if batch["status"] not in ("validating", "in_progress"):
             raise ValueError(f"batch {batch_id} is {batch['status']}; it cannot be cancelled")
         batch.pop("progress", None)
+        self._cancelled.add(batch_id)
         self._transition(batch, "cancelling")
         self._wake.set()
         return batch
@@ -221,13 +227,15 @@ class BatchRunner:
         )
         self.progress = Progress(batch_id, len(lines), len(results.lines), started=time.monotonic())
         running: set[asyncio.Task] = set()
+        saved = time.monotonic()
         try:
             while pending or running:
-                if self._stopped(batch_id):
+                if self._stopped(batch):
                     return
                 while pending and len(running) < self._room(pending[0].body.get("model")):
                     line = pending.popleft()
-                    running.add(asyncio.create_task(self._run_line(batch_id, line, pending)))
+                    task = self._run_line(batch_id, batch["endpoint"], line, pending)
+                    running.add(asyncio.create_task(task))
                 if running:
                     done, running = await asyncio.wait(
                         running, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED
@@ -237,18 +245,21 @@ class BatchRunner:
                         task.result()  # a bug in _run_line surfaces here
                 else:
                     await asyncio.sleep(POLL_S)
-                self._save_counts(batch_id)
+                if time.monotonic() - saved > SAVE_EVERY_S:
+                    self._save_counts(batch_id)
+                    saved = time.monotonic()
         finally:
             for task in running:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
             self._save_counts(batch_id)
 
-    async def _run_line(self, batch_id: str, line: BatchLine, pending: collections.deque) -> None:
+    async def _run_line(
+        self, batch_id: str, endpoint: str, line: BatchLine, pending: collections.deque
+    ) -> None:
         request_priority.set(Priority.BATCH)  # this task's context only
-        batch = self.store.batch(batch_id)
         try:
-            status, answer = await self._call(batch["endpoint"], line.body)
+            status, answer = await self._call(endpoint, line.body)
         except Exception as exc:  # noqa: BLE001 - the line's error, not the runner's
             log.exception("batch %s: line %d failed", batch_id, line.index)
             status, answer = 500, {"error": {"message": str(exc), "type": "server_error"}}
@@ -265,13 +276,14 @@ class BatchRunner:
                 progress.lines_run += 1
                 progress.tokens += _completion_tokens(answer)
 
-    def _stopped(self, batch_id: str) -> bool:
+    def _stopped(self, batch: dict) -> bool:
         """Cancelled (cancelling) or past its window (then marked expired)."""
-        batch = self.store.batch(batch_id)
-        if batch is None or batch["status"] != "in_progress":
+        if batch["id"] in self._cancelled:
             return True
         if time.time() > batch["expires_at"]:
-            self._transition(batch, "expired")
+            current = self.store.batch(batch["id"]) or batch
+            if current["status"] == "in_progress":
+                self._transition(current, "expired")
             return True
         return False
 
@@ -319,6 +331,7 @@ class BatchRunner:
         batch["request_counts"] = _counts(results, batch["request_counts"]["total"])
         if self.progress is not None and self.progress.batch_id == batch["id"]:
             self.progress = None
+        self._cancelled.discard(batch["id"])
         self._transition(batch, final)
 
     def _transition(self, batch: dict, status: str) -> None:

@@ -53,6 +53,10 @@ DEFAULT_PREFILL_TOKENS = 512
 # --speculative / --spec-tokens defaults (scheduler/drafting.py; measured in docs/performance.md, "Speculative decoding")
 DEFAULT_SPECULATIVE = "ngram"
 DEFAULT_SPEC_TOKENS = 8
+# seconds without an interactive request before batch lines take rows again (S11, yielding):
+# a client's next request usually follows its answer within this, and a line admitted in the
+# gap would only give its row back at once
+BATCH_IDLE_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,7 @@ class BatchScheduler:
         speculative: str = DEFAULT_SPECULATIVE,
         spec_tokens: int = DEFAULT_SPEC_TOKENS,
         prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
+        batch_share: bool = False,
     ) -> None:
         if max_concurrent < 1:
             raise ValueError("max_concurrent must be >= 1")
@@ -120,6 +125,10 @@ class BatchScheduler:
         self.load_error: BaseException | None = None
         self.max_rows_busy = 0
         self.preempted = 0  # batch lines that gave their row to an interactive request (S11)
+        # S11: False (yield): batch lines run only while no interactive request does; True
+        # (share): they keep decoding beside interactive requests in rows nobody waits for
+        self.batch_share = batch_share
+        self._interactive_at = float("-inf")  # time.monotonic() an interactive one was seen
         # the latest request seq numbers in admission order (tests check FIFO); bounded so a
         # daemon running for days does not grow it
         self.admitted: collections.deque[int] = collections.deque(maxlen=4096)
@@ -347,6 +356,8 @@ class BatchScheduler:
         self._serve_leases()
         self._preempt()
         step = self._plan()
+        if not (step.forward or step.pump or step.retire or step.drop or step.admit):
+            self._hold_batch()  # only held-back batch lines are left: no busy loop
         self._apply(step)
         if step.forward:
             self.executor.execute(step)
@@ -407,12 +418,42 @@ class BatchScheduler:
                 if not lease.calls:
                     self._cond.wait(timeout=1.0)
 
-    def _preempt(self) -> None:
-        """S11: interactive requests waiting with no row free take the rows of the newest batch
-        lines; those go back to the head of the batch lines with their output appended to
-        their prompt (the release hands the row's tokens to the prefix cache)."""
+    def _interactive(self) -> bool:
+        """An interactive request runs or waits (under the lock); notes when one was seen."""
+        seen = self._interactive_waiting() > 0 or any(
+            r.priority is Priority.INTERACTIVE for r in self._running.values()
+        )
+        if seen:
+            self._interactive_at = time.monotonic()
+        return seen
+
+    def _batch_admissible(self) -> bool:
+        """May batch lines take rows now (S11)? Sharing: yes, behind the interactive ones in
+        the queue; yielding: only BATCH_IDLE_S after the last interactive request."""
         with self._cond:
-            waiting = self._interactive_waiting() - len(self._free)
+            busy = self._interactive()
+        if self.batch_share:
+            return True
+        return not busy and time.monotonic() - self._interactive_at >= BATCH_IDLE_S
+
+    def _hold_batch(self) -> None:
+        """Wait out the rest of BATCH_IDLE_S (a submit or cancel wakes it sooner)."""
+        left = BATCH_IDLE_S - (time.monotonic() - self._interactive_at)
+        with self._cond:
+            if left > 0 and any(r.priority is Priority.BATCH for r in self._queue):
+                self._cond.wait(left)
+
+    def _preempt(self) -> None:
+        """S11: interactive requests take the rows of running batch lines (yielding: every
+        line's while any interactive request runs or waits; sharing: the newest lines', as many
+        as wait with no row free). A line goes back to the head of the batch lines with its
+        output appended to its prompt (the release hands the row's tokens to the prefix
+        cache)."""
+        with self._cond:
+            if self.batch_share:
+                waiting = self._interactive_waiting() - len(self._free)
+            else:
+                waiting = self.max_concurrent if self._interactive() else 0
             if waiting <= 0:
                 return
             lines = [
@@ -450,6 +491,7 @@ class BatchScheduler:
             self._pipeline.drop(self.engine)
             in_flight = False
         scoring = () if self.scorer is None else self.scorer.open_prompts(self.engine)
+        admit_batch = self._batch_admissible()
         with self._cond:
             return plan(
                 self._queue,
@@ -463,6 +505,7 @@ class BatchScheduler:
                 scoring=() if self._leases else scoring,
                 prefill_budget=self.prefill_tokens,
                 row_for=self.engine.preferred_row,
+                admit_batch=admit_batch,
             )
 
     def _may_speculate(self) -> bool:

@@ -110,3 +110,39 @@ def test_an_interactive_request_takes_a_batch_lines_row_and_the_line_resumes_unc
     assert got == alone  # the resumed line's greedy tokens are the uninterrupted ones
     assert finish.prompt_tokens == len(prompt) and finish.completion_tokens == 300
     assert quick_finish.completion_tokens == 4
+
+
+def test_batch_lines_yield_every_row_while_an_interactive_request_runs(tiny_model_path):
+    """The default (no --batch-share): no forward carries a batch line beside an interactive
+    request; the lines resume after it and finish with their uninterrupted tokens."""
+    from llm_server.testing.live import tiny_service
+
+    svc = tiny_service(tiny_model_path, concurrent=4, max_queued=0)
+    line = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    quick = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompts = [svc.tokenizer.encode(f"Line {i} says") for i in range(4)]
+
+    async def tokens(handle) -> list[int]:
+        return [ev.token_id async for ev in handle.events() if hasattr(ev, "token_id")]
+
+    async def run():
+        token = request_priority.set(Priority.BATCH)
+        alone = [await tokens(svc.start_generation(p, line)) for p in prompts[:2]]
+        lines = [svc.start_generation(p, line) for p in prompts[:2]]
+        request_priority.reset(token)
+        first = await lines[0]._queue.get()  # the lines are decoding
+        svc.scheduler.step_trace = []
+        interactive = svc.start_generation(svc.tokenizer.encode("Quick"), quick)
+        quick_tokens = await tokens(interactive)
+        got = [[first.token_id, *await tokens(lines[0])], await tokens(lines[1])]
+        return alone, got, quick_tokens, interactive.request.seq, {h.request.seq for h in lines}
+
+    try:
+        alone, got, quick_tokens, seq, line_seqs = asyncio.run(run())
+        trace = svc.scheduler.step_trace
+    finally:
+        svc.close(30)
+    assert len(quick_tokens) == 20
+    with_interactive = [step for step in trace if seq in step]
+    assert with_interactive and not any(set(step) & line_seqs for step in with_interactive)
+    assert got == alone
