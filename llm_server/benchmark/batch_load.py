@@ -12,6 +12,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -22,6 +23,23 @@ from llm_server.benchmark.runner import _tokenizer, load_prompts
 from llm_server.benchmark.servers import ServerSpec, running
 
 POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class BatchLoad:
+    """What to measure: the batch, the interactive load beside it, the server."""
+
+    model: Path
+    lines: int = 500  # chat lines in the batch
+    batch_max_tokens: int = 32  # max_tokens of each line
+    concurrency: tuple[int, ...] = (1, 4)  # interactive streams
+    requests: int = 8  # interactive requests per stream
+    max_tokens: int = 64  # max_tokens of each interactive request
+    rows: int = 8  # the server's --concurrent-requests
+    max_queued: int = 64
+    rounds: int = 1  # alone / with-batch pairs per concurrency
+    logs: Path = Path("benchmark-results/batch_load")
+    server_args: tuple[str, ...] = ()  # more llm-server flags (--batch-share)
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -90,7 +108,7 @@ def summarize(result: load.LoadResult) -> dict:
     }
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: BatchLoad) -> dict:
     prompts = load_prompts()
     tok = _tokenizer(args.model)
 
@@ -99,10 +117,14 @@ def run(args: argparse.Namespace) -> dict:
 
     content = batch_file(prompts, args.lines, args.batch_max_tokens)
     data = Path(tempfile.mkdtemp(prefix="batch-load-"))
-    spec = ServerSpec(
-        "ours", args.model, args.rows, args.max_queued, extra_args=("--data-dir", str(data))
-    )
-    report: dict = {"lines": args.lines, "rows": args.rows, "concurrency": args.concurrency}
+    extra = ("--data-dir", str(data), *args.server_args)
+    spec = ServerSpec("ours", args.model, args.rows, args.max_queued, extra_args=extra)
+    report: dict = {
+        "lines": args.lines,
+        "rows": args.rows,
+        "concurrency": list(args.concurrency),
+        "server_args": list(args.server_args),
+    }
     with (
         running(spec, args.logs / "server.log") as srv,
         httpx.Client(base_url=srv.url, timeout=900) as http,
@@ -157,7 +179,8 @@ def _change(a: float | None, b: float | None) -> str:
 
 def markdown(report: dict) -> str:
     out = [
-        f"Batch of {report['lines']} chat lines, {report['rows']} rows.",
+        f"Batch of {report['lines']} chat lines, {report['rows']} rows"
+        f"{', ' + ' '.join(report['server_args']) if report['server_args'] else ''}.",
         "",
         "| concurrency | tokens/s alone | with batch | change | TTFT p50 alone | with batch "
         "| TTFT p99 alone | with batch | batch lines meanwhile |",
@@ -186,6 +209,14 @@ def markdown(report: dict) -> str:
     return "\n".join(out)
 
 
+def measure(args: BatchLoad) -> str:
+    """Run, write batch_load.json under `args.logs`, return the markdown tables."""
+    report = run(args)
+    args.logs.mkdir(parents=True, exist_ok=True)
+    (args.logs / "batch_load.json").write_text(json.dumps(report, indent=2))
+    return markdown(report)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="batch_load", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=None, help="default: the embedded SmolLM2")
@@ -198,15 +229,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-queued", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--logs", type=Path, default=Path("benchmark-results/batch_load"))
+    p.add_argument("--batch-share", action="store_true", help="the server's --batch-share")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if args.model is None:
         from llm_server.default_model import default_model_path
 
         args.model = default_model_path()
-    report = run(args)
-    args.logs.mkdir(parents=True, exist_ok=True)
-    (args.logs / "batch_load.json").write_text(json.dumps(report, indent=2))
-    print(markdown(report))
+    settings = BatchLoad(
+        model=args.model,
+        lines=args.lines,
+        batch_max_tokens=args.batch_max_tokens,
+        concurrency=tuple(args.concurrency),
+        requests=args.requests,
+        max_tokens=args.max_tokens,
+        rows=args.rows,
+        max_queued=args.max_queued,
+        rounds=args.rounds,
+        logs=args.logs,
+        server_args=("--batch-share",) if args.batch_share else (),
+    )
+    print(measure(settings))
 
 
 if __name__ == "__main__":
