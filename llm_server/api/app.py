@@ -199,6 +199,7 @@ def create_app(
     app.state.max_body_bytes = max_body_bytes
     app.state.openapi = openapi_schema()
     app.state.batch = attach_batch_api(app, state, data_dir, max_file_bytes, key)
+    state.drain_hooks.append(app.state.batch.runner.stop)
     metrics.attach_batches(app.state.batch.runner)
     state.on_service(metrics.attach)
     return app

@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -116,3 +117,25 @@ def test_a_torn_last_line_is_cut_and_a_line_is_written_once(tmp_path):
     assert again.add(2, {"custom_id": "c"})
     again.close()
     assert [json.loads(x)["index"] for x in path.read_bytes().splitlines()] == [0, 1, 2]
+
+
+def test_sigterm_during_a_batch_exits_promptly_and_the_batch_resumes(tiny_model_path, tmp_path):
+    """A drain does not wait for batch lines: they are dropped and run again after restart."""
+    data = tmp_path / "data"
+    lines = [chat_line(f"l{i}", f"Story {i}", max_tokens=400, ignore_eos=True) for i in range(12)]
+    server = Server(tiny_model_path, data)
+    batch_id = submit(server.client, jsonl(lines)).id
+    while server.client.batches.retrieve(batch_id).status != "in_progress":
+        time.sleep(0.02)
+    time.sleep(0.3)  # lines are decoding
+    t0 = time.monotonic()
+    server.p.send_signal(signal.SIGTERM)
+    assert server.p.wait(20) == 0
+    assert time.monotonic() - t0 < 10
+    server = Server(tiny_model_path, data)
+    try:
+        done = wait_for(server.client, batch_id, timeout=120)
+        assert done.status == "completed" and done.request_counts.completed == 12
+        assert sorted(r["index"] for r in _results(data, batch_id)) == list(range(12))
+    finally:
+        server.kill9()
