@@ -333,6 +333,7 @@ class BatchRunner:
             self.progress = None
         self._cancelled.discard(batch["id"])
         self._transition(batch, final)
+        self.store.close_results(batch["id"])
 
     def _transition(self, batch: dict, status: str) -> None:
         """Set `status` with its timestamp, save, and log the change."""

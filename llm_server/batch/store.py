@@ -195,6 +195,13 @@ class BatchStore:
                 self._results[batch_id] = Results(path)
             return self._results[batch_id]
 
+    def close_results(self, batch_id: str) -> None:
+        """Close a finished batch's results file (reopened if it is asked for again)."""
+        with self._lock:
+            results = self._results.pop(batch_id, None)
+        if results is not None:
+            results.close()
+
     def close(self) -> None:
         with self._lock:
             for results in self._results.values():
