@@ -183,15 +183,16 @@ class BatchRunner:
                 await asyncio.sleep(1.0)
 
     async def _run(self, batch: dict) -> None:
+        # reading, checking and writing whole files (up to --max-file-size) off the event loop
         if batch["status"] == "validating":
-            lines = self._validate(batch)
+            lines = await asyncio.to_thread(self._validate, batch)
             if lines is None:
                 return
         else:
-            lines = self._lines(batch)
+            lines = await asyncio.to_thread(self._lines, batch)
         if batch["status"] == "in_progress":
             await self._run_lines(batch, lines)
-        self._finalize(self.store.batch(batch["id"]) or batch, lines)
+        await asyncio.to_thread(self._finalize, self.store.batch(batch["id"]) or batch, lines)
 
     def _lines(self, batch: dict) -> list[BatchLine]:
         content = self.store.file_content(batch["input_file_id"]) or b""
@@ -219,9 +220,9 @@ class BatchRunner:
         all are in, or on cancel or expiry (what is running then is dropped, not written)."""
         results = self.store.results(batch["id"])
         batch_id = batch["id"]
-        for line in lines:
-            if line.error is not None and line.index not in results.lines:
-                results.add(line.index, _error_line(batch_id, line))
+        refused = [x for x in lines if x.error is not None and x.index not in results.lines]
+        for line in refused:
+            await asyncio.to_thread(results.add, line.index, _error_line(batch_id, line))
         pending = collections.deque(
             line for line in lines if line.error is None and line.index not in results.lines
         )
@@ -277,15 +278,8 @@ class BatchRunner:
                 progress.tokens += _completion_tokens(answer)
 
     def _stopped(self, batch: dict) -> bool:
-        """Cancelled (cancelling) or past its window (then marked expired)."""
-        if batch["id"] in self._cancelled:
-            return True
-        if time.time() > batch["expires_at"]:
-            current = self.store.batch(batch["id"]) or batch
-            if current["status"] == "in_progress":
-                self._transition(current, "expired")
-            return True
-        return False
+        """Cancelled (cancelling) or past its window (_finalize then expires it)."""
+        return batch["id"] in self._cancelled or time.time() > batch["expires_at"]
 
     def _save_counts(self, batch_id: str) -> None:
         batch = self.store.batch(batch_id)
@@ -299,23 +293,22 @@ class BatchRunner:
     def _finalize(self, batch: dict, lines: list[BatchLine]) -> None:
         """Write the output and error files from the results (again after a crash: same ids)."""
         status = batch["status"]
-        if status in ("completed", "failed", "cancelled") or (
-            status == "expired" and batch["finalizing_at"]
-        ):
+        if status in ("completed", "failed", "cancelled", "expired"):
             return
-        end = {"in_progress": "completed", "finalizing": "completed", "cancelling": "cancelled"}
-        final = end.get(status, status)
-        if status == "in_progress":
-            self._transition(batch, "finalizing")
+        if batch["id"] in self._cancelled and status == "in_progress":
+            status = "cancelling"  # asked while validating: the validation wrote over it
+            self._transition(batch, status)
         results = self.store.results(batch["id"]).lines
-        if final == "expired":
-            for line in lines:
-                if line.index not in results:
-                    expired = BatchLine(line.index, line.custom_id, None, _EXPIRED)
-                    self.store.results(batch["id"]).add(
-                        line.index, _error_line(batch["id"], expired)
-                    )
-            batch["finalizing_at"] = int(time.time())
+        left = [line for line in lines if line.index not in results]
+        end = {"in_progress": "completed", "finalizing": "completed", "cancelling": "cancelled"}
+        final = end[status]
+        if status == "in_progress" and left and time.time() > batch["expires_at"]:
+            final = "expired"  # the lines left fail; the status changes once they are written
+            for line in left:
+                expired = BatchLine(line.index, line.custom_id, None, _EXPIRED)
+                self.store.results(batch["id"]).add(line.index, _error_line(batch["id"], expired))
+        elif status == "in_progress":
+            self._transition(batch, "finalizing")
         ok = [results[i] for i in sorted(results) if _succeeded(results[i])]
         failed = [results[i] for i in sorted(results) if not _succeeded(results[i])]
         hexid = batch["id"].removeprefix("batch_")

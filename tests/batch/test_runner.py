@@ -134,3 +134,25 @@ def test_a_restarted_runner_resumes_and_runs_only_what_is_missing(tmp_path):
     done = asyncio.run(second())
     assert done["status"] == "completed" and done["request_counts"]["completed"] == 5
     assert sorted(again) == ["2", "3", "4"]
+
+
+def test_a_cancel_while_validating_ends_cancelled(tmp_path):
+    store = BatchStore(tmp_path)
+
+    async def call(path: str, body: dict) -> tuple[int, dict]:
+        await asyncio.sleep(60)
+        return 200, {}
+
+    async def main() -> dict:
+        runner = _runner(store, call)
+        file = store.add_file(_content(3), "in.jsonl", "batch")
+        batch = runner.create(file["id"], "/v1/completions", "24h", None)
+        runner.ensure_started()
+        runner.cancel(batch["id"])
+        done = await _until(runner, batch["id"])
+        await runner.stop()
+        return done
+
+    done = asyncio.run(main())
+    assert done["status"] == "cancelled" and done["cancelled_at"]
+    assert done["request_counts"]["completed"] == 0 and done["output_file_id"] is None
