@@ -43,7 +43,8 @@ def new_id(prefix: str) -> str:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    # a name per writer: the runner's thread and a request may save one batch at once
+    tmp = path.with_suffix(f"{path.suffix}.{threading.get_ident()}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(obj, f)
         f.flush()
@@ -125,7 +126,7 @@ class BatchStore:
         file_id = file_id or new_id("file-")
         folder = self._dir(FILES)
         data = folder / f"{file_id}.jsonl"
-        tmp = data.with_suffix(".tmp")
+        tmp = data.with_suffix(f".{threading.get_ident()}.tmp")
         with open(tmp, "wb") as f:
             f.write(content)
             f.flush()
