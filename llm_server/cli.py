@@ -21,6 +21,7 @@ from llm_server.scheduler.batch import (
     DEFAULT_SPECULATIVE,
     DEFAULT_STEP_TOKENS,
 )
+from llm_server.settings import DEFAULT_MAX_FILE_BYTES
 from llm_server.tools.registry import PARSERS
 
 if TYPE_CHECKING:
@@ -282,6 +283,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest request body, e.g. 4M (default 4M); larger gets HTTP 413",
     )
     p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where the Batch API keeps its files and batches, which survive restarts "
+        "(default: $XDG_DATA_HOME/llm-server, else ~/.local/share/llm-server; on macOS "
+        "~/Library/Application Support/llm-server)",
+    )
+    p.add_argument(
+        "--batch-share",
+        action="store_true",
+        help="Batch API lines keep decoding beside interactive requests in rows nobody waits "
+        "for (more batch throughput; interactive steps carry their rows). Default: a batch "
+        "yields every row while any interactive request runs, and resumes 0.2 s after the last",
+    )
+    p.add_argument(
+        "--max-file-size",
+        type=_size,
+        default=DEFAULT_MAX_FILE_BYTES,
+        metavar="SIZE",
+        help="largest file POST /v1/files takes, e.g. 50M (default 200M); larger gets HTTP 413",
+    )
+    p.add_argument(
         "--log-requests",
         metavar="FILE",
         help="append one JSON line per API request to FILE (see README, Replay)",
@@ -388,6 +412,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise SystemExit("llm-server: --port must be between 0 and 65535")
     if args.max_body_size < 1:
         raise SystemExit("llm-server: --max-body-size must be at least 1 byte")
+    if args.max_file_size < 1:
+        raise SystemExit("llm-server: --max-file-size must be at least 1 byte")
     if args.pipeline and not (args.distributed or args.hosts):
         raise SystemExit("llm-server: --pipeline needs --distributed BACKEND or --hosts HOSTFILE")
     if args.models or args.models_from_cache:

@@ -79,6 +79,8 @@ def _http_server(http: HTTPSettings, state: AppState, request_log):
         max_body_bytes=http.max_body_bytes,
         request_log=request_log,
         ui=http.ui,
+        data_dir=http.data_dir,
+        max_file_bytes=http.max_file_bytes,
     )
     config = uvicorn.Config(
         app,

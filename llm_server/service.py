@@ -7,6 +7,7 @@ QueueFull / SchedulerClosed) and returns a handle whose events arrive on the eve
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import logging
 import time
@@ -22,7 +23,13 @@ from llm_server.engines.plan import EmbeddingSpan
 from llm_server.fingerprint import system_fingerprint
 from llm_server.generation_config import load_sampling_defaults
 from llm_server.pooling import EmbeddingConfig, EmbeddingConfigError, load_embedding_config
-from llm_server.scheduler import BatchScheduler, FinishEvent, GenerationRequest, TokenEvent
+from llm_server.scheduler import (
+    BatchScheduler,
+    FinishEvent,
+    GenerationRequest,
+    Priority,
+    TokenEvent,
+)
 from llm_server.scheduler.batch import (
     DEFAULT_PREFILL_TOKENS,
     DEFAULT_SPEC_TOKENS,
@@ -37,6 +44,12 @@ from llm_server.tokenizer import Tokenizer
 from llm_server.tools.detect import model_syntax
 
 log = logging.getLogger(__name__)
+
+# The priority of the generations started in this context: the Batch API's runner sets BATCH
+# around the route handler it calls (batch/runner.py), so handlers need not know about batches.
+request_priority: contextvars.ContextVar[Priority] = contextvars.ContextVar(
+    "request_priority", default=Priority.INTERACTIVE
+)
 
 
 @dataclass(frozen=True)
@@ -56,6 +69,7 @@ class ServiceConfig:
     prefill_tokens: int = DEFAULT_PREFILL_TOKENS  # ... when no row decodes (--prefill-tokens)
     speculative: str = DEFAULT_SPECULATIVE  # --speculative: "ngram" | "off"
     spec_tokens: int = DEFAULT_SPEC_TOKENS  # --spec-tokens: most draft ids per row and step
+    batch_share: bool = False  # --batch-share: batch lines decode beside interactive ones (S11)
 
 
 class EmbeddingsUnavailable(RuntimeError):
@@ -117,6 +131,7 @@ class ModelService:
             prefill_tokens=config.prefill_tokens,
             speculative=config.speculative,
             spec_tokens=config.spec_tokens,
+            batch_share=config.batch_share,
         )
         # Scoring rides in the step plans on the engine's scoring rows, or (the fallback) runs
         # between steps on its separate session, a pump (C1; Scorer.attach chooses).
@@ -203,6 +218,7 @@ class ModelService:
         constraints = constraints or [None] * len(prompts)
         spans = embeddings or [()] * len(prompts)
         detokenize = self.tokenizer.decoder_keeping(keep_tokens)
+        priority = request_priority.get()
         reqs, handles = [], []
         for prompt, sp, constraint, spans_i in zip(
             prompts, params, constraints, spans, strict=True
@@ -217,6 +233,7 @@ class ModelService:
                 exclusive=exclusive,
                 prediction=prediction,
                 embeddings=tuple(spans_i),
+                priority=priority,
             )
             reqs.append(req)
             handles.append(GenerationHandle(req, queue))

@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from llm_server.engines.settings import EngineSettings
 from llm_server.service import ServiceConfig
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # --max-body-size's default
+DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024  # --max-file-size's default (OpenAI's bound)
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,8 @@ class HTTPSettings:
     drain_timeout: float = 30.0  # seconds running requests may take after SIGTERM
     log_requests: str | None = None  # append one JSON line per API request to this file
     ui: bool = True  # the page at `/` (api/ui/); --no-ui turns it off
+    data_dir: Path | None = None  # the Batch API's files and batches (None: the user's data dir)
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES  # a larger upload to /v1/files gets 413
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class ServerSettings:
                 prefill_tokens=args.prefill_tokens,
                 speculative=args.speculative,
                 spec_tokens=args.spec_tokens,
+                batch_share=args.batch_share,
             ),
             http=HTTPSettings(
                 host=args.host,
@@ -85,6 +90,8 @@ class ServerSettings:
                 drain_timeout=args.drain_timeout,
                 log_requests=args.log_requests,
                 ui=not args.no_ui,
+                data_dir=args.data_dir,
+                max_file_bytes=args.max_file_size,
             ),
             backend=args.backend,
             distributed=args.distributed or "",

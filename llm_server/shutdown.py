@@ -55,6 +55,8 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.drain_timeout
+        for hook in self.state.drain_hooks:
+            await hook()
         while not _idle(self.state):
             if time.monotonic() > deadline:
                 log.warning("drain timeout (%gs): cancelling running requests", self.drain_timeout)

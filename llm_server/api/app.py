@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -16,9 +18,18 @@ from starlette.routing import Route
 from llm_server.api.agent_routes import AGENT_ROUTES
 from llm_server.api.info import detokenize, health, list_models, tokenize, tokenizer_info
 from llm_server.api.managed_models import model_action
+from llm_server.api.openai.batch_state import attach_batch_api
+from llm_server.api.openai.batches import cancel_batch, create_batch, get_batch, list_batches
 from llm_server.api.openai.chat_completions import chat_completions
 from llm_server.api.openai.completions import completions
 from llm_server.api.openai.embeddings import embeddings
+from llm_server.api.openai.files import (
+    delete_file,
+    file_content,
+    get_file,
+    list_files,
+    upload_file,
+)
 from llm_server.api.openapi.document import openapi_schema
 from llm_server.api.shared.errors import (
     APIError,
@@ -33,7 +44,7 @@ from llm_server.api.shared.recent import RecentRequests, RecentRequestsMiddlewar
 from llm_server.api.shared.request_log import RequestLogMiddleware, RequestRecorder
 from llm_server.api.shared.security import APIKeyMiddleware, SameOriginMiddleware, resolve_api_key
 from llm_server.api.shared.state import AppState, scoped_service
-from llm_server.settings import DEFAULT_MAX_BODY_BYTES
+from llm_server.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_FILE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +109,15 @@ ROUTES = [
     Route("/v1/completions", _needs_lm_head(completions), methods=["POST"]),
     Route("/v1/embeddings", embeddings, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/files", upload_file, methods=["POST"]),
+    Route("/v1/files", list_files, methods=["GET"]),
+    Route("/v1/files/{file_id}", get_file, methods=["GET"]),
+    Route("/v1/files/{file_id}", delete_file, methods=["DELETE"]),
+    Route("/v1/files/{file_id}/content", file_content, methods=["GET"]),
+    Route("/v1/batches", create_batch, methods=["POST"]),
+    Route("/v1/batches", list_batches, methods=["GET"]),
+    Route("/v1/batches/{batch_id}", get_batch, methods=["GET"]),
+    Route("/v1/batches/{batch_id}/cancel", cancel_batch, methods=["POST"]),
     # GET /v1/models/{id}, POST .../load and .../unload (ids may hold a slash: hub ids)
     Route("/v1/models/{rest:path}", model_action, methods=["GET", "POST"], include_in_schema=False),
     Route("/health", health, methods=["GET"]),
@@ -122,13 +142,17 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     request_log: RequestRecorder | None = None,
     ui: bool = True,
+    data_dir: Path | None = None,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
 ) -> Starlette:
     """The ASGI app for `state`.
 
     `api_key` (else env LLM_SERVER_API_KEY) guards /v1/* and the page's data; `cors_origins`
     enables CORS for those origins only; request bodies over `max_body_bytes` get 413;
     `request_log` records every API request (the caller closes it after the service has
-    drained); `ui` serves the page at `/` (api/ui/) and keeps the recent requests it lists.
+    drained); `ui` serves the page at `/` (api/ui/) and keeps the recent requests it lists;
+    the Batch API keeps its files and batches in `data_dir` (None: the user's data folder, on
+    first use) and takes files up to `max_file_bytes`.
     """
     if max_body_bytes < 1:
         raise ValueError("max_body_bytes must be at least 1")
@@ -146,7 +170,7 @@ def create_app(
             Middleware(
                 CORSMiddleware,
                 allow_origins=list(cors_origins),
-                allow_methods=["GET", "POST", "OPTIONS"],
+                allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
                 allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"],
             )
         )
@@ -167,8 +191,18 @@ def create_app(
         from llm_server.api.ui.routes import UI_ROUTES
 
         routes += UI_ROUTES
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        app.state.batch.runner.ensure_started()  # batches left running resume
+        try:
+            yield
+        finally:
+            await app.state.batch.runner.stop()
+
     app = Starlette(
         routes=routes,
+        lifespan=lifespan,
         middleware=middleware,
         exception_handlers={
             APIError: _api_error,
@@ -181,5 +215,8 @@ def create_app(
     app.state.max_body_bytes = max_body_bytes
     app.state.recent = recent
     app.state.openapi = openapi_schema()
+    app.state.batch = attach_batch_api(app, state, data_dir, max_file_bytes, key)
+    state.drain_hooks.append(app.state.batch.runner.stop)
+    metrics.attach_batches(app.state.batch.runner)
     state.on_service(metrics.attach)
     return app

@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative", choices=["ngram", "off"],
                    help="our server's --speculative (default: the server's)")  # fmt: skip
     p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx_lm.server comparison")
+    p.add_argument("--batch", type=int, metavar="LINES",
+                   help="Batch API: our server alone, interactive tokens/s and TTFT at each "
+                   "--concurrency without and with a batch of LINES chat lines running, and the "
+                   "batch on an idle server vs the same lines as requests at concurrency 8")  # fmt: skip
     p.add_argument("--peer", choices=sorted(PEERS), action="append",
                    help="also run this server (from --peer-cmd) on the same load, e.g. llama.cpp's "
                    "llama-server; repeat --peer/--peer-cmd pairs for several (agent workload)")  # fmt: skip
@@ -192,6 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.embeddings:
         _embeddings_only(settings, args.embedding_inputs)
         return
+    if args.batch:
+        _batch_only(settings, args.batch)
+        return
     from llm_server.benchmark.runner import run_benchmark
 
     if settings.workload == "agent":
@@ -204,6 +211,25 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.suppress(OSError):
         print(paths.markdown.read_text())
     print(f"llm-benchmark: wrote {paths.json}, {paths.markdown} and {paths.plot}", file=sys.stderr)
+
+
+def _batch_only(settings: Settings, lines: int) -> None:
+    """--batch LINES: the Batch API beside interactive load (benchmark/batch_load.py)."""
+    from llm_server.benchmark.batch_load import BatchLoad, measure
+
+    load = BatchLoad(
+        model=settings.model,
+        lines=lines,
+        concurrency=tuple(settings.concurrencies),
+        max_tokens=settings.max_tokens,
+        logs=settings.out,
+    )
+    try:
+        print(measure(load))
+    except KeyboardInterrupt:
+        print("llm-benchmark: interrupted; all servers stopped", file=sys.stderr)
+        sys.exit(130)
+    print(f"llm-benchmark: wrote {settings.out / 'batch_load.json'}", file=sys.stderr)
 
 
 def _embeddings_only(settings: Settings, count: int) -> None:

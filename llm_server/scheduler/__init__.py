@@ -4,6 +4,7 @@ from llm_server.scheduler.batch import BatchScheduler, SchedulerStats
 from llm_server.scheduler.request import (
     FinishEvent,
     GenerationRequest,
+    Priority,
     QueueFull,
     SchedulerClosed,
     TokenEvent,
@@ -13,6 +14,7 @@ __all__ = [
     "BatchScheduler",
     "FinishEvent",
     "GenerationRequest",
+    "Priority",
     "QueueFull",
     "SchedulerClosed",
     "SchedulerStats",

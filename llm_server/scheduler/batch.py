@@ -34,6 +34,7 @@ from llm_server.scheduler.pumps import Pump
 from llm_server.scheduler.request import (
     FinishEvent,
     GenerationRequest,
+    Priority,
     QueueFull,
     SchedulerClosed,
 )
@@ -52,6 +53,10 @@ DEFAULT_PREFILL_TOKENS = 512
 # --speculative / --spec-tokens defaults (scheduler/drafting.py; measured in docs/performance.md, "Speculative decoding")
 DEFAULT_SPECULATIVE = "ngram"
 DEFAULT_SPEC_TOKENS = 8
+# seconds without an interactive request before batch lines take rows again (S11, yielding):
+# a client's next request usually follows its answer within this, and a line admitted in the
+# gap would only give its row back at once
+BATCH_IDLE_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,7 @@ class BatchScheduler:
         speculative: str = DEFAULT_SPECULATIVE,
         spec_tokens: int = DEFAULT_SPEC_TOKENS,
         prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
+        batch_share: bool = False,
     ) -> None:
         if max_concurrent < 1:
             raise ValueError("max_concurrent must be >= 1")
@@ -119,6 +125,11 @@ class BatchScheduler:
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
         self.max_rows_busy = 0
+        self.preempted = 0  # batch lines that gave their row to an interactive request (S11)
+        # S11: False (yield): batch lines run only while no interactive request does; True
+        # (share): they keep decoding beside interactive requests in rows nobody waits for
+        self.batch_share = batch_share
+        self._interactive_at = float("-inf")  # time.monotonic() an interactive one was seen
         # the latest request seq numbers in admission order (tests check FIFO); bounded so a
         # daemon running for days does not grow it
         self.admitted: collections.deque[int] = collections.deque(maxlen=4096)
@@ -192,13 +203,39 @@ class BatchScheduler:
         with self._cond:
             if self._closing or self.load_error is not None:
                 raise SchedulerClosed("the server is shutting down")
-            waiting = len(self._queue)
-            if len(self._running) + waiting + len(reqs) > self.max_concurrent + self.max_queued:
-                raise QueueFull(len(self._running), waiting, self.retry_after)
+            interactive = [r for r in reqs if r.priority is Priority.INTERACTIVE]
+            if interactive:
+                # batch lines hold rows on loan (S11): only interactive requests count
+                running = sum(r.priority is Priority.INTERACTIVE for r in self._running.values())
+                waiting = self._interactive_waiting()
+                if running + waiting + len(interactive) > self.max_concurrent + self.max_queued:
+                    raise QueueFull(running, waiting, self.retry_after)
             for req in reqs:
                 req._wake = self.wake
-                self._queue.append(req)
+                self._enqueue(req)
             self._cond.notify_all()
+
+    def _enqueue(self, req: GenerationRequest) -> None:
+        """Append `req`; an interactive request goes ahead of every queued batch line, and a
+        preempted batch line ahead of the other batch lines (S11)."""
+        if req.priority is Priority.BATCH and not req.resumed_tokens:
+            self._queue.append(req)
+            return
+        first_batch = next(
+            (i for i, r in enumerate(self._queue) if r.priority is Priority.BATCH), None
+        )
+        if first_batch is None:
+            self._queue.append(req)
+        else:
+            self._queue.insert(first_batch, req)
+
+    def _interactive_waiting(self) -> int:
+        return sum(r.priority is Priority.INTERACTIVE for r in self._queue)
+
+    def interactive_waiting(self) -> int:
+        """Interactive requests queued for a row now (the Batch API waits while any is)."""
+        with self._cond:
+            return self._interactive_waiting()
 
     def wake(self) -> None:
         with self._cond:
@@ -319,7 +356,10 @@ class BatchScheduler:
         directly): serve leases (S6), plan, apply the plan's bookkeeping, run its forward and
         commit it, then let a pump run (C1). Returns the plan it executed."""
         self._serve_leases()
+        self._preempt()
         step = self._plan()
+        if not (step.forward or step.pump or step.retire or step.drop or step.admit):
+            self._hold_batch()  # only held-back batch lines are left: no busy loop
         self._apply(step)
         if step.forward:
             self.executor.execute(step)
@@ -380,6 +420,69 @@ class BatchScheduler:
                 if not lease.calls:
                     self._cond.wait(timeout=1.0)
 
+    def _interactive(self) -> bool:
+        """An interactive request runs or waits (under the lock); notes when one was seen."""
+        seen = self._interactive_waiting() > 0 or any(
+            r.priority is Priority.INTERACTIVE for r in self._running.values()
+        )
+        if seen:
+            self._interactive_at = time.monotonic()
+        return seen
+
+    def _batch_admissible(self) -> bool:
+        """May batch lines take rows now (S11)? Sharing: yes, behind the interactive ones in
+        the queue; yielding: only BATCH_IDLE_S after the last interactive request."""
+        with self._cond:
+            busy = self._interactive()
+        if self.batch_share:
+            return True
+        return not busy and time.monotonic() - self._interactive_at >= BATCH_IDLE_S
+
+    def _hold_batch(self) -> None:
+        """Wait out the rest of BATCH_IDLE_S (a submit or cancel wakes it sooner)."""
+        left = BATCH_IDLE_S - (time.monotonic() - self._interactive_at)
+        with self._cond:
+            if left > 0 and any(r.priority is Priority.BATCH for r in self._queue):
+                self._cond.wait(left)
+
+    def _preempt(self) -> None:
+        """S11: interactive requests take the rows of running batch lines (yielding: every
+        line's while any interactive request runs or waits; sharing: the newest lines', as many
+        as wait with no row free). A line goes back to the head of the batch lines with its
+        output appended to its prompt (the release hands the row's tokens to the prefix
+        cache)."""
+        with self._cond:
+            if self.batch_share:
+                waiting = self._interactive_waiting() - len(self._free)
+            else:
+                waiting = self.max_concurrent if self._interactive() else 0
+            if waiting <= 0:
+                return
+            lines = [
+                r
+                for r in self._running.values()
+                if r.priority is Priority.BATCH and not r.exclusive and not r.cancelled.is_set()
+            ]
+        victims = sorted(lines, key=lambda r: r.seq, reverse=True)[:waiting]
+        if not victims:
+            return
+        self._pipeline.drop(self.engine)  # an early step for these rows must not land
+        for req in victims:
+            row = req.row
+            try:
+                self.engine.release(row)
+            finally:
+                with self._cond:
+                    del self._running[row]
+                    self._free.append(row)
+            output = list(req.decoder.tokens)
+            req.prompt = [*req.prompt[: req.prompt_tokens], *output]
+            req.resumed_tokens = len(output)
+            req.row, req.prefilled = None, 0
+            with self._cond:
+                self._enqueue(req)
+            self.preempted += 1
+
     def _plan(self) -> StepPlan:
         """The next step (planner.plan) on a consistent view of the queue and the rows."""
         in_flight = self._pipeline.pending_for(self._running, self.engine)
@@ -390,6 +493,7 @@ class BatchScheduler:
             self._pipeline.drop(self.engine)
             in_flight = False
         scoring = () if self.scorer is None else self.scorer.open_prompts(self.engine)
+        admit_batch = self._batch_admissible()
         with self._cond:
             return plan(
                 self._queue,
@@ -403,6 +507,7 @@ class BatchScheduler:
                 scoring=() if self._leases else scoring,
                 prefill_budget=self.prefill_tokens,
                 row_for=self.engine.preferred_row,
+                admit_batch=admit_batch,
             )
 
     def _may_speculate(self) -> bool:
@@ -467,7 +572,7 @@ class BatchScheduler:
         req.emit(
             FinishEvent(
                 reason=reason,
-                prompt_tokens=len(req.prompt),
+                prompt_tokens=req.prompt_tokens,
                 completion_tokens=len(req.decoder.tokens),
                 timings=req.timings(),
                 error=error,

@@ -152,7 +152,7 @@ class PlanExecutor:
         for chunk in step.prefill:
             req = self._running[chunk.row]
             req.prefilled = result.cursors.get(chunk.row, len(req.prompt))
-            if chunk.fresh:
+            if chunk.fresh and not req.resumed_tokens:  # the first prefill's count stands
                 req.cached_tokens = result.cached.get(chunk.row, 0)
         reqs = owners or {r: self._running[r] for r in (*step.decode_rows, *step.chunk_rows)}
         drafts = {d.row: d.draft for d in step.decode if d.draft}

@@ -48,7 +48,7 @@ from llm_server.engines.plan import (
     StepPlan,
     prompt_key,
 )
-from llm_server.scheduler.request import GenerationRequest
+from llm_server.scheduler.request import GenerationRequest, Priority
 
 if TYPE_CHECKING:
     from llm_server.scheduler.scorer import OpenPrompt
@@ -67,6 +67,7 @@ def plan(
     scoring: Sequence[OpenPrompt] = (),
     prefill_budget: int | None = None,
     row_for: Callable[[list[int], list[int]], int | None] | None = None,
+    admit_batch: bool = True,
 ) -> StepPlan:
     """The next step. `running`: row -> request; `free`: rows nobody holds; `admit`: False
     while a pipelined step for the current rows is in flight (newcomers join after it);
@@ -75,7 +76,8 @@ def plan(
     verify after its pending token; `scoring`: the scoring prompts open on scoring rows,
     in the order they were opened; `prefill_budget`: positions per forward when no row
     decodes (None: `budget`; 0: unlimited); `row_for(prompt, rows)`: the free row of `rows`
-    a prompt opens on (reads only; None, or its answer None: the lowest)."""
+    a prompt opens on (reads only; None, or its answer None: the lowest); `admit_batch`: False
+    holds back the batch lines, which queue behind every interactive request (S11)."""
     live = {row: req for row, req in running.items() if not req.cancelled.is_set()}
     retire = tuple(sorted(row for row in running if row not in live))
     queued = list(queue)
@@ -108,6 +110,8 @@ def plan(
                 break
             if req.cancelled.is_set():
                 continue
+            if req.priority is Priority.BATCH and not admit_batch:
+                break
             if share_min and _wait_for_prefix(req, live.values(), chunks, share_min):
                 break
             picked = None if row_for is None else row_for(_key(req.prompt, req.embeddings), rows)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import itertools
 import threading
 import time
@@ -61,6 +62,13 @@ class FinishEvent:
 Event = TokenEvent | FinishEvent
 
 
+class Priority(enum.Enum):
+    """Who waits on a request: a person (interactive) or nobody (a Batch API line, S11)."""
+
+    INTERACTIVE = "interactive"
+    BATCH = "batch"  # queued behind every interactive request, outside --max-queued
+
+
 _ids = itertools.count(1)
 
 
@@ -72,6 +80,10 @@ class GenerationRequest:
     decoder: Decoder
     emit: Callable[[Event], None]  # called on the scheduler thread; must not block
     exclusive: bool = False  # run alone: the batch pauses while this request decodes
+    priority: Priority = Priority.INTERACTIVE
+    # output ids at the end of `prompt`: a preempted batch line is queued again with its
+    # output so far appended, so its prefill recomputes (or finds cached) what its row held
+    resumed_tokens: int = 0
     seq: int = field(default_factory=lambda: next(_ids))
     row: int | None = None
     last_token: int | None = None
@@ -88,6 +100,11 @@ class GenerationRequest:
     # vision tower): the forward takes them instead of those ids' embeddings (step.py)
     embeddings: tuple[EmbeddingSpan, ...] = ()
     _wake: Callable[[], None] | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The request's own prompt length (without output re-fed after a preemption)."""
+        return len(self.prompt) - self.resumed_tokens
 
     def cancel(self) -> None:
         """Ask the scheduler to drop this request (thread-safe, idempotent)."""

@@ -41,12 +41,13 @@ CHECKS = [
 
 
 @pytest.fixture(scope="module")
-def small_server(tiny_model_path):
-    """The tiny model with a 64-token context, 2 rows, and 8 tokens unless asked for more."""
+def small_server(tiny_model_path, tmp_path_factory):
+    """The tiny model with a 64-token context, 2 rows, and 8 tokens unless asked for more; the
+    Batch API's files in a temp dir."""
     from llm_server.testing.live import LiveServer, tiny_service
 
     svc = tiny_service(tiny_model_path, concurrent=2, context_length=64, default_max_tokens=8)
-    srv = LiveServer(svc).start()
+    srv = LiveServer(svc, data_dir=tmp_path_factory.mktemp("fuzz-data")).start()
     yield srv
     srv.stop()
     svc.scheduler.abort()

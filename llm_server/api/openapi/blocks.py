@@ -66,7 +66,8 @@ def list_of(item: dict, **extra: dict) -> dict:
 ERROR_STATUSES = {
     "400": "invalid field (the message names it and the allowed range)",
     "401": "missing or wrong API key (/v1/* when a key is set)",
-    "404": "unknown model",
+    "404": "unknown model (or file, batch)",
+    "409": "the batch has finished and cannot be cancelled",
     "413": "request body over the size limit",
     "415": "the body is not sent as application/json",
     "429": "every row busy and the queue full (see Retry-After)",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llm_server.api.openapi import agents, info, tools
+from llm_server.api.openapi import agents, batches, info, tools
 from llm_server.api.openapi.blocks import (
     BOOL,
     INT,
@@ -301,9 +301,16 @@ def openapi_schema() -> dict:
             ),
             **info.paths(),
             **agents.paths(),
+            **batches.paths(),
         },
         "components": {
-            "schemas": {**SCHEMAS, **info.SCHEMAS, **agents.SCHEMAS, **EMBEDDING_SCHEMAS},
+            "schemas": {
+                **SCHEMAS,
+                **info.SCHEMAS,
+                **agents.SCHEMAS,
+                **EMBEDDING_SCHEMAS,
+                **batches.SCHEMAS,
+            },
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }

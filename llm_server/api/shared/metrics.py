@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from llm_server.batch.runner import BatchRunner
 from llm_server.service import ModelService
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -102,6 +103,42 @@ def _prefix_counters(cache) -> Iterator[CounterMetricFamily]:
         yield CounterMetricFamily(name, doc, value=value)
 
 
+class _BatchCollector(Collector):
+    """The Batch API's progress: the running batch's lines, rate and time left."""
+
+    def __init__(self, runner: BatchRunner) -> None:
+        self._runner = runner
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        progress = self._runner.progress
+        eta = progress.eta_seconds() if progress is not None else None
+        values = {
+            "llm_server_batch_running_lines_done": (
+                "lines of the running batch that have their answer",
+                progress.done if progress else 0,
+            ),
+            "llm_server_batch_running_lines": (
+                "lines of the running batch",
+                progress.total if progress else 0,
+            ),
+            "llm_server_batch_tokens_per_second": (
+                "completion tokens per second of the running batch",
+                progress.tokens_per_second() if progress else 0.0,
+            ),
+            "llm_server_batch_eta_seconds": (
+                "estimated seconds until the running batch's last line (0: none running)",
+                eta or 0.0,
+            ),
+        }
+        for name, (doc, value) in values.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily(
+            "llm_server_batch_lines_answered",
+            "batch lines answered since start (all batches)",
+            self._runner.finished_lines,
+        )
+
+
 class Metrics:
     """Everything /metrics reports for one app (a registry per app, so tests don't collide)."""
 
@@ -134,6 +171,9 @@ class Metrics:
 
     def attach(self, service: ModelService) -> None:
         service.scheduler.add_step_listener(self.on_step)
+
+    def attach_batches(self, runner: BatchRunner) -> None:
+        self.registry.register(_BatchCollector(runner))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from llm_server.service import ModelService
@@ -27,6 +27,9 @@ class AppState:
         self._listeners: list[Callable[[ModelService], None]] = []
         self.model_id = model_id
         self.draining = False
+        # awaited first when a drain starts (shutdown.py): the Batch API's runner stops, so its
+        # lines in flight are dropped (they run again after the restart) instead of drained
+        self.drain_hooks: list[Callable[[], Awaitable[None]]] = []
 
     @property
     def service(self) -> ModelService | None:
