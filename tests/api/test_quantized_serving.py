@@ -58,19 +58,24 @@ def _alone_then_staggered(srv) -> None:
     model = srv.state.model_id
     alone = [_complete(client, model, p) for p in PROMPTS]
     assert all(tokens for tokens, _, _ in alone)
-    got: list[tuple | None] = [None] * len(PROMPTS)
+    # a round on a loaded machine may start its threads slower than a tiny model answers:
+    # again (at most three rounds) until two requests shared a step
+    for _ in range(3):
+        got: list[tuple | None] = [None] * len(PROMPTS)
 
-    def send(i: int) -> None:
-        got[i] = _complete(client, model, PROMPTS[i])
+        def send(i: int, got=got) -> None:
+            got[i] = _complete(client, model, PROMPTS[i])
 
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-        time.sleep(0.005)  # staggered arrivals: rows at different cursors
-    for t in threads:
-        t.join(120)
-    for i, (g, a) in enumerate(zip(got, alone, strict=True)):
-        assert g == a, f"request {i} batched differs from alone"
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+            time.sleep(0.005)  # staggered arrivals: rows at different cursors
+        for t in threads:
+            t.join(120)
+        for i, (g, a) in enumerate(zip(got, alone, strict=True)):
+            assert g == a, f"request {i} batched differs from alone"
+        if srv.service.scheduler.stats().max_rows_busy >= 2:
+            break
     assert srv.service.scheduler.stats().max_rows_busy >= 2  # it really batched
 
 
