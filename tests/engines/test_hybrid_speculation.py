@@ -14,6 +14,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from llm_server.decoding import FinishReason
 from llm_server.engines.contract import EngineError
 from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.engines.plan import DecodeRow, ScoreChunk, StepPlan
@@ -150,6 +151,54 @@ def test_ngram_and_injected_drafts_through_the_scheduler(family, checkpoint):
     got, sched = _serve(path, prompts, 24, hook=hook)
     assert got == want
     assert 0 < sched.accepted_tokens < sched.drafted_tokens
+
+
+class FailingRerun(MLXEngine):
+    """Its re-runs after a rejected draft fail on the row holding `FAIL` (out of memory)."""
+
+    FAIL: list[int] = []
+
+    def rewind(self, row: int, cursor: int) -> None:
+        held = self.row_table.tokens[row]
+        if cursor == self.cursor(row) or held[: len(self.FAIL)] != self.FAIL:
+            return super().rewind(row, cursor)
+        run = self.forward.run_groups
+        self.forward.run_groups = _oom
+        try:
+            super().rewind(row, cursor)
+        finally:
+            self.forward.run_groups = run
+
+
+def _oom(*_a, **_kw):
+    raise RuntimeError("simulated out-of-memory in the re-run")
+
+
+def test_a_failed_rerun_fails_only_its_request(checkpoint):
+    """A rewind whose re-run fails ends that request with an error; the row beside it keeps
+    decoding exactly."""
+    path = checkpoint("qwen3_5")
+    tok = Tokenizer(path)
+    prompts = [_ids(10, 30), _ids(11, 25)]
+    want, _ = _serve(path, prompts, 12)
+    FailingRerun.FAIL = prompts[0]
+
+    def hook(req):
+        done = len(req.decoder.tokens)
+        return [(t + 1) % 384 for t in want[prompts.index(req.prompt)][done : done + K]]
+
+    made = [make_request(tok, p, 12) for p in prompts]
+    serve_together(
+        lambda: FailingRerun(path, EngineSettings(rows=2)),
+        made,
+        hook,
+        max_concurrent=2,
+        max_queued=16,
+        spec_tokens=K,
+    )
+    (_, failed), (_, other) = made
+    assert failed.reason == FinishReason.ERROR and "simulated" in failed.finish.error
+    assert other.tokens == want[1]
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "granitemoehybrid", "falcon_h1"])
