@@ -54,8 +54,8 @@ class Engine(Protocol):
     # lazy greedy ids of a step still in flight (the scheduler pipelines greedy decoding)
     pipelined: bool
     # True when `run` verifies decode rows' drafts (DecodeRow.draft: logits at every position,
-    # StepResult.verified) and `rewind(row, cursor)` drops rejected positions (MLX, rows
-    # without recurrent state); False: the scheduler never drafts
+    # StepResult.verified) and `rewind(row, cursor)` drops rejected positions (MLX; a row
+    # with recurrent state only within its last drafted step); False: the scheduler never drafts
     speculative: bool
     # scoring rows the row store holds after the `rows` serving rows (rows .. rows+score_rows-1):
     # scoring chunks then ride in `run(plan)` (StepPlan.score). 0: the engine scores
@@ -87,7 +87,9 @@ class Engine(Protocol):
         ...
 
     def rewind(self, row: int, cursor: int) -> None:
-        """Drop `row`'s positions from `cursor` on (a draft's rejected ids; `speculative`)."""
+        """Drop `row`'s positions from `cursor` on (a draft's rejected ids; `speculative`). A row
+        with recurrent state rewinds only within the step that verified its draft, and before
+        any other step (its state is rebuilt from the one before that step)."""
         ...
 
     def group_status(self) -> dict[str, Any] | None:

@@ -185,7 +185,11 @@ class PlanExecutor:
         except Exception as exc:  # noqa: BLE001 - a decoding bug must not kill the thread
             error = exc
         # a finishing token is never fed back, as in plain decoding
-        self.engine.rewind(req.row, base + kept)
+        try:
+            self.engine.rewind(req.row, base + kept)
+        except Exception as exc:  # noqa: BLE001 - a stateful row's re-run failed: this row only (S8)
+            self._fail(req, exc)
+            return
         self.drafted_tokens += n
         self.accepted_tokens += matched
         if req.draft is not None:

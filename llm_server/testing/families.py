@@ -209,8 +209,11 @@ def family_config(model_type: str, vocab_size: int, eos_id: int, bos_id: int) ->
     return {"model_type": model_type, **body, **ids}
 
 
-def build_family_checkpoint(out_dir: str | Path, model_type: str, seed: int = 0) -> Path:
-    """Write a tiny random `model_type` checkpoint (mlx-lm layout) to `out_dir`; its path."""
+def build_family_checkpoint(
+    out_dir: str | Path, model_type: str, seed: int = 0, sizes: dict | None = None
+) -> Path:
+    """Write a tiny random `model_type` checkpoint (mlx-lm layout) to `out_dir`; its path
+    (`sizes`: top-level config entries replacing the tiny ones, for a larger random model)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map, tree_unflatten
     from mlx_lm.utils import _get_classes, save_config, save_model
@@ -219,7 +222,7 @@ def build_family_checkpoint(out_dir: str | Path, model_type: str, seed: int = 0)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(384)
     eos_id, bos_id = write_tokenizer_files(out, tok, 1024)
-    config = family_config(model_type, tok.get_vocab_size(), eos_id, bos_id)
+    config = {**family_config(model_type, tok.get_vocab_size(), eos_id, bos_id), **(sizes or {})}
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))

@@ -298,12 +298,13 @@ def test_unverified_architecture_that_differs_is_served_serially(
 
 @pytest.mark.parametrize(
     ("family", "rows"),
-    [("llama", 8), ("mistral", 8), ("gemma3_text", 0), ("qwen3_next", 0), (SERIAL, 0)],
+    [("llama", 8), ("mistral", 8), ("gemma3_text", 0), ("qwen3_next", 8), (SERIAL, 0)],
 )
 def test_scoring_rows_only_where_the_row_store_can_hold_them(family, rows, checkpoint):
     """Scoring rides in the step plans on the store's scoring rows for plain heads (fused or
-    not, sliding windows included); a head only mlx-lm can run, recurrent state and a serial
-    model keep the separate scoring session, chosen once by Scorer.attach."""
+    not, sliding windows included) and hybrids (their own head over every position, the state
+    slot cleared per prompt); a head only mlx-lm can run on other models and a serial model
+    keep the separate scoring session, chosen once by Scorer.attach."""
     engine = MLXEngine(checkpoint(family), EngineSettings(rows=2))
     assert engine.score_rows == rows
     scorer = Scorer()

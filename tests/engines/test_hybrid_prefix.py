@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llm_server.engines.contract import EngineError
 from llm_server.engines.kv.rows import CHECKPOINT_SPACING, MAX_CHECKPOINTS
 from llm_server.engines.kv.state import checkpoint_bytes
 from llm_server.engines.mlx.engine import MLXEngine
@@ -75,7 +74,7 @@ def test_next_turn_resumes_from_a_checkpoint_exactly(family, checkpoint):
     path = checkpoint(family)
     engine = MLXEngine(path, EngineSettings(rows=2))
     assert engine.prefix_cache.enabled and engine.prefix_cache.stateful
-    assert not engine.speculative and not engine.pipelined
+    assert engine.speculative and not engine.pipelined  # (test_hybrid_speculation.py)
     system = _ids(1, SYSTEM)
     answer = generate(engine, 0, system)
     engine.release(0)
@@ -175,16 +174,6 @@ def test_checkpoints_are_thinned_to_the_maximum(checkpoint):
         engine.decode([0], [5])
         table._checkpoint(0)
     assert len(table.marks[0]) == MAX_CHECKPOINTS and engine.cursor(0) in table.marks[0]
-
-
-def test_speculation_stays_off_and_a_rewind_is_refused(checkpoint):
-    """Drafts are not verified on hybrids (the scheduler drafts only for a speculative
-    engine); a rewind is refused rather than corrupting the state."""
-    engine = MLXEngine(checkpoint("qwen3_5"), EngineSettings(rows=1))
-    assert not engine.speculative
-    engine.prefill(0, _ids(16, 20))
-    with pytest.raises(EngineError):
-        engine.rewind(0, 10)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "granitemoehybrid"])

@@ -326,13 +326,14 @@ def test_health_and_metrics_count_drafts_over_http(tiny_model_path, live_server)
 
 @pytest.mark.parametrize(
     ("family", "speculates"),
-    [("smollm3", True), ("mistral", True), ("qwen3_next", False), ("gemma3_text", False)],
+    [("smollm3", True), ("mistral", True), ("qwen3_next", True), ("gemma3_text", False)],
 )
 def test_families_speculate_only_where_rows_rewind(tmp_path, family, speculates) -> None:
     """smollm3 (a layer without rotary) and mistral (sliding windows: every position is kept,
     the window is a mask; not fused) verify drafts, exact with injected all-right drafts past
-    the window; recurrent state (qwen3_next) and a model's own head (gemma3_text: logits only
-    at the last position) never draft."""
+    the window; so does a hybrid (qwen3_next: its own head over every position, a rejected
+    tail rewound by restoring its state, tests/engines/test_hybrid_speculation.py); a model's
+    own head elsewhere (gemma3_text: logits only at the last position) never drafts."""
     from llm_server.testing.families import build_family_checkpoint
 
     model = build_family_checkpoint(tmp_path / family, family)

@@ -117,7 +117,8 @@ class ModelForward:
         inputs: list[tuple[int, mx.array]] | None = None,
     ) -> mx.array:
         """The (lazy) logits [B, vocab] float32 of each row's last position for ids [B, q]
-        (`every`: of each position of the one row, [q, vocab]; see `speculative`); `context`:
+        (`every`: of each position of the one row, [q, vocab], through the plain head or the
+        model's own; see `MLXEngine.speculative`); `context`:
         the step's (`context`); `inputs`: the one row's input embeddings (mlx-lm's
         `input_embeddings`; unfused forward only)."""
         table = self.table
@@ -125,6 +126,8 @@ class ModelForward:
         if every:
             plan = self.plan(rows, starts, ids.shape[1])
             views = row_views(self.layout, table.store, table.states, plan)
+            if not self.plain_head:  # the model's own head, over every position
+                return self.model(ids, cache=views, **kw)[0].astype(mx.float32)
             hidden = self.model.model(ids, cache=views, **kw)[0]
             return self._head(hidden).astype(mx.float32)
         if table.serial_cache is not None:  # one row on mlx-lm's own caches

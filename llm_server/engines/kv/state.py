@@ -10,7 +10,9 @@ token depends only on the row's own history, so rows at different cursors batch 
 Unlike keys and values a state cannot be rewound: a row's slot holds the state after its last
 finished forward, so the engine does not pipeline steps for models with such layers. Prompt
 prefixes are reused through checkpoints instead (`take`/`put`: a copy of a row's slots after
-a given position, kept with the KV of that prefix by rows.py and prefix_cache.py).
+a given position, kept with the KV of that prefix by rows.py and prefix_cache.py), and a
+draft's rejected tail by putting back the `snapshot` from before the drafted step and running
+the kept positions again (mlx/executor.py: `StepExecutor.rewind`).
 """
 
 from __future__ import annotations

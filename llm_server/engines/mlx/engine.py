@@ -151,15 +151,20 @@ class MLXEngine:
         parts that run them."""
         serial = self.serial_reason is not None
         self.rows = 1 if serial else rows
-        # a recurrent state cannot be rewound: a step is never started before the last one
-        # finished (a cancelled early step would have advanced it), and a prefix is reused
-        # only from a state checkpoint (kv/rows.py)
-        rewindable = not (self.layout.stateful or serial)
-        self.pipelined = self._pipeline and rewindable
-        # drafts can be verified (logits at every position) and rejected positions dropped
-        all_positions = rewindable and (self.fused is not None or self._plain_head)
+        # a recurrent state cannot be cut back: a step is never started before the last one
+        # finished (a cancelled early step would have advanced it), a prefix is reused only
+        # from a state checkpoint (kv/rows.py), and a draft's rejected tail is dropped by
+        # restoring the state from before the step and running the kept positions again
+        # (StepExecutor.rewind)
+        stateful = self.layout.stateful
+        self.pipelined = self._pipeline and not (stateful or serial)
+        # logits at every position: the fused forward, a plain head, or (hybrids, whose
+        # families the tests cover) the model's own head over every position
+        all_positions = not serial and (self.fused is not None or self._plain_head or stateful)
+        # drafts can be verified and rejected positions dropped
         self.speculative = all_positions
-        # scoring rows need logits at every position and no state carried between prompts
+        # scoring rows need logits at every position; a stateful one's slot is cleared when
+        # a chunk opens it and carried across its chunks
         self.score_rows = self._score_rows if all_positions else 0
         total = self.rows + self.score_rows  # store rows: the serving rows, then scoring rows
         states = [(i, c.size) for i, c in enumerate(self.layout.leaves) if c.kind != KV]
@@ -321,7 +326,7 @@ class MLXEngine:
         self.row_table.check_row(row)
         if not self.speculative:
             raise EngineError(f"{self.model_type}: a row cannot be rewound")
-        self.row_table.rewind(row, cursor)
+        self.executor.rewind(row, cursor)
 
     def kv_bytes(self) -> int:
         """Bytes held by the decode rows: KV store and recurrent states (or mlx-lm's caches)."""

@@ -16,6 +16,7 @@ cache, kept rows and other rows' prefixes match a span only by its content.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -37,6 +38,14 @@ from llm_server.engines.plan import (
 )
 
 PREFILL_CHUNK = 512  # prompt positions per prefill forward (bounds activation memory)
+
+
+class _Drafted(NamedTuple):
+    """A stateful row's drafted step, for `StepExecutor.rewind`."""
+
+    state: dict  # the row's state slots before the step (StateStore.snapshot)
+    start: int  # its cursor before the step (where its pending token went)
+    end: int  # its cursor after the step
 
 
 class StepExecutor:
@@ -63,6 +72,9 @@ class StepExecutor:
         self.vocab_size = vocab_size
         self.speculative = speculative
         self.model_type = model_type
+        # a stateful row's last drafted step: row -> its state before the step, the cursor
+        # there and after it (what `rewind` restores and runs again)
+        self._drafted: dict[int, _Drafted] = {}
 
     def prefill(
         self, row: int, tokens: Sequence[int], spans: Sequence[EmbeddingSpan] = ()
@@ -99,6 +111,7 @@ class StepExecutor:
         """Execute a step plan: the decode rows, every prompt chunk and every scoring chunk in
         ONE forward (the fused layers; separate graphs evaluated together otherwise). Rows
         advance only when the whole forward succeeded."""
+        self._drafted.clear()  # a rewind follows its drafted step, before any other
         drafted = any(d.draft for d in plan.decode)
         if not plan.prefill and not plan.score and not drafted:
             if not plan.decode:
@@ -148,7 +161,12 @@ class StepExecutor:
                     [[d.token, *drafts[d.row]] for d in same],
                 )
             )
-        before = table.states.snapshot([*rows, *(c.row for c in plan.prefill)])
+        before = table.states.snapshot(
+            [*rows, *(c.row for c in plan.prefill), *(c.row for c in plan.score)]
+        )
+        if table.states.stateful and table.serial_cache is None:
+            for r in drafts:
+                self._drafted[r] = _Drafted(table.states.snapshot([r]), table.cursor(r), 0)
         cached: dict[int, int] = {}
         segments: list[tuple[PrefillChunk, list[int]]] = []  # each chunk's cache key
         inputs: dict[int, Inputs] = {}  # group -> the embedding rows of its positions
@@ -181,6 +199,7 @@ class StepExecutor:
             logits = self.forward.run_groups(groups, frozenset(every), inputs)
             scores = self._reduce_scores(plan.score, logits)
         except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
+            self._drafted.clear()
             table.states.restore(before)
             for chunk in (*plan.prefill, *plan.score):
                 if chunk.start == 0:
@@ -199,6 +218,8 @@ class StepExecutor:
             at[d.row] = off
             verified[d.row] = logits[off + 1 : off + 1 + n]
             table.advance(d.row, [int(d.token), *drafts[d.row]])  # until `rewind`
+            if d.row in self._drafted:
+                self._drafted[d.row] = self._drafted[d.row]._replace(end=table.cursor(d.row))
             off += n + 1
         picked = [at[r] for r in rows]
         cursors: dict[int, int] = {}
@@ -213,6 +234,35 @@ class StepExecutor:
             table.advance(sc.row, ids)
         return StepResult(out_rows, logits[picked], cursors, cached, verified, scores)
 
+    def rewind(self, row: int, cursor: int) -> None:
+        """Drop `row`'s positions from `cursor` on (a draft's rejected tail). A row with
+        recurrent layers cannot cut its state back: its state from before the drafted step is
+        restored and the kept positions (its pending token and the accepted draft ids) run
+        through the model again, which rewrites their KV with the same values; with every
+        draft id accepted there is nothing to do."""
+        table = self.table
+        drafted = self._drafted.get(row)
+        if not table.states.stateful or cursor == table.cursor(row):
+            table.rewind(row, cursor)
+            return
+        if drafted is None or drafted.end != table.cursor(row) or cursor < drafted.start:
+            raise EngineError(
+                f"{self.model_type}: a row with recurrent layers rewinds only within its "
+                "last drafted step"
+            )
+        del self._drafted[row]
+        table.rewind(row, cursor)
+        table.states.restore(drafted.state)
+        if cursor == drafted.start:
+            return
+        kept = table.tokens[row][drafted.start : cursor]
+        try:
+            self.forward.run_groups([RowGroup([row], [drafted.start], [kept])])
+        except Exception as exc:  # noqa: BLE001 - surfaced as an engine error for isolation
+            table.states.restore(drafted.state)
+            del table.tokens[row][drafted.start :]
+            raise EngineError(f"forward failed: {exc}") from exc
+
     def _score_segment(self, chunk: ScoreChunk) -> list[int]:
         """The ids a scoring chunk runs, its row reset first when the chunk opens it."""
         table = self.table
@@ -223,6 +273,7 @@ class StepExecutor:
             raise ValueError(f"a scoring chunk {chunk.start}..{chunk.end} cannot be run")
         if chunk.start == 0:
             table.forget(chunk.row)
+            table.states.clear_row(chunk.row)  # a recurrent state starts afresh per prompt
         elif chunk.start != table.cursor(chunk.row):
             raise ValueError(f"scoring row {chunk.row} is at {table.cursor(chunk.row)}")
         return [int(t) for t in chunk.prompt[chunk.start : chunk.end]]
