@@ -15,7 +15,7 @@ from llm_server.models.memory import ModelSize, default_budget, estimate_size
 from llm_server.models.metrics import ModelsCollector
 from llm_server.models.registry import ModelEntry
 from llm_server.service import ModelService
-from llm_server.settings import ServerSettings
+from llm_server.settings import DEFAULT_LOAD_WAIT_S, ServerSettings
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -67,9 +67,11 @@ def build_manager(
     make_service: Callable[[ServerSettings, Path], ModelService],
     max_memory: int | None = None,
     idle_unload: float | None = None,
+    load_wait: float | None = None,
 ) -> ModelManager:
     """The manager for the CLI's settings; `make_service(settings, path)` starts one model's
-    service (server.make_service); `max_memory`: the budget (None: default_budget)."""
+    service (server.make_service); `max_memory`: the budget (None: default_budget);
+    `load_wait`: seconds a load waits for a model to go idle (None: ManagerConfig's)."""
     settings = share_disk(settings, len(entries))
 
     def factory(entry: ModelEntry, path: Path) -> ModelService:
@@ -88,7 +90,10 @@ def build_manager(
 
     budget = max_memory if max_memory is not None else default_budget()
     config = ManagerConfig(
-        budget=budget, idle_unload=idle_unload, max_waiting=settings.service.max_queued
+        budget=budget,
+        idle_unload=idle_unload,
+        max_waiting=settings.service.max_queued,
+        load_wait=DEFAULT_LOAD_WAIT_S if load_wait is None else load_wait,
     )
     return ModelManager(entries, config, factory, estimate, resolve_source)
 

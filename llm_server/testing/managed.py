@@ -53,10 +53,14 @@ class ManagedServer:
         concurrent: int = 1,
         max_queued: int = 16,
         settings: dict | None = None,
+        load_wait: float = 60.0,
         **app_options,
     ) -> None:
-        """`settings`: ServerSettings.replace's fields for every model (e.g. prefix_cache_dir)."""
-        config = ManagerConfig(budget=budget, idle_unload=idle_unload, max_waiting=max_queued)
+        """`settings`: ServerSettings.replace's fields for every model (e.g. prefix_cache_dir);
+        `load_wait`: seconds a load waits for a model to go idle."""
+        config = ManagerConfig(
+            budget=budget, idle_unload=idle_unload, max_waiting=max_queued, load_wait=load_wait
+        )
         factory = tiny_factory(concurrent, max_queued, len(entries), **(settings or {}))
         self.manager = ModelManager(entries, config, factory, tiny_estimate(concurrent), Path)
         self.state = AppState(None, self.manager.default_id, manager=self.manager)

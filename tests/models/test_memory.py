@@ -132,7 +132,7 @@ async def _let_go(manager, slot):
 
 
 def test_a_model_serving_requests_is_never_unloaded(tiny_models, entries):
-    with ManagedServer(entries, budget=_budget_for_two(tiny_models)) as srv:
+    with ManagedServer(entries, budget=_budget_for_two(tiny_models), load_wait=0.2) as srv:
         held = srv.call(_hold(srv.manager, "alpha"))  # a request running on alpha
         _complete(srv.url, "beta")  # alpha is now the least recently used, but busy
         assert _complete(srv.url, "gamma").status_code == 200
@@ -140,9 +140,10 @@ def test_a_model_serving_requests_is_never_unloaded(tiny_models, entries):
         busy = httpx.post(f"{srv.url}/v1/models/alpha/unload", timeout=60)
         assert busy.status_code == 409 and busy.json()["error"]["code"] == "model_busy"
         also = srv.call(_hold(srv.manager, "gamma"))
-        full = _complete(srv.url, "beta")  # both loaded models serve: no room
+        full = _complete(srv.url, "beta")  # both loaded models serve: no room within 0.2 s
         assert full.status_code == 503 and full.headers["Retry-After"] == "5"
         assert full.json()["error"]["code"] == "insufficient_memory"
+        assert "none went idle in 0.2s" in full.json()["error"]["message"]
         srv.call(_let_go(srv.manager, held))
         srv.call(_let_go(srv.manager, also))
         assert _complete(srv.url, "beta").status_code == 200  # alpha, now idle and LRU, went
