@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from llm_server.models.checkpoint import CheckpointError, check_checkpoint
 from llm_server.models.memory import ModelSize, format_bytes
 from llm_server.models.registry import ModelEntry
 from llm_server.models.slots import (
@@ -76,6 +77,7 @@ class ModelManager:
         self._lock = asyncio.Lock()  # one load (with its evictions) at a time
         self._wanting_room = False  # the load holding the lock waits for a model to go idle
         self._freed = asyncio.Event()  # set when a model goes idle or an unload starts
+        self._closing = False  # close() began: a load waiting for room gives up
         self._seq = itertools.count(1)
         self._listeners: list[Callable[[str, ModelService], None]] = []
         self._reaper: asyncio.Task | None = None
@@ -109,7 +111,7 @@ class ModelManager:
             if slot.waiting >= self.config.max_waiting:
                 raise ModelBusy(
                     f"{slot.waiting} requests already wait for model {slot.entry.id!r} to "
-                    "load; retry shortly"
+                    f"load (at most {self.config.max_waiting}: --max-queued); retry shortly"
                 )
             slot.waiting += 1
             try:
@@ -182,7 +184,10 @@ class ModelManager:
                 service = await self._load_locked(slot)
             except BaseException as exc:
                 slot.status, slot.size, slot.service = Status.UNLOADED, None, None
-                slot.error = exc.args[0] if isinstance(exc, ModelError) else _reason(exc)
+                if isinstance(exc, (ModelError, CheckpointError)):
+                    slot.error = str(exc)  # says what is wrong already
+                else:
+                    slot.error = _reason(exc)
                 log.error("model %s failed to load: %s", entry.id, slot.error)
                 if isinstance(exc, ModelError):
                     raise
@@ -205,6 +210,8 @@ class ModelManager:
         loop = asyncio.get_running_loop()
         path = await loop.run_in_executor(self._loader, self._resolve, slot.entry.source)
         slot.path = path
+        # a corrupt, truncated or mismatched file fails here, before any model is evicted
+        await loop.run_in_executor(self._loader, check_checkpoint, path)
         try:
             size = self._estimate(slot.entry, path)
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -261,7 +268,7 @@ class ModelManager:
         """Wait until a model goes idle or starts unloading; InsufficientMemory past
         `deadline` (monotonic seconds)."""
         left = deadline - time.monotonic()
-        if left > 0:
+        if left > 0 and not self._closing:
             log.info("%s waits for room: every other model serves requests", slot.entry.id)
             self._wanting_room = True
             try:
@@ -271,6 +278,10 @@ class ModelManager:
                 pass
             finally:
                 self._wanting_room = False
+        if self._closing:
+            raise InsufficientMemory(
+                f"the server is shutting down; model {slot.entry.id!r} not loaded"
+            )
         busy = [s for s in self.slots.values() if s.counted and s is not slot]
         held = ", ".join(
             f"{s.entry.id} {format_bytes(s.counted)}, {s.active} requests" for s in busy
@@ -319,6 +330,8 @@ class ModelManager:
         """Stop the reaper and close every loaded service (each drains its requests)."""
         if self._reaper is not None:
             self._reaper.cancel()
+        self._closing = True
+        self._freed.set()  # a load waiting for room gives up
         for slot in self.slots.values():
             if slot.task is not None:
                 with contextlib.suppress(BaseException):

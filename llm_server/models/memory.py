@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from llm_server.engines.kv.prefix_cache import default_bound, kv_token_bytes
+from llm_server.models.checkpoint import DTYPE_BYTES, read_header
 
 DEFAULT_BUDGET_FRACTION = 0.75  # of physical memory, when --max-memory is not given
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-_STORED_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2}
 _FLOATS = ("F64", "F32", "F16", "BF16")
 
 
@@ -84,7 +83,7 @@ def _weight_bytes(path: Path, width: int, dequantize_bits: int | None) -> int:
     `dequantize_bits` is set, else kept as stored."""
     total = 0
     for shard in sorted(path.glob("*.safetensors")):
-        for name, info in _safetensors_header(shard).items():
+        for name, info in read_header(shard).items():
             if name == "__metadata__":
                 continue
             numel = 1
@@ -96,14 +95,8 @@ def _weight_bytes(path: Path, width: int, dequantize_bits: int | None) -> int:
             elif stored == "U32" and dequantize_bits:
                 total += numel * (32 // dequantize_bits) * width
             else:
-                total += numel * _STORED_BYTES.get(stored, 1)
+                total += numel * DTYPE_BYTES[stored]
     return total
-
-
-def _safetensors_header(shard: Path) -> dict:
-    with shard.open("rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(length))
 
 
 def _kv_bytes(config: dict, rows: int, context_length: int | None, width: int) -> int:
