@@ -86,6 +86,7 @@ def build_manager(
             engine.dtype,
             engine.keep_quantized,
             engine.prefix_cache_bytes,
+            engine.score_rows,
         )
 
     budget = max_memory if max_memory is not None else default_budget()

@@ -213,7 +213,7 @@ class ModelManager:
         # a corrupt, truncated or mismatched file fails here, before any model is evicted
         await loop.run_in_executor(self._loader, check_checkpoint, path)
         try:
-            size = self._estimate(slot.entry, path)
+            size = await loop.run_in_executor(self._loader, self._estimate, slot.entry, path)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ModelLoadFailed(
                 f"model {slot.entry.id!r} failed to load: cannot read its files ({_reason(exc)})"

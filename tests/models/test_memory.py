@@ -25,8 +25,10 @@ def test_estimate_counts_weights_kv_rows_and_prefix_cache(tiny_models, make_serv
     svc = make_service(tiny_models["alpha"])
     assert size.weights == svc.engine.weight_bytes()
     assert size.prefix_cache == svc.engine.prefix_cache.stats().max_bytes
-    # 2 layers x (K, V) x 2 kv heads x 16 dims x 1024 positions x 1 row x 4 bytes
-    assert size.kv == 2 * 2 * 2 * 16 * 1024 * 1 * 4
+    # 2 layers x (K, V) x 2 kv heads x 16 dims x 1024 positions x (1 row + 8 scoring rows)
+    # x 4 bytes
+    assert svc.engine.score_rows == 8
+    assert size.kv == 2 * 2 * 2 * 16 * 1024 * (1 + 8) * 4
 
 
 def test_lru_eviction_under_a_budget_that_holds_two(tiny_models, entries):
