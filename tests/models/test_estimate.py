@@ -15,7 +15,7 @@ from llm_server.engines.kv.prefix_cache import kv_token_bytes
 from llm_server.engines.mlx import dtypes
 from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.engines.settings import EngineSettings
-from llm_server.models.memory import estimate_size
+from llm_server.models.memory import estimate_size, row_bytes
 from llm_server.testing.families import build_family_checkpoint
 
 CONTEXT = 64
@@ -71,3 +71,28 @@ def test_unset_dtype_counts_the_checkpoints_own_on_metal(family_models, tmp_path
     on_metal = estimate_size(path, 1, CONTEXT, None)
     assert on_metal == estimate_size(path, 1, CONTEXT, "bfloat16")
     assert on_metal.kv * 2 == on_cpu.kv and on_metal.weights * 2 == on_cpu.weights
+
+
+def test_kv_shared_layers_count_once_and_each_layer_its_own_head_size():
+    # gemma4: sliding layers [s, s, full] x 2, the sliding ones 1 kv head of 16 dims, the full
+    # ones 1 of 32 (global_head_dim); the last `num_kv_shared_layers` reuse earlier layers' KV
+    config = {
+        "model_type": "gemma4_text",
+        "hidden_size": 32,
+        "num_hidden_layers": 6,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "head_dim": 16,
+        "global_head_dim": 32,
+        "num_key_value_heads": 1,
+        "vocab_size": 128,
+        "vocab_size_per_layer_input": 128,
+        "hidden_size_per_layer_input": 8,
+        "sliding_window": 8,
+        "sliding_window_pattern": 3,
+    }
+    sliding, full = 2 * 16 * 4, 2 * 32 * 4  # (K, V) x dims x float32, one position
+    alone = row_bytes({**config, "num_kv_shared_layers": 0}, 4)
+    assert alone.position == 4 * sliding + 2 * full and alone.state == 0
+    shared = row_bytes({**config, "num_kv_shared_layers": 2}, 4)  # layers 4 (s) and 5 (full)
+    assert shared.position == 3 * sliding + 1 * full
