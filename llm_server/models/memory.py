@@ -14,6 +14,9 @@ from llm_server.models.checkpoint import DTYPE_BYTES, read_header
 
 DEFAULT_BUDGET_FRACTION = 0.75  # of physical memory, when --max-memory is not given
 SERIAL_STEP = 256  # positions mlx-lm's KVCache grows by (a serial model's caches)
+# mlx-lm families whose forward evaluates arrays (`.tolist()` in an MoE router, `mx.eval`):
+# a lazy forward would allocate their weights, so they are counted from config.json instead
+EVALUATING_FAMILIES = frozenset({"dbrx", "muse_spark"})
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _FLOATS = ("F64", "F32", "F16", "BF16")
 
@@ -126,6 +129,8 @@ def row_bytes(config: dict, width: int) -> RowBytes | None:
 
         model_cls, args_cls = model_classes(config)
         model = model_cls(args_cls.from_dict(config))
+        if model_family(model) in EVALUATING_FAMILIES:
+            return None
         caches = make_cache(model)
         model(mx.array([[0]]), cache=caches)  # a graph, never evaluated
         position, state = _cache_bytes(caches, width)
