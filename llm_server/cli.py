@@ -21,7 +21,7 @@ from llm_server.scheduler.batch import (
     DEFAULT_SPECULATIVE,
     DEFAULT_STEP_TOKENS,
 )
-from llm_server.settings import DEFAULT_MAX_FILE_BYTES
+from llm_server.settings import DEFAULT_LOAD_WAIT_S, DEFAULT_MAX_FILE_BYTES
 from llm_server.tools.registry import PARSERS
 
 if TYPE_CHECKING:
@@ -71,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="with --models: unload a model idle this long (default: never; a registry entry's "
         "idle_ttl and a request's keep_alive override it)",
+    )
+    p.add_argument(
+        "--load-wait",
+        type=float,
+        metavar="SECONDS",
+        help="with --models: how long a request for a model that does not fit waits for a "
+        "loaded model to go idle (then evicts it) before a 503 (default: "
+        f"{DEFAULT_LOAD_WAIT_S:g})",
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port; 0 picks a free one (default 8080)")
@@ -422,8 +430,12 @@ def validate_args(args: argparse.Namespace) -> None:
                 "llm-server: --models serves a registry; it does not combine with --model, "
                 "--replay, --distributed or --hosts"
             )
-    elif args.max_memory is not None or args.idle_unload is not None:
-        raise SystemExit("llm-server: --max-memory and --idle-unload need --models FILE")
+    elif args.max_memory is not None or args.idle_unload is not None or args.load_wait is not None:
+        raise SystemExit(
+            "llm-server: --max-memory, --idle-unload and --load-wait need --models FILE"
+        )
+    if args.load_wait is not None and args.load_wait < 0:
+        raise SystemExit("llm-server: --load-wait must be 0 or more seconds")
     replay_only = args.replay_concurrent or args.replay_check or args.replay_report
     if replay_only and not args.replay:
         raise SystemExit(
@@ -463,7 +475,9 @@ def _serve_models(args: argparse.Namespace) -> int:
     from llm_server.server import run_models_server
 
     return asyncio.run(
-        run_models_server(settings, entries, sock, url, args.max_memory, args.idle_unload)
+        run_models_server(
+            settings, entries, sock, url, args.max_memory, args.idle_unload, args.load_wait
+        )
     )
 
 

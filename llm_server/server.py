@@ -141,14 +141,16 @@ async def run_models_server(
     url: str,
     max_memory: int | None = None,
     idle_unload: float | None = None,
+    load_wait: float | None = None,
 ) -> int:
     """Serve the registry `entries` (models.registry.ModelEntry) until stopped, within
     `max_memory` bytes (None: models.memory.default_budget), unloading a model idle for
-    `idle_unload` seconds (None: never)."""
+    `idle_unload` seconds (None: never); a load waits up to `load_wait` seconds for room
+    (None: the manager's default)."""
     from llm_server.models.daemon import build_manager, manage
     from llm_server.models.memory import format_bytes
 
-    manager = build_manager(settings, entries, make_service, max_memory, idle_unload)
+    manager = build_manager(settings, entries, make_service, max_memory, idle_unload, load_wait)
     state = AppState(None, manager.default_id, manager=manager)
     request_log = open_request_log(settings.http.log_requests)
     app, server = _http_server(settings.http, state, request_log)

@@ -14,6 +14,7 @@ from llm_server.service import ServiceConfig
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # --max-body-size's default
 DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024  # --max-file-size's default (OpenAI's bound)
+DEFAULT_LOAD_WAIT_S = 60.0  # --load-wait's default: a load waits this long for room (--models)
 
 
 @dataclass(frozen=True)

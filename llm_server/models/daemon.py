@@ -3,6 +3,8 @@ app's per-model metrics (server.run_models_server wires them to uvicorn)."""
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -13,12 +15,14 @@ from llm_server.models.memory import ModelSize, default_budget, estimate_size
 from llm_server.models.metrics import ModelsCollector
 from llm_server.models.registry import ModelEntry
 from llm_server.service import ModelService
-from llm_server.settings import ServerSettings
+from llm_server.settings import DEFAULT_LOAD_WAIT_S, ServerSettings
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def entry_settings(settings: ServerSettings, entry: ModelEntry) -> ServerSettings:
     """The CLI's settings with the entry's id, aliases and own overrides (one process: no
-    group)."""
+    group); the prefix cache's disk tier in the entry's own subfolder of --prefix-cache-dir."""
     overrides = {
         "rows": entry.concurrent_requests,
         "context_length": entry.context_length,
@@ -27,7 +31,34 @@ def entry_settings(settings: ServerSettings, entry: ModelEntry) -> ServerSetting
         "tool_parser": entry.tool_parser,
     }
     given = {name: value for name, value in overrides.items() if value is not None}
+    root = settings.engine.prefix_cache_dir
+    if root is not None:
+        given["prefix_cache_dir"] = Path(root) / model_folder(entry.id)
     return settings.replace(**given, model_id=entry.id, aliases=entry.aliases, group=None)
+
+
+def model_folder(model_id: str) -> str:
+    """The subfolder of --prefix-cache-dir that holds `model_id`'s disk tier: the id itself
+    when it is a plain file name, else (a hub id's slash, ...) the id made safe plus a digest,
+    so two ids never share a folder."""
+    if _SAFE_NAME.fullmatch(model_id) and not model_id.startswith("kv_"):
+        return model_id
+    digest = hashlib.sha256(model_id.encode()).hexdigest()[:8]
+    return f"{re.sub(r'[^A-Za-z0-9._-]', '_', model_id).strip('.')}-{digest}"
+
+
+def share_disk(settings: ServerSettings, models: int) -> ServerSettings:
+    """The settings with --prefix-cache-disk-bytes split evenly over `models` (each model's
+    disk tier bounds its own subfolder, so together they stay within the one bound)."""
+    root = settings.engine.prefix_cache_dir
+    if root is None:
+        return settings
+    from llm_server.engines.kv.prefix_disk import default_disk_bytes
+
+    total = settings.engine.prefix_cache_disk_bytes
+    if total is None:
+        total = default_disk_bytes(Path(root))
+    return settings.replace(prefix_cache_disk_bytes=total // max(models, 1))
 
 
 def build_manager(
@@ -36,9 +67,12 @@ def build_manager(
     make_service: Callable[[ServerSettings, Path], ModelService],
     max_memory: int | None = None,
     idle_unload: float | None = None,
+    load_wait: float | None = None,
 ) -> ModelManager:
     """The manager for the CLI's settings; `make_service(settings, path)` starts one model's
-    service (server.make_service); `max_memory`: the budget (None: default_budget)."""
+    service (server.make_service); `max_memory`: the budget (None: default_budget);
+    `load_wait`: seconds a load waits for a model to go idle (None: ManagerConfig's)."""
+    settings = share_disk(settings, len(entries))
 
     def factory(entry: ModelEntry, path: Path) -> ModelService:
         return make_service(entry_settings(settings, entry), path)
@@ -52,11 +86,15 @@ def build_manager(
             engine.dtype,
             engine.keep_quantized,
             engine.prefix_cache_bytes,
+            engine.score_rows,
         )
 
     budget = max_memory if max_memory is not None else default_budget()
     config = ManagerConfig(
-        budget=budget, idle_unload=idle_unload, max_waiting=settings.service.max_queued
+        budget=budget,
+        idle_unload=idle_unload,
+        max_waiting=settings.service.max_queued,
+        load_wait=DEFAULT_LOAD_WAIT_S if load_wait is None else load_wait,
     )
     return ModelManager(entries, config, factory, estimate, resolve_source)
 

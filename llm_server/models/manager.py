@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from llm_server.models.checkpoint import CheckpointError, check_checkpoint
 from llm_server.models.memory import ModelSize, format_bytes
 from llm_server.models.registry import ModelEntry
 from llm_server.models.slots import (
@@ -34,6 +35,7 @@ from llm_server.models.slots import (
     Status,
 )
 from llm_server.service import ModelService
+from llm_server.settings import DEFAULT_LOAD_WAIT_S
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,8 @@ class ManagerConfig:
     budget: int  # bytes all loaded models may hold together (ModelSize.total summed)
     idle_unload: float | None = None  # seconds idle before an unpinned model unloads
     max_waiting: int = 16  # requests that may wait for one model's load before 429
+    # seconds a load waits for a loaded model to go idle (then evicts it) before 503
+    load_wait: float = DEFAULT_LOAD_WAIT_S
 
 
 # (entry, resolved path) -> a started service (its engine loads on its scheduler thread)
@@ -71,6 +75,9 @@ class ModelManager:
         self._factory, self._estimate, self._resolve = factory, estimate, resolve
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="llm-model-loader")
         self._lock = asyncio.Lock()  # one load (with its evictions) at a time
+        self._wanting_room = False  # the load holding the lock waits for a model to go idle
+        self._freed = asyncio.Event()  # set when a model goes idle or an unload starts
+        self._closing = False  # close() began: a load waiting for room gives up
         self._seq = itertools.count(1)
         self._listeners: list[Callable[[str, ModelService], None]] = []
         self._reaper: asyncio.Task | None = None
@@ -104,7 +111,7 @@ class ModelManager:
             if slot.waiting >= self.config.max_waiting:
                 raise ModelBusy(
                     f"{slot.waiting} requests already wait for model {slot.entry.id!r} to "
-                    "load; retry shortly"
+                    f"load (at most {self.config.max_waiting}: --max-queued); retry shortly"
                 )
             slot.waiting += 1
             try:
@@ -132,6 +139,10 @@ class ModelManager:
             slot.expires = time.monotonic() + ttl
             if ttl == 0 and slot.idle() and slot.status is Status.LOADED:
                 self._start_unload(slot)
+        evictable = slot.idle() and slot.status is Status.LOADED and not slot.entry.pinned
+        if self._wanting_room and evictable:  # a waiting load takes it before a new request
+            log.info("%s went idle: evicting it for the load waiting for room", slot.entry.id)
+            self._start_unload(slot)
 
     # -- loading and unloading -------------------------------------------------------
 
@@ -173,7 +184,10 @@ class ModelManager:
                 service = await self._load_locked(slot)
             except BaseException as exc:
                 slot.status, slot.size, slot.service = Status.UNLOADED, None, None
-                slot.error = exc.args[0] if isinstance(exc, ModelError) else _reason(exc)
+                if isinstance(exc, (ModelError, CheckpointError)):
+                    slot.error = str(exc)  # says what is wrong already
+                else:
+                    slot.error = _reason(exc)
                 log.error("model %s failed to load: %s", entry.id, slot.error)
                 if isinstance(exc, ModelError):
                     raise
@@ -196,8 +210,10 @@ class ModelManager:
         loop = asyncio.get_running_loop()
         path = await loop.run_in_executor(self._loader, self._resolve, slot.entry.source)
         slot.path = path
+        # a corrupt, truncated or mismatched file fails here, before any model is evicted
+        await loop.run_in_executor(self._loader, check_checkpoint, path)
         try:
-            size = self._estimate(slot.entry, path)
+            size = await loop.run_in_executor(self._loader, self._estimate, slot.entry, path)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ModelLoadFailed(
                 f"model {slot.entry.id!r} failed to load: cannot read its files ({_reason(exc)})"
@@ -219,8 +235,19 @@ class ModelManager:
         return service
 
     async def _make_room(self, slot: ModelSlot, size: ModelSize) -> None:
-        """Unload least recently used, idle, unpinned models until `size` fits the budget."""
+        """Unload least recently used, idle, unpinned models until `size` fits the budget;
+        while every other model serves requests, wait (up to `load_wait` seconds) for the
+        first to go idle, and evict it (`release`)."""
+        deadline = time.monotonic() + self.config.load_wait
+        pinned = sum(s.counted for s in self.slots.values() if s is not slot and s.entry.pinned)
+        if pinned + size.total > self.config.budget:
+            raise InsufficientMemory(
+                f"model {slot.entry.id!r} needs {format_bytes(size.total)} but pinned models "
+                f"hold {format_bytes(pinned)} of the {format_bytes(self.config.budget)} "
+                "budget; unpin a model or raise --max-memory"
+            )
         while self.used() + size.total > self.config.budget:
+            self._freed.clear()
             victims = [
                 s
                 for s in self.slots.values()
@@ -231,19 +258,44 @@ class ModelManager:
                 await asyncio.wait([t for t in freeing if t is not None])
                 continue
             if not victims:
-                busy = [s for s in self.slots.values() if s.counted]
-                held = ", ".join(f"{s.entry.id} {format_bytes(s.counted)}" for s in busy)
-                raise InsufficientMemory(
-                    f"model {slot.entry.id!r} needs {format_bytes(size.total)} but "
-                    f"{format_bytes(self.used())} of the {format_bytes(self.config.budget)} "
-                    f"budget is held by models that are pinned or serving ({held}); retry later"
-                )
+                await self._wait_for_idle(slot, size, deadline)
+                continue
             victim = min(victims, key=lambda s: s.used_seq)
             log.info("evicting %s (least recently used) to load %s", victim.entry.id, slot.entry.id)
             await self._start_unload(victim)
 
+    async def _wait_for_idle(self, slot: ModelSlot, size: ModelSize, deadline: float) -> None:
+        """Wait until a model goes idle or starts unloading; InsufficientMemory past
+        `deadline` (monotonic seconds)."""
+        left = deadline - time.monotonic()
+        if left > 0 and not self._closing:
+            log.info("%s waits for room: every other model serves requests", slot.entry.id)
+            self._wanting_room = True
+            try:
+                await asyncio.wait_for(self._freed.wait(), left)
+                return
+            except TimeoutError:
+                pass
+            finally:
+                self._wanting_room = False
+        if self._closing:
+            raise InsufficientMemory(
+                f"the server is shutting down; model {slot.entry.id!r} not loaded"
+            )
+        busy = [s for s in self.slots.values() if s.counted and s is not slot]
+        held = ", ".join(
+            f"{s.entry.id} {format_bytes(s.counted)}, {s.active} requests" for s in busy
+        )
+        raise InsufficientMemory(
+            f"model {slot.entry.id!r} needs {format_bytes(size.total)} but "
+            f"{format_bytes(self.used())} of the {format_bytes(self.config.budget)} budget is "
+            f"held by models that are pinned or serving ({held}), and none went idle in "
+            f"{self.config.load_wait:g}s; retry later"
+        )
+
     def _start_unload(self, slot: ModelSlot) -> asyncio.Task:
         slot.status = Status.UNLOADING
+        self._freed.set()
         slot.task = asyncio.ensure_future(self._unload(slot))
         slot.task.add_done_callback(lambda t: _finished(slot, t))
         return slot.task
@@ -278,6 +330,8 @@ class ModelManager:
         """Stop the reaper and close every loaded service (each drains its requests)."""
         if self._reaper is not None:
             self._reaper.cancel()
+        self._closing = True
+        self._freed.set()  # a load waiting for room gives up
         for slot in self.slots.values():
             if slot.task is not None:
                 with contextlib.suppress(BaseException):

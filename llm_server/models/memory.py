@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from llm_server.engines.kv.prefix_cache import default_bound, kv_token_bytes
+from llm_server.engines.settings import SCORE_ROWS
+from llm_server.models.checkpoint import DTYPE_BYTES, read_header
 
 DEFAULT_BUDGET_FRACTION = 0.75  # of physical memory, when --max-memory is not given
+SERIAL_STEP = 256  # positions mlx-lm's KVCache grows by (a serial model's caches)
+# mlx-lm families whose forward evaluates arrays (`.tolist()` in an MoE router, `mx.eval`):
+# a lazy forward would allocate their weights, so they are counted from config.json instead
+EVALUATING_FAMILIES = frozenset({"dbrx", "muse_spark"})
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-_STORED_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2}
 _FLOATS = ("F64", "F32", "F16", "BF16")
 
 
@@ -61,22 +65,98 @@ def estimate_size(
     path: Path,
     rows: int,
     context_length: int | None,
-    dtype: str = "float32",
+    dtype: str | None = "float32",
     keep_quantized: bool = False,
     prefix_cache_bytes: int | None = None,
+    score_rows: int = SCORE_ROWS,
 ) -> ModelSize:
-    """What the model at `path` holds once loaded with these settings (before loading it)."""
+    """What the model at `path` holds once loaded with these settings (before loading it):
+    `dtype` None is the engine's default (engines/mlx/dtypes.py: on Metal the checkpoint's own
+    half dtype); `score_rows`: the engine's scoring rows (none on a model with recurrent state)."""
     if path.suffix == ".mlpackage" or any(path.glob("*.mlpackage")):
         files = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         return ModelSize(files, 0, 0)
-    config = json.loads((path / "config.json").read_text())
-    config = config.get("text_config", config)  # a VLM's language model
+    full = json.loads((path / "config.json").read_text())
+    config = full.get("text_config", full)  # a VLM's language model
+    if dtype is None:
+        from llm_server.engines.mlx.dtypes import default_dtype
+
+        dtype = default_dtype(path)
     width = _DTYPE_BYTES.get(dtype, 4)
     bits = (config.get("quantization") or {}).get("bits")
     weights = _weight_bytes(path, width, None if keep_quantized else bits)
     if prefix_cache_bytes is None:  # the engine's own default bound (engines/kv/prefix_cache.py)
         prefix_cache_bytes = default_bound(kv_token_bytes(config, width))
-    return ModelSize(weights, _kv_bytes(config, rows, context_length, width), prefix_cache_bytes)
+    max_pos = int(config.get("max_position_embeddings") or 2048)  # as the engine reads it
+    context = min(context_length or max_pos, max_pos)
+    held = row_bytes(full, width)
+    if held is None:  # mlx-lm cannot build it: every layer counted as full attention
+        held = RowBytes(kv_token_bytes(config, width), 0, scoring=True, serial=False)
+    if held.serial:  # one request at a time in mlx-lm's caches, grown 256 positions at a time
+        rows, context = 1, -(-context // SERIAL_STEP) * SERIAL_STEP
+    if not held.scoring:
+        score_rows = 0
+    kv = (held.position * context + held.state) * (rows + score_rows)
+    return ModelSize(weights, kv, prefix_cache_bytes)
+
+
+@dataclass(frozen=True)
+class RowBytes:
+    """What one row of the engine's store holds, by what the architecture keeps per layer."""
+
+    position: int  # keys and values of one position over the layers that keep them
+    state: int  # the recurrent layers' constant state
+    scoring: bool  # the engine keeps scoring rows (a plain head, no state: engine._compose)
+    serial: bool  # caches the row store cannot hold: served one at a time (layout.py)
+
+
+def row_bytes(config: dict, width: int) -> RowBytes | None:
+    """One row's bytes for the model `config` describes, `width` bytes a value, read from the
+    caches mlx-lm gives it after a one-token forward built lazily (shapes only: no weight is
+    allocated, nothing computed): KV-shared layers have no cache of their own, recurrent
+    layers an `ArraysCache` of constant size. Sliding-window layers count every position:
+    the row store keeps them all (engines/kv/store.py). None when mlx-lm cannot build it."""
+    try:
+        import mlx.core as mx
+
+        from llm_server.engines.mlx.bare_checkpoint import model_classes
+        from llm_server.engines.mlx.layout import (
+            PLAIN_HEAD_MODULES,
+            cache_layout,
+            make_cache,
+            model_family,
+        )
+
+        model_cls, args_cls = model_classes(config)
+        model = model_cls(args_cls.from_dict(config))
+        if model_family(model) in EVALUATING_FAMILIES:
+            return None
+        caches = make_cache(model)
+        model(mx.array([[0]]), cache=caches)  # a graph, never evaluated
+        position, state = _cache_bytes(caches, width)
+        layout = cache_layout(model)
+    except Exception:  # noqa: BLE001 - an architecture this cannot read: the config's count
+        return None
+    serial = layout.serial_reason is not None
+    scoring = model_family(model) in PLAIN_HEAD_MODULES and not state and not serial
+    return RowBytes(position, state, scoring=scoring, serial=serial)
+
+
+def _cache_bytes(caches: list, width: int) -> tuple[int, int]:
+    """(bytes a position takes, constant state bytes) in mlx-lm's `caches` for one row."""
+    from mlx_lm.models.cache import ArraysCache, CacheList
+
+    position = state = 0
+    for cache in caches:
+        if isinstance(cache, CacheList):
+            more, fixed = _cache_bytes(list(cache.caches), width)
+            position, state = position + more, state + fixed
+        elif isinstance(cache, ArraysCache):
+            state += sum(a.size for a in cache.cache if a is not None) * width
+        else:  # keys and values [1, kv_heads, positions, head_dim]
+            keys, values = cache.keys, cache.values
+            position += (keys.size // keys.shape[2] + values.size // values.shape[2]) * width
+    return position, state
 
 
 def _weight_bytes(path: Path, width: int, dequantize_bits: int | None) -> int:
@@ -84,7 +164,7 @@ def _weight_bytes(path: Path, width: int, dequantize_bits: int | None) -> int:
     `dequantize_bits` is set, else kept as stored."""
     total = 0
     for shard in sorted(path.glob("*.safetensors")):
-        for name, info in _safetensors_header(shard).items():
+        for name, info in read_header(shard).items():
             if name == "__metadata__":
                 continue
             numel = 1
@@ -96,22 +176,5 @@ def _weight_bytes(path: Path, width: int, dequantize_bits: int | None) -> int:
             elif stored == "U32" and dequantize_bits:
                 total += numel * (32 // dequantize_bits) * width
             else:
-                total += numel * _STORED_BYTES.get(stored, 1)
+                total += numel * DTYPE_BYTES[stored]
     return total
-
-
-def _safetensors_header(shard: Path) -> dict:
-    with shard.open("rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(length))
-
-
-def _kv_bytes(config: dict, rows: int, context_length: int | None, width: int) -> int:
-    layers = config.get("num_hidden_layers", 0)
-    heads = config.get("num_attention_heads", 1)
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
-    context = config.get("max_position_embeddings", 4096)
-    if context_length is not None:
-        context = min(context, context_length)
-    return layers * 2 * kv_heads * head_dim * context * rows * width

@@ -11,7 +11,7 @@ import uvicorn
 
 from llm_server.api.app import AppState, create_app
 from llm_server.listen import tcp_socket
-from llm_server.models.daemon import entry_settings, manage
+from llm_server.models.daemon import entry_settings, manage, share_disk
 from llm_server.models.manager import ManagerConfig, ModelManager
 from llm_server.models.memory import ModelSize, estimate_size
 from llm_server.models.registry import ModelEntry
@@ -21,12 +21,13 @@ from llm_server.settings import ServerSettings
 GiB = 1 << 30
 
 
-def tiny_factory(concurrent: int = 1, max_queued: int = 16, **fields):
-    """(entry, path) -> a started service, as the daemon makes them (entry overrides kept);
-    `fields`: ServerSettings.replace's."""
+def tiny_factory(concurrent: int = 1, max_queued: int = 16, models: int = 1, **fields):
+    """(entry, path) -> a started service, as the daemon makes them (entry overrides kept;
+    the disk tier's bound shared by `models`); `fields`: ServerSettings.replace's."""
     from llm_server.server import make_service
 
     settings = ServerSettings().replace(rows=concurrent, max_queued=max_queued, **fields)
+    settings = share_disk(settings, models)
 
     def make(entry: ModelEntry, path: Path) -> ModelService:
         return make_service(entry_settings(settings, entry), path)
@@ -51,12 +52,17 @@ class ManagedServer:
         idle_unload: float | None = None,
         concurrent: int = 1,
         max_queued: int = 16,
+        settings: dict | None = None,
+        load_wait: float = 60.0,
         **app_options,
     ) -> None:
-        config = ManagerConfig(budget=budget, idle_unload=idle_unload, max_waiting=max_queued)
-        self.manager = ModelManager(
-            entries, config, tiny_factory(concurrent, max_queued), tiny_estimate(concurrent), Path
+        """`settings`: ServerSettings.replace's fields for every model (e.g. prefix_cache_dir);
+        `load_wait`: seconds a load waits for a model to go idle."""
+        config = ManagerConfig(
+            budget=budget, idle_unload=idle_unload, max_waiting=max_queued, load_wait=load_wait
         )
+        factory = tiny_factory(concurrent, max_queued, len(entries), **(settings or {}))
+        self.manager = ModelManager(entries, config, factory, tiny_estimate(concurrent), Path)
         self.state = AppState(None, self.manager.default_id, manager=self.manager)
         self.app = create_app(self.state, **app_options)
         manage(self.state, self.app)

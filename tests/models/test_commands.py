@@ -152,7 +152,11 @@ def test_models_flag_errors_are_one_line(tmp_path):
     both = _cli(_env(tmp_path), "--models", str(bad), "--model", "x")
     assert "does not combine with --model" in both.stderr
     alone = _cli(_env(tmp_path), "--max-memory", "1G")
-    assert alone.stderr == "llm-server: --max-memory and --idle-unload need --models FILE\n"
+    need = "llm-server: --max-memory, --idle-unload and --load-wait need --models FILE\n"
+    assert alone.stderr == need
+    assert _cli(_env(tmp_path), "--load-wait", "5").stderr == need
+    negative = _cli(_env(tmp_path), "--models", str(bad), "--load-wait", "-1")
+    assert negative.stderr == "llm-server: --load-wait must be 0 or more seconds\n"
 
 
 def test_ls_lists_the_registry_with_sizes(tmp_path, tiny_models):

@@ -25,8 +25,10 @@ def test_estimate_counts_weights_kv_rows_and_prefix_cache(tiny_models, make_serv
     svc = make_service(tiny_models["alpha"])
     assert size.weights == svc.engine.weight_bytes()
     assert size.prefix_cache == svc.engine.prefix_cache.stats().max_bytes
-    # 2 layers x (K, V) x 2 kv heads x 16 dims x 1024 positions x 1 row x 4 bytes
-    assert size.kv == 2 * 2 * 2 * 16 * 1024 * 1 * 4
+    # 2 layers x (K, V) x 2 kv heads x 16 dims x 1024 positions x (1 row + 8 scoring rows)
+    # x 4 bytes
+    assert svc.engine.score_rows == 8
+    assert size.kv == 2 * 2 * 2 * 16 * 1024 * (1 + 8) * 4
 
 
 def test_lru_eviction_under_a_budget_that_holds_two(tiny_models, entries):
@@ -132,7 +134,7 @@ async def _let_go(manager, slot):
 
 
 def test_a_model_serving_requests_is_never_unloaded(tiny_models, entries):
-    with ManagedServer(entries, budget=_budget_for_two(tiny_models)) as srv:
+    with ManagedServer(entries, budget=_budget_for_two(tiny_models), load_wait=0.2) as srv:
         held = srv.call(_hold(srv.manager, "alpha"))  # a request running on alpha
         _complete(srv.url, "beta")  # alpha is now the least recently used, but busy
         assert _complete(srv.url, "gamma").status_code == 200
@@ -140,9 +142,10 @@ def test_a_model_serving_requests_is_never_unloaded(tiny_models, entries):
         busy = httpx.post(f"{srv.url}/v1/models/alpha/unload", timeout=60)
         assert busy.status_code == 409 and busy.json()["error"]["code"] == "model_busy"
         also = srv.call(_hold(srv.manager, "gamma"))
-        full = _complete(srv.url, "beta")  # both loaded models serve: no room
+        full = _complete(srv.url, "beta")  # both loaded models serve: no room within 0.2 s
         assert full.status_code == 503 and full.headers["Retry-After"] == "5"
         assert full.json()["error"]["code"] == "insufficient_memory"
+        assert "none went idle in 0.2s" in full.json()["error"]["message"]
         srv.call(_let_go(srv.manager, held))
         srv.call(_let_go(srv.manager, also))
         assert _complete(srv.url, "beta").status_code == 200  # alpha, now idle and LRU, went

@@ -1,0 +1,126 @@
+"""A request for a model that does not fit while every other model serves waits for the first
+to go idle, which is then evicted (as Ollama queues), instead of a 503; past --load-wait it is a
+503 naming the numbers; two loads racing under a budget for one never both hold it."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+import threading
+import time
+
+from llm_server.models.memory import estimate_size, format_bytes
+from llm_server.models.registry import ModelEntry
+from llm_server.models.slots import Status
+from llm_server.testing.managed import ManagedServer
+
+from .test_memory import _budget_for_two, _hold, _let_go
+from .test_on_demand import _complete, _statuses
+
+
+def _until(check, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_load_waits_for_the_first_model_to_go_idle_and_evicts_it(tiny_models, entries):
+    with ManagedServer(entries, budget=_budget_for_two(tiny_models)) as srv:
+        alpha = srv.call(_hold(srv.manager, "alpha"))
+        gamma = srv.call(_hold(srv.manager, "gamma"))  # both loaded models serve: no room
+        beta = srv.manager.slots["beta"]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(_complete, srv.url, "beta")
+            _until(lambda: beta.waiting == 1 and srv.manager._wanting_room)
+            time.sleep(0.3)
+            assert not waiting.done() and beta.status is Status.LOADING
+            srv.call(_let_go(srv.manager, gamma))  # gamma goes idle first: it is evicted
+            assert waiting.result(60).status_code == 200
+        assert _statuses(srv.url) == {"alpha": "loaded", "beta": "loaded", "gamma": "unloaded"}
+        assert srv.manager.used() <= srv.manager.config.budget
+        srv.call(_let_go(srv.manager, alpha))
+
+
+def test_past_the_wait_a_503_names_the_numbers(tiny_models, entries):
+    budget = _budget_for_two(tiny_models)
+    with ManagedServer(entries, budget=budget, load_wait=0.3) as srv:
+        held = [srv.call(_hold(srv.manager, name)) for name in ("alpha", "gamma")]
+        started = time.monotonic()
+        full = _complete(srv.url, "beta")
+        assert time.monotonic() - started >= 0.3
+        assert full.status_code == 503 and full.headers["Retry-After"] == "5"
+        error = full.json()["error"]
+        assert error["code"] == "insufficient_memory"
+        size = estimate_size(tiny_models["beta"], 1, None).total
+        used = srv.manager.used()
+        assert error["message"] == (
+            f"model 'beta' needs {format_bytes(size)} but {format_bytes(used)} of the "
+            f"{format_bytes(budget)} budget is held by models that are pinned or serving "
+            f"(alpha {format_bytes(srv.manager.slots['alpha'].counted)}, 1 requests, "
+            f"gamma {format_bytes(srv.manager.slots['gamma'].counted)}, 1 requests), and none "
+            "went idle in 0.3s; retry later"
+        )
+        for slot in held:
+            srv.call(_let_go(srv.manager, slot))
+        assert _complete(srv.url, "beta").status_code == 200  # room now: alpha evicted
+
+
+def test_a_model_that_never_fits_beside_the_pinned_ones_is_refused_at_once(tiny_models):
+    entries = [
+        ModelEntry(id="alpha", source=str(tiny_models["alpha"]), pinned=True),
+        ModelEntry(id="beta", source=str(tiny_models["beta"])),
+    ]
+    alpha = estimate_size(tiny_models["alpha"], 1, None).total
+    budget = alpha + estimate_size(tiny_models["beta"], 1, None).total - 1
+    with ManagedServer(entries, budget=budget) as srv:
+        _until(lambda: srv.manager.slots["alpha"].status is Status.LOADED)
+        started = time.monotonic()
+        refused = _complete(srv.url, "beta")
+        assert time.monotonic() - started < 5  # not the 60 s wait: nothing could ever free
+        assert refused.status_code == 503
+        assert refused.json()["error"]["message"] == (
+            f"model 'beta' needs {format_bytes(budget - alpha + 1)} but pinned models hold "
+            f"{format_bytes(alpha)} of the {format_bytes(budget)} budget; unpin a model or "
+            "raise --max-memory"
+        )
+
+
+def test_two_loads_racing_under_a_budget_for_one_never_both_hold_it(tiny_models, entries):
+    entries = entries[:2]
+    sizes = [estimate_size(tiny_models[e.id], 1, None).total for e in entries]
+    budget = sum(sizes) - 1  # either fits, never both
+    with ManagedServer(entries, budget=budget) as srv:
+        make = srv.manager._factory
+        gate = threading.Event()
+        seen: list[list[str]] = []  # at each load's start: the models holding memory
+
+        def slow(entry, path):  # each load lingers so the other request arrives meanwhile
+            seen.append([s.entry.id for s in srv.manager.slots.values() if s.service])
+            gate.wait(0.5)
+            return make(entry, path)
+
+        srv.manager._factory = slow
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda m: _complete(srv.url, m), ["alpha", "beta"] * 2))
+        assert [a.status_code for a in answers] == [200] * 4
+        assert all(held == [] for held in seen), seen  # the other was unloaded first
+        assert srv.manager.used() <= budget
+        assert sorted(_statuses(srv.url).values()) == ["loaded", "unloaded"]
+
+
+def test_clients_switching_among_three_models_with_room_for_two_all_get_200s(tiny_models, entries):
+    with ManagedServer(entries, budget=_budget_for_two(tiny_models)) as srv:
+        names = list(tiny_models)
+
+        def client(seed: int) -> list[int]:
+            pick = random.Random(seed)
+            # long enough answers that loads meet busy models (with no wait: ~1 in 6 was 503)
+            return [
+                _complete(srv.url, pick.choice(names), max_tokens=48).status_code for _ in range(4)
+            ]
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            codes = [c for got in pool.map(client, range(6)) for c in got]
+        assert codes == [200] * len(codes)
+        assert srv.manager.used() <= srv.manager.config.budget
