@@ -72,7 +72,7 @@ def estimate_size(
 ) -> ModelSize:
     """What the model at `path` holds once loaded with these settings (before loading it):
     `dtype` None is the engine's default (engines/mlx/dtypes.py: on Metal the checkpoint's own
-    half dtype); `score_rows`: the engine's scoring rows (none on a model with recurrent state)."""
+    half dtype); `score_rows`: the engine's scoring rows (none on a model served serially)."""
     if path.suffix == ".mlpackage" or any(path.glob("*.mlpackage")):
         files = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         return ModelSize(files, 0, 0)
@@ -106,7 +106,8 @@ class RowBytes:
 
     position: int  # keys and values of one position over the layers that keep them
     state: int  # the recurrent layers' constant state
-    scoring: bool  # the engine keeps scoring rows (a plain head, no state: engine._compose)
+    scoring: bool  # the engine keeps scoring rows (a plain head or recurrent state, not
+    # served serially: engine._compose)
     serial: bool  # caches the row store cannot hold: served one at a time (layout.py)
 
 
@@ -138,7 +139,8 @@ def row_bytes(config: dict, width: int) -> RowBytes | None:
     except Exception:  # noqa: BLE001 - an architecture this cannot read: the config's count
         return None
     serial = layout.serial_reason is not None
-    scoring = model_family(model) in PLAIN_HEAD_MODULES and not state and not serial
+    # as engine._compose: logits at every position from a plain head, or a hybrid's own head
+    scoring = not serial and (model_family(model) in PLAIN_HEAD_MODULES or state > 0)
     return RowBytes(position, state, scoring=scoring, serial=serial)
 
 

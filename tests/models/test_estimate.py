@@ -51,7 +51,7 @@ def test_recurrent_layers_count_their_state_not_keys_and_values(family_models):
 
 
 def test_scoring_rows_are_counted_where_the_engine_keeps_them(family_models):
-    for family, scoring in (("llama", True), ("qwen3_next", False), ("gemma3_text", False)):
+    for family, scoring in (("llama", True), ("qwen3_next", True), ("gemma3_text", False)):
         path = family_models[family]
         engine = MLXEngine(path, EngineSettings(rows=1, context_length=CONTEXT))
         assert (engine.score_rows > 0) is scoring
