@@ -21,7 +21,7 @@ import pytest
 from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.engines.settings import EngineSettings
 from llm_server.scheduler.scorer import Scorer
-from llm_server.testing.families import FAMILIES, WINDOW, build_family_checkpoint
+from llm_server.testing.families import FAMILIES, WINDOW
 from llm_server.testing.live import serving
 from llm_server.tokenizer import Tokenizer
 from tests.scheduler.helpers import make_request, serve_alone, start_scheduler
@@ -30,19 +30,6 @@ SERIAL = "llama4"
 BATCHED = [f for f in FAMILIES if f != SERIAL]
 LENGTHS = (3, 11, 20, 29)
 NEW = 8
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("families")
-    built: dict = {}
-
-    def get(family: str):
-        if family not in built:
-            built[family] = build_family_checkpoint(root / family, family)
-        return built[family]
-
-    return get
 
 
 @pytest.fixture(scope="module")

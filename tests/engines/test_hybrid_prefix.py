@@ -17,7 +17,6 @@ from llm_server.engines.kv.rows import CHECKPOINT_SPACING, MAX_CHECKPOINTS
 from llm_server.engines.kv.state import checkpoint_bytes
 from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.engines.settings import EngineSettings
-from llm_server.testing.families import build_family_checkpoint
 from llm_server.tokenizer import Tokenizer
 from tests.scheduler.helpers import make_request, start_scheduler
 
@@ -32,19 +31,6 @@ HYBRIDS = [
 ]
 NEW = 6
 SYSTEM = 600  # past one CHECKPOINT_SPACING: a spacing checkpoint and the prompt's end
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hybrids")
-    built: dict = {}
-
-    def get(family: str):
-        if family not in built:
-            built[family] = build_family_checkpoint(root / family, family)
-        return built[family]
-
-    return get
 
 
 def _ids(seed: int, n: int) -> list[int]:

@@ -20,7 +20,6 @@ from llm_server.engines.mlx.engine import MLXEngine
 from llm_server.engines.plan import DecodeRow, ScoreChunk, StepPlan
 from llm_server.engines.settings import EngineSettings
 from llm_server.scheduler.scorer import Scorer
-from llm_server.testing.families import build_family_checkpoint
 from llm_server.tokenizer import Tokenizer
 from tests.engines.test_hybrid_prefix import HYBRIDS
 from tests.scheduler.helpers import make_request, serve_together
@@ -28,19 +27,6 @@ from tests.scheduler.test_scorer import TOL, generate, score_alone
 
 K = 4
 NEW = 16
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hybrids")
-    built: dict = {}
-
-    def get(family: str):
-        if family not in built:
-            built[family] = build_family_checkpoint(root / family, family)
-        return built[family]
-
-    return get
 
 
 def _ids(seed: int, n: int) -> list[int]:
