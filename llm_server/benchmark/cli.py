@@ -49,11 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-tokens", type=int,
                    help="our server's --step-tokens (default: the server's; 0 runs each prompt whole "
                    "when admitted, the admission of before issue 17)")  # fmt: skip
-    p.add_argument("--workload", choices=["chat", "edit", "agent"], default="chat",
+    p.add_argument("--workload", choices=["chat", "edit", "agent", "vision"], default="chat",
                    help="chat: the 32 fixed chat prompts (default); edit: prompts asking to "
                    "reproduce a given passage of code or text with one change (speculative decoding); "
                    "agent: multi-turn coding-agent conversations (--agent-log), turn by turn, on "
-                   f"every server and peer, TTFT and cached tokens per turn (max tokens {AGENT_MAX_TOKENS})")  # fmt: skip
+                   f"every server and peer, TTFT and cached tokens per turn (max tokens {AGENT_MAX_TOKENS}); "
+                   "vision: generated images with questions against mlx_vlm.server on a "
+                   "vision-language checkpoint (--no-mlx-lm: ours alone)")  # fmt: skip
     p.add_argument("--agent-log", default="codex",
                    help="agent workload: the recorded first request it grows from: codex (default), "
                    "claude-code, or a JSON file with a 'body' (a chat, Responses or Messages request)")  # fmt: skip
@@ -199,6 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.batch:
         _batch_only(settings, args.batch)
         return
+    if settings.workload == "vision":
+        _vision_only(settings)
+        return
     from llm_server.benchmark.runner import run_benchmark
 
     if settings.workload == "agent":
@@ -230,6 +235,23 @@ def _batch_only(settings: Settings, lines: int) -> None:
         print("llm-benchmark: interrupted; all servers stopped", file=sys.stderr)
         sys.exit(130)
     print(f"llm-benchmark: wrote {settings.out / 'batch_load.json'}", file=sys.stderr)
+
+
+def _vision_only(settings: Settings) -> None:
+    """--workload vision: ours against mlx_vlm.server on a vision-language checkpoint."""
+    from llm_server.benchmark.vision import model_is_vision, run_vision
+
+    if not model_is_vision(settings.model):
+        raise SystemExit(
+            f"llm-benchmark: --workload vision needs a vision-language checkpoint; "
+            f"{settings.model}/config.json has no vision_config"
+        )
+    try:
+        print(run_vision(settings))
+    except KeyboardInterrupt:
+        print("llm-benchmark: interrupted; all servers stopped", file=sys.stderr)
+        sys.exit(130)
+    print(f"llm-benchmark: wrote {settings.out / 'vision.json'}", file=sys.stderr)
 
 
 def _embeddings_only(settings: Settings, count: int) -> None:

@@ -92,6 +92,11 @@ def command_for(spec: ServerSpec, port: int | None = None) -> list[str]:
             sys.executable, "-m", "mlx_lm", "server", "--model", str(spec.model),
             "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING",
         ]  # fmt: skip
+    if spec.kind == "mlx_vlm":  # the vision workload's peer (mlx-vlm's own server)
+        return [
+            sys.executable, "-m", "mlx_vlm.server", "--model", str(spec.model),
+            "--host", "127.0.0.1", "--port", str(port),
+        ]  # fmt: skip
     if spec.kind in PEER_LABELS:
         if spec.peer_cmd is None:
             raise ValueError(f"{PEER_LABELS[spec.kind]} needs a command (--peer-cmd)")
@@ -144,7 +149,7 @@ def _wait_ours(
 def _wait_health(proc: subprocess.Popen, url: str, spec: ServerSpec) -> str:
     """Poll /health until it answers 200 (llama-server answers 503 while loading); a server
     without /health (404) is ready when /v1/models answers 200."""
-    name = PEER_LABELS.get(spec.kind, "mlx_lm.server")
+    name = PEER_LABELS.get(spec.kind, f"{spec.kind.replace('_', '-')}.server")
     deadline = time.monotonic() + spec.start_timeout_s
     with httpx.Client(trust_env=False, timeout=5.0) as client:
         while time.monotonic() < deadline:
