@@ -3,7 +3,10 @@
 Every request is forwarded unchanged to `upstream` and recorded (method, path, JSON body,
 status, the response bytes, streamed or not), except that `force_tool` rewrites the FIRST
 request that offers that tool so its `tool_choice` names it, in the shape of its API: that
-is how a test makes an agent with a random-weight model run one of its own tools.
+is how a test makes an agent with a random-weight model run one of its own tools. Where the
+arguments matter (Claude Code's Read on a given PNG), `canned_call` answers the FIRST
+Messages request offering that tool itself, with a `tool_use` of those arguments, and the
+agent's next request (the tool's result) goes to the server as usual.
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ class RecordingProxy:
 
     upstream: str
     force_tool: str | list[str] | None = None
+    canned_call: tuple[str, dict] | None = None  # (tool, arguments): Messages API only
     exchanges: list[Exchange] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -135,6 +139,19 @@ class RecordingProxy:
         body["tool_choice"] = forced_choice(path, name)
         return True
 
+    def _canned(self, path: str, body: dict) -> bytes | None:
+        """The canned `tool_use` answer to the first Messages request offering the tool."""
+        if self.canned_call is None or not path.endswith("/messages"):
+            return None
+        name, arguments = self.canned_call
+        if name not in tool_names(path, body):
+            return None
+        with self._lock:
+            if self._forced:
+                return None
+            self._forced = True
+        return canned_tool_use(body, name, arguments)
+
     async def _handle(self, request: Request) -> Response:
         raw = await request.body()
         try:
@@ -143,6 +160,12 @@ class RecordingProxy:
             body = None
         path = request.url.path
         ex = Exchange(request.method, path, body)
+        canned = self._canned(path, body) if isinstance(body, dict) else None
+        if canned is not None:
+            ex.forced, ex.status, ex.response = True, 200, canned
+            self.exchanges.append(ex)
+            kind = "text/event-stream" if body.get("stream") else "application/json"
+            return Response(canned, media_type=kind)
         ex.forced = self._maybe_force(path, body) if isinstance(body, dict) else False
         if ex.forced:
             raw = json.dumps(body).encode()
@@ -184,6 +207,34 @@ class RecordingProxy:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def canned_tool_use(body: dict, name: str, arguments: dict) -> bytes:
+    """A Messages answer calling `name` with `arguments`: SSE events when `body` streams,
+    else the one message."""
+    block = {"type": "tool_use", "id": "toolu_canned_1", "name": name, "input": arguments}
+    usage = {"input_tokens": 1, "output_tokens": 1}
+    message = {
+        "id": "msg_canned", "type": "message", "role": "assistant", "model": body.get("model"),
+        "content": [block], "stop_reason": "tool_use", "stop_sequence": None, "usage": usage,
+    }  # fmt: skip
+    if not body.get("stream"):
+        return json.dumps(message).encode()
+    events = [
+        ("message_start", {"type": "message_start",
+                           "message": {**message, "content": [], "stop_reason": None}}),
+        ("content_block_start", {"type": "content_block_start", "index": 0,
+                                 "content_block": {**block, "input": {}}}),
+        ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                 "delta": {"type": "input_json_delta",
+                                           "partial_json": json.dumps(arguments)}}),
+        ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        ("message_delta", {"type": "message_delta",
+                           "delta": {"stop_reason": "tool_use", "stop_sequence": None},
+                           "usage": {"output_tokens": 1}}),
+        ("message_stop", {"type": "message_stop"}),
+    ]  # fmt: skip
+    return "".join(f"event: {e}\ndata: {json.dumps(d)}\n\n" for e, d in events).encode()
 
 
 def answer_text(ex: Exchange) -> str:
