@@ -93,10 +93,14 @@ def agent_command(
     root: Path,
     resume: bool = False,
     limit: tuple[int, int] | None = None,
+    images: tuple[str, ...] = (),
 ) -> tuple[list[str], dict[str, str], Path]:
-    """(argv, environment, working folder) for one non-interactive run of agent `name`."""
+    """(argv, environment, working folder) for one non-interactive run of agent `name`;
+    `images`: files attached to the prompt (`codex exec -i FILE`, the one agent with a flag)."""
     if limit is not None and name != "opencode":
         raise ValueError(f"{name} takes no model limit in its configuration (only opencode does)")
+    if images and name != "codex":
+        raise ValueError(f"{name} takes no image flag (only codex: exec -i FILE)")
     program = str(install(AGENTS[name]))
     home, work = root / "home", root / "work"
     home.mkdir(parents=True, exist_ok=True)
@@ -107,7 +111,9 @@ def agent_command(
         codex_config(home / ".codex", base_url, model)
         env.update(CODEX_HOME=str(home / ".codex"), LLM_SERVER_API_KEY=KEY)
         head = [program, "exec"] + (["resume", "--last"] if resume else [])
-        argv = head + ["--skip-git-repo-check", prompt]
+        # after the prompt: `-i` takes several files and would take the prompt as one
+        attached = [a for path in images for a in ("-i", path)]
+        argv = head + ["--skip-git-repo-check", prompt, *attached]
     elif name == "claude-code":
         env.update(ANTHROPIC_BASE_URL=base_url, ANTHROPIC_AUTH_TOKEN=KEY, ANTHROPIC_MODEL=model)
         argv = [program, "-p", prompt] + (["--continue"] if resume else [])
@@ -131,12 +137,13 @@ def run_agent(
     resume: bool = False,
     timeout: float = 300,
     limit: tuple[int, int] | None = None,
+    images: tuple[str, ...] = (),
 ) -> AgentRun:
     """Run agent `name` one-shot in `root` (its home and project folders live there).
 
     `limit` (context, output) is declared in the config of the agents that take one (opencode).
     """
-    argv, env, work = agent_command(name, base_url, model, prompt, root, resume, limit)
+    argv, env, work = agent_command(name, base_url, model, prompt, root, resume, limit, images)
     done = subprocess.run(
         argv,
         cwd=work,
