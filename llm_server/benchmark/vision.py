@@ -6,8 +6,8 @@ on the same checkpoint, one server at a time, alternating, at each concurrency.
 
 Reported per server and concurrency: generated tokens per second (completion tokens over the
 load's wall time), TTFT p50/p90, and the ratio ours / mlx_vlm.server. Our server's vision-tower
-time per image comes from its `/metrics` (`llm_vision_encode_seconds`), read before and after
-each load.
+time per image comes from its `/metrics` (`llm_server_vision_encode_seconds_total` over
+`llm_server_vision_images_total`), read before and after each load.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def vision_prompts(count: int = IMAGES) -> list[load.Prompt]:
     return out
 
 
-_METRIC = re.compile(r"^llm_vision_encode_seconds_(sum|count)(?:\{[^}]*\})?\s+(\S+)$", re.M)
+_METRIC = re.compile(r"^llm_server_vision_(encode_seconds|images)_total\s+(\S+)$", re.M)
 
 
 def tower_seconds(url: str) -> tuple[float, float] | None:
@@ -78,9 +78,9 @@ def tower_seconds(url: str) -> tuple[float, float] | None:
     except httpx.HTTPError:
         return None
     found = {kind: float(value) for kind, value in _METRIC.findall(text)}
-    if "sum" not in found or "count" not in found:
+    if "encode_seconds" not in found or "images" not in found:
         return None
-    return found["sum"], found["count"]
+    return found["encode_seconds"], found["images"]
 
 
 def _pct(values: list[float], q: float) -> float | None:

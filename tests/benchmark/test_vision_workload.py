@@ -42,10 +42,10 @@ def test_mlx_vlm_server_is_started_on_the_same_checkpoint_and_a_free_port(tmp_pa
 
 def test_tower_time_is_read_from_the_metrics_text(monkeypatch):
     text = (
-        "# TYPE llm_vision_encode_seconds histogram\n"
-        'llm_vision_encode_seconds_bucket{le="0.1"} 2.0\n'
-        "llm_vision_encode_seconds_sum 0.75\n"
-        "llm_vision_encode_seconds_count 3.0\n"
+        "# TYPE llm_server_vision_encode_seconds counter\n"
+        "llm_server_vision_encode_seconds_total 0.75\n"
+        "llm_server_vision_encode_seconds_created 1.7e9\n"
+        "llm_server_vision_images_total 3.0\n"
     )
 
     class Response:
