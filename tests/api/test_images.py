@@ -444,3 +444,11 @@ def test_an_image_ref_never_reaches_a_renderer():
     ref = ImageRef("messages[0].content[0].image_url", url=data_url(GOOD))
     loaded = _load([{"role": "user", "content": [{"type": "image", "image": ref}]}])
     assert isinstance(loaded[0]["content"][0]["image"], ImageInput)
+
+
+def test_warm_prompts_take_no_images():
+    from llm_server.warm_prompts import warm_tokens
+
+    item = {"messages": _chat(data_url(GOOD))["messages"]}
+    with pytest.raises(ValueError, match="warm prompt 0: images are not prefilled"):
+        warm_tokens(None, [item])
