@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import io
 import threading
 
@@ -452,3 +453,98 @@ def test_warm_prompts_take_no_images():
     item = {"messages": _chat(data_url(GOOD))["messages"]}
     with pytest.raises(ValueError, match="warm prompt 0: images are not prefilled"):
         warm_tokens(None, [item])
+
+
+@pytest.fixture
+def planned(hermes_server, monkeypatch):
+    """The hermes server as if its model took images: each chat request that reaches planning
+    is recorded, then planned with its images as text (this branch has no vision renderer)."""
+    from llm_server.api.anthropic import messages as messages_route
+    from llm_server.api.chat import run
+    from llm_server.api.openai import chat_completions
+    from llm_server.api.openai.responses import routes as responses_route
+
+    seen: list = []
+    real = run.start_chat
+
+    async def recording(service, chat, *args, **kwargs):
+        seen.append(chat)
+        as_text = tuple(
+            {
+                **m,
+                "content": "".join(
+                    p["text"] if p["type"] == "text" else f"<image {p['image'].digest[:8]}>"
+                    for p in m["content"]
+                ),
+            }
+            if isinstance(m["content"], list)
+            else m
+            for m in chat.messages
+        )
+        return await real(service, dataclasses.replace(chat, messages=as_text), *args, **kwargs)
+
+    for module in (chat_completions, responses_route, messages_route):
+        monkeypatch.setattr(module, "start_chat", recording)
+    monkeypatch.setattr(hermes_server.service, "vision", object())
+    return seen
+
+
+def test_sdk_images_reach_planning_as_image_inputs_in_order(planned, oai, ant):
+    red, blue = png(color=(255, 0, 0)), png(color=(0, 0, 255))
+    chat = oai.chat.completions.create(
+        model="default",
+        max_tokens=2,
+        messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(red)}},
+            {"type": "text", "text": "versus"},
+            {"type": "image_url", "image_url": {"url": data_url(blue), "detail": "high"}},
+        ]}],
+    )  # fmt: skip
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    use = {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"file_path": "a.png"}}
+    source = _anthropic_source(red, "image/png")
+    message = ant.messages.create(
+        model="default",
+        max_tokens=2,
+        messages=[
+            {"role": "user", "content": "Read a.png"},
+            {"role": "assistant", "content": [use]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "image", "source": source}]}]},
+        ],
+    )  # fmt: skip
+    assert message.stop_reason in ("end_turn", "max_tokens")
+    response = oai.responses.create(
+        model="default",
+        max_output_tokens=16,
+        input=[{"role": "user", "content": [{"type": "input_image", "image_url": data_url(blue)}]}],
+    )
+    assert response.status in ("completed", "incomplete")
+    first, second, third = ([p["image"] for m in c.messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"] for c in planned)  # fmt: skip
+    assert [i.field for i in first] == [
+        "messages[0].content[0].image_url",
+        "messages[0].content[2].image_url",
+    ]
+    assert first[0].image.getpixel((0, 0)) == (255, 0, 0) and first[1].image.getpixel((0, 0)) == (
+        0,
+        0,
+        255,
+    )
+    assert [i.field for i in second] == ["messages[2].content[0].content[0].source"]
+    assert second[0].digest == first[0].digest  # the same pixels from another API
+    assert [i.field for i in third] == ["input[0].content[0].image_url"]
+    assert third[0].digest == first[1].digest and all(
+        isinstance(i, ImageInput) for i in first + second + third
+    )
+
+
+def test_a_stored_response_keeps_its_images_for_the_next_turn(planned, client):
+    """`previous_response_id` carries turn 1's image into turn 2 (stored as sent, decoded
+    again: the same digest)."""
+    turn = {"role": "user", "content": [{"type": "input_image", "image_url": data_url(GOOD)}]}
+    first = client.post(RESP, json={"model": "default", "max_output_tokens": 2, "input": [turn]})
+    assert first.status_code == 200, first.text
+    body = {"model": "default", "max_output_tokens": 2, "input": "And now?"}
+    second = client.post(RESP, json={**body, "previous_response_id": first.json()["id"]})
+    assert second.status_code == 200, second.text
+    digests = [images_of(list(chat.messages))[0].digest for chat in planned]
+    assert len(digests) == 2 and digests[0] == digests[1]
