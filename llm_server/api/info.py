@@ -29,7 +29,7 @@ async def list_models(request: Request) -> Response:
         "object": "model",
         "created": created,
         "owned_by": "llm-server",
-        "input_modalities": input_modalities(st.service) or ["text"],
+        "input_modalities": input_modalities(st.service),  # null while loading
     }
     return JSONResponse({"object": "list", "data": [model]})
 
