@@ -548,3 +548,29 @@ def test_a_stored_response_keeps_its_images_for_the_next_turn(planned, client):
     assert second.status_code == 200, second.text
     digests = [images_of(list(chat.messages))[0].digest for chat in planned]
     assert len(digests) == 2 and digests[0] == digests[1]
+
+
+def test_a_file_sent_again_is_not_decoded_again(monkeypatch):
+    """Agents resend every image on every turn: the same bytes are decoded once (the limits
+    and the declared type are still checked); the cache is bounded by decoded bytes."""
+    from llm_server.api.shared import images
+    from llm_server.api.shared.image_cache import DecodedImages
+
+    monkeypatch.setattr(images, "DECODED", DecodedImages(max_bytes=100 * 100 * 3))
+    shot = png((100, 100), (9, 9, 9))
+    first = images.decode_image(shot, "turn1", ImageLimits())
+    calls = []
+    monkeypatch.setattr(images, "_decode", lambda *a: calls.append(a))
+    again = images.decode_image(shot, "turn2", ImageLimits())
+    assert calls == [] and again.field == "turn2" and again.digest == first.digest
+    with pytest.raises(APIError, match="--max-image-pixels"):
+        images.decode_image(shot, "f", ImageLimits(max_pixels=100))
+    with pytest.raises(APIError, match="media type says image/gif") as err:
+        images.decode_image(shot, "f", ImageLimits(), "image/gif", "f.media_type")
+    assert err.value.param == "f.media_type"
+    monkeypatch.undo()
+    cache = DecodedImages(max_bytes=100 * 100 * 3)
+    decoded = images._decode(shot, "f", ImageLimits())
+    cache.put(b"a", decoded)
+    cache.put(b"b", decoded)  # over the bound: the least recently used goes
+    assert cache.get(b"a") is None and cache.get(b"b") is decoded and cache.bytes == decoded.nbytes

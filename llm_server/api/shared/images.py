@@ -21,6 +21,7 @@ from PIL import Image, ImageOps
 from starlette.requests import Request
 
 from llm_server.api.shared.errors import invalid
+from llm_server.api.shared.image_cache import Decoded, DecodedImages
 from llm_server.images import ImageInput
 from llm_server.service import ModelService
 from llm_server.settings import ImageLimits
@@ -37,6 +38,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
 
 Chat = TypeVar("Chat")
+DECODED = DecodedImages()  # the process's decoded files (every app and model shares them)
 
 
 @dataclass(frozen=True)
@@ -196,11 +198,28 @@ def decode_image(
 
     The size is read from the header and checked before any pixel is decoded, so a
     decompression bomb is refused without being expanded; the digest covers mode, size and
-    pixels, so the same picture in another file format has the same digest."""
+    pixels, so the same picture in another file format has the same digest. A file decoded
+    before (DECODED) is not decoded again; the limits are checked again."""
     if not data:
         raise invalid(field, "the image is empty (0 bytes); send a PNG, JPEG, WebP or GIF file")
     if len(data) > limits.max_bytes:
         raise _too_many_bytes(field, len(data), limits)
+    key = hashlib.sha256(data).digest()
+    decoded = DECODED.get(key) or _decode(data, field, limits)
+    if media_type is not None and MEDIA_TYPES[media_type] != decoded.format:
+        raise invalid(
+            media_field or field,
+            f"the image is {FORMATS[decoded.format]} but the media type says {media_type}; "
+            "send the type that matches the data",
+        )
+    width, height = decoded.image.size
+    if width * height > limits.max_pixels:  # decoded before under a larger limit
+        raise _too_many_pixels(field, width * height, limits, f"{width}x{height} = ")
+    DECODED.put(key, decoded)
+    return ImageInput(image=decoded.image, digest=decoded.digest, field=field)
+
+
+def _decode(data: bytes, field: str, limits: ImageLimits) -> Decoded:
     # Pillow's own check (an error past twice the limit) is a second guard behind ours
     Image.MAX_IMAGE_PIXELS = max(Image.MAX_IMAGE_PIXELS or 0, limits.max_pixels)
     try:
@@ -214,12 +233,6 @@ def decode_image(
         raise invalid(
             field, f"the data is not a {KINDS} image, or it is corrupt or truncated"
         ) from None
-    if media_type is not None and MEDIA_TYPES[media_type] != img.format:
-        raise invalid(
-            media_field or field,
-            f"the image is {FORMATS[img.format]} but the media type says {media_type}; "
-            "send the type that matches the data",
-        )
     width, height = img.size
     if width == 0 or height == 0:
         raise invalid(field, f"the image is {width}x{height} pixels: it has no pixels")
@@ -234,7 +247,7 @@ def decode_image(
         ) from None
     digest = hashlib.sha256(f"{rgb.mode} {rgb.width}x{rgb.height}\n".encode())
     digest.update(rgb.tobytes())
-    return ImageInput(image=rgb, digest=digest.hexdigest(), field=field)
+    return Decoded(rgb, digest.hexdigest(), img.format or "")
 
 
 def _too_many_pixels(
