@@ -1,12 +1,15 @@
-"""Small image files the image tests send: good ones, broken ones and a decompression bomb."""
+"""Small image files the image tests send (good ones, broken ones, a decompression bomb) and the
+bodies and error checks those tests share."""
 
 from __future__ import annotations
 
+import base64
 import io
 import random
 import struct
 import zlib
 
+import httpx
 from PIL import Image
 
 
@@ -63,3 +66,28 @@ def _saved(img: Image.Image, fmt: str) -> bytes:
     out = io.BytesIO()
     img.save(out, fmt)
     return out.getvalue()
+
+
+def data_url(data: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64,{base64.b64encode(data).decode()}"
+
+
+def chat_body(url: str) -> dict:
+    """A chat completion body: a question, then the image at `url` (messages[0].content[1])."""
+    parts = [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": url}},
+    ]
+    return {"model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": parts}]}
+
+
+def assert_anthropic_error(resp: httpx.Response, status: int, *words: str) -> str:
+    """`resp` has `status` and Anthropic's error body whose message holds `words`."""
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert body["type"] == "error" and set(body) == {"type", "error"}
+    assert body["error"]["type"] == "invalid_request_error"
+    message = body["error"]["message"]
+    for w in words:
+        assert w in message, (w, message)
+    return message

@@ -15,8 +15,9 @@ import pytest
 
 from llm_server.settings import ImageLimits, ServerSettings
 from tests.api.helpers import assert_openai_error
-from tests.api.image_files import png
-from tests.api.test_images import CHAT, MESS, _chat, assert_anthropic_error, data_url
+from tests.api.image_files import assert_anthropic_error, chat_body, data_url, png
+
+CHAT, MESS = "/v1/chat/completions", "/v1/messages"
 
 LIMITS = ImageLimits(
     max_images=2, max_pixels=10_000, max_bytes=2_000, allow_urls=True, url_timeout=1.0
@@ -78,7 +79,7 @@ def limited(tiny_model_path: Path):
 
 
 def _refused(client: httpx.Client, url: str, field: str = FIELD) -> str:
-    return assert_openai_error(client.post(CHAT, json=_chat(url)), 400, field)["message"]
+    return assert_openai_error(client.post(CHAT, json=chat_body(url)), 400, field)["message"]
 
 
 def test_a_fetched_image_is_decoded_then_refused_by_a_text_model(limited, images_url):

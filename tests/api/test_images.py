@@ -4,193 +4,29 @@ API's own error format naming the field, before any row is taken."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import dataclasses
-import io
 import threading
 
 import anthropic
 import httpx
 import openai
 import pytest
-from PIL import Image
 
-from llm_server.api.anthropic.input import chat_messages
-from llm_server.api.openai.responses.items import input_messages
-from llm_server.api.shared.errors import APIError
-from llm_server.api.shared.images import ImageRef, load_images
-from llm_server.api.shared.schemas import parse_messages
 from llm_server.images import ImageInput, images_of
-from llm_server.settings import ImageLimits
 from tests.api.helpers import assert_openai_error
-from tests.api.image_files import bmp, bomb_png, gif, noise_png, png, zero_png
+from tests.api.image_files import (
+    assert_anthropic_error,
+    bmp,
+    bomb_png,
+    chat_body,
+    data_url,
+    noise_png,
+    png,
+    zero_png,
+)
 
 CHAT, RESP, MESS = "/v1/chat/completions", "/v1/responses", "/v1/messages"
-TAKES_IMAGES = True
-
-
-def data_url(data: bytes, media: str = "image/png") -> str:
-    return f"data:{media};base64,{base64.b64encode(data).decode()}"
-
-
-def _load(messages, limits: ImageLimits | None = None, takes: bool = TAKES_IMAGES):
-    return asyncio.run(load_images(tuple(messages), limits or ImageLimits(), "m", takes))
-
-
-# --- parsing: an accepted image arrives as an ImageInput part, in the user's order ---
-
-
-def test_chat_image_url_parts_become_image_parts_in_order():
-    red, blue = png(color=(255, 0, 0)), png(color=(0, 0, 255))
-    body = {
-        "messages": [
-            {"role": "system", "content": "Be brief."},
-            {
-                "role": "user",
-                "content": [
-                    {"type": "image_url", "image_url": {"url": data_url(red), "detail": "low"}},
-                    {"type": "text", "text": "and"},
-                    {"type": "image_url", "image_url": data_url(blue)},  # the string form
-                ],
-            },
-        ]
-    }
-    messages = parse_messages(body)
-    assert messages[0]["content"] == "Be brief."  # text-only content stays one string
-    parts = _load(messages)[1]["content"]
-    assert [p["type"] for p in parts] == ["image", "text", "image"]
-    first, second = parts[0]["image"], parts[2]["image"]
-    assert isinstance(first, ImageInput) and isinstance(second, ImageInput)
-    assert first.image.getpixel((0, 0)) == (255, 0, 0) and second.image.getpixel((0, 0)) == (
-        0,
-        0,
-        255,
-    )
-    assert first.field == "messages[1].content[0].image_url"
-    assert second.field == "messages[1].content[2].image_url"
-    assert parts[1] == {"type": "text", "text": "and"}
-
-
-def test_text_parts_alone_stay_one_string():
-    body = {
-        "messages": [
-            {
-                "role": "user",
-                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
-            }
-        ]
-    }
-    assert parse_messages(body)[0]["content"] == "ab"
-
-
-def test_responses_input_image_in_messages_and_function_call_output():
-    shot = data_url(png(color=(0, 255, 0)))
-    items = [
-        {"role": "user", "content": [{"type": "input_text", "text": "Look:"}, {"type": "input_image", "image_url": shot}]},
-        {"type": "function_call", "call_id": "c1", "name": "view_image", "arguments": "{}"},
-        {"type": "function_call_output", "call_id": "c1", "output": [
-            {"type": "input_image", "image_url": shot, "detail": "high"},
-            {"type": "input_text", "text": "that is the file"},
-        ]},
-    ]  # fmt: skip
-    messages, _ = input_messages(items, set())
-    loaded = _load(messages)
-    assert [p["type"] for p in loaded[0]["content"]] == ["text", "image"]
-    tool = loaded[2]
-    assert tool["role"] == "tool" and [p["type"] for p in tool["content"]] == ["image", "text"]
-    assert [i.field for i in images_of(list(loaded))] == [
-        "input[0].content[1].image_url",
-        "input[2].output[0].image_url",
-    ]
-
-
-def test_anthropic_image_blocks_and_tool_result_images():
-    data = base64.b64encode(png()).decode()
-    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
-    use = {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"file_path": "a.png"}}
-    raw = [
-        {"role": "user", "content": [{"type": "text", "text": "Read it"}, image]},
-        {"role": "assistant", "content": [use]},
-        {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [image, {"type": "text", "text": "ok"}]},
-            {"type": "text", "text": "What is it?"},
-        ]},
-    ]  # fmt: skip
-    loaded = _load(chat_messages(raw))
-    assert [p["type"] for p in loaded[0]["content"]] == ["text", "image"]
-    assert loaded[2]["role"] == "tool" and [p["type"] for p in loaded[2]["content"]] == [
-        "image",
-        "text",
-    ]
-    assert loaded[3] == {"role": "user", "content": "What is it?"}  # text only: a string
-    assert [i.field for i in images_of(list(loaded))] == [
-        "messages[0].content[1].source",
-        "messages[2].content[0].content[0].source",
-    ]
-
-
-# --- the decoder ---
-
-
-@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF"])
-def test_each_format_decodes_to_rgb(fmt):
-    from llm_server.api.shared.images import decode_image
-
-    out = io.BytesIO()
-    Image.new("RGB", (9, 6), (40, 80, 120)).save(out, fmt)
-    image = decode_image(out.getvalue(), "f", ImageLimits())
-    assert image.image.mode == "RGB" and image.image.size == (9, 6)
-    r, g, b = image.image.getpixel((4, 3))
-    assert abs(r - 40) < 12 and abs(g - 80) < 12 and abs(b - 120) < 12  # JPEG and GIF round
-
-
-def test_gif_first_frame_and_transparency_on_white():
-    from llm_server.api.shared.images import decode_image
-
-    assert decode_image(gif(), "f", ImageLimits()).image.getpixel((0, 0)) == (255, 0, 0)
-    out = io.BytesIO()
-    Image.new("RGBA", (2, 2), (0, 0, 0, 0)).save(out, "PNG")
-    assert decode_image(out.getvalue(), "f", ImageLimits()).image.getpixel((0, 0)) == (
-        255,
-        255,
-        255,
-    )
-
-
-def test_digest_is_the_pixels():
-    from llm_server.api.shared.images import decode_image
-
-    limits = ImageLimits()
-    same = Image.new("RGB", (5, 5), (1, 2, 3))
-    as_png, as_webp = io.BytesIO(), io.BytesIO()
-    same.save(as_png, "PNG")
-    same.save(as_webp, "WEBP", lossless=True)
-    a = decode_image(as_png.getvalue(), "f", limits).digest
-    assert a == decode_image(png((5, 5), (1, 2, 3)), "g", limits).digest  # same pixels
-    assert a == decode_image(as_webp.getvalue(), "f", limits).digest  # another format
-    assert a != decode_image(png((5, 5), (1, 2, 4)), "f", limits).digest  # one channel differs
-    assert a != decode_image(png((5, 4), (1, 2, 3)), "f", limits).digest  # another size
-    assert len(a) == 64
-
-
-def test_a_decompression_bomb_is_refused_from_its_header(monkeypatch):
-    from PIL import ImageFile
-
-    from llm_server.api.shared.images import decode_image
-
-    def never(self):
-        raise AssertionError("a bomb must not be decoded")
-
-    monkeypatch.setattr(ImageFile.ImageFile, "load", never)
-    for size, limits in (
-        ((100_000, 100_000), ImageLimits()),
-        ((300, 300), ImageLimits(max_pixels=50_000)),
-    ):
-        with pytest.raises(APIError) as err:
-            decode_image(bomb_png(*size), "f", limits)
-        assert err.value.param == "f" and "--max-image-pixels" in err.value.message
-    assert "300x300 = 90,000 pixels" in err.value.message
 
 
 # --- bad images on every API, each in its own format ---
@@ -215,14 +51,6 @@ def _url(value: bytes | str, media: str | None) -> str:
     if isinstance(value, str):
         return value if media is None else f"data:{media};base64,{value}"
     return data_url(value, media or "image/png")
-
-
-def _chat(url: str) -> dict:
-    parts = [
-        {"type": "text", "text": "What is this?"},
-        {"type": "image_url", "image_url": {"url": url}},
-    ]
-    return {"model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": parts}]}
 
 
 def _responses(url: str) -> dict:
@@ -258,17 +86,6 @@ def _anthropic_field(case: str, media: str | None) -> str:
     return base if case == "text-only-model" else f"{base}.data"
 
 
-def assert_anthropic_error(resp: httpx.Response, status: int, *words: str) -> str:
-    assert resp.status_code == status, resp.text
-    body = resp.json()
-    assert body["type"] == "error" and set(body) == {"type", "error"}
-    assert body["error"]["type"] == "invalid_request_error"
-    message = body["error"]["message"]
-    for w in words:
-        assert w in message, (w, message)
-    return message
-
-
 @pytest.fixture(scope="module")
 def client(hermes_server):
     with httpx.Client(base_url=hermes_server.url, timeout=60) as c:
@@ -279,7 +96,7 @@ def client(hermes_server):
 def test_bad_images_are_400s_naming_the_field_on_each_api(client, case, value, media, words):
     url = _url(value, media)
     field = "messages[0].content[1].image_url"
-    err = assert_openai_error(client.post(CHAT, json=_chat(url)), 400, field)
+    err = assert_openai_error(client.post(CHAT, json=chat_body(url)), 400, field)
     assert words in err["message"] and err["type"] == "invalid_request_error"
     field = "input[0].content[1].image_url"
     err = assert_openai_error(client.post(RESP, json=_responses(url)), 400, field)
@@ -290,7 +107,7 @@ def test_bad_images_are_400s_naming_the_field_on_each_api(client, case, value, m
 
 def test_a_text_only_model_names_itself_and_the_field(client, hermes_server):
     model = hermes_server.state.model_id
-    err = assert_openai_error(client.post(CHAT, json=_chat(data_url(GOOD))), 400)
+    err = assert_openai_error(client.post(CHAT, json=chat_body(data_url(GOOD))), 400)
     assert repr(model) in err["message"] and "messages[0].content[1].image_url" in err["message"]
 
 
@@ -309,7 +126,7 @@ def test_more_images_than_max_images(client):
 
 
 def test_detail_file_id_and_role_are_checked(client):
-    body = _chat(data_url(GOOD))
+    body = chat_body(data_url(GOOD))
     body["messages"][0]["content"][1]["image_url"]["detail"] = "ultra"
     assert_openai_error(
         client.post(CHAT, json=body), 400, "messages[0].content[1].image_url.detail"
@@ -346,7 +163,7 @@ def test_responses_function_call_output_image_on_a_text_model(client):
 
 
 def test_tokenize_and_count_tokens_refuse_images_for_a_text_model(client):
-    body = {"messages": _chat(data_url(GOOD))["messages"]}
+    body = {"messages": chat_body(data_url(GOOD))["messages"]}
     assert_openai_error(
         client.post("/tokenize", json=body), 400, "messages[0].content[1].image_url"
     )
@@ -420,7 +237,7 @@ def test_text_requests_are_untouched_while_bad_images_are_refused(oai, client):
     while runner.is_alive() or refused < 6:
         for case in (BAD[0], BAD[5], BAD[-1]):
             _, value, media, _ = case
-            assert client.post(CHAT, json=_chat(_url(value, media))).status_code == 400
+            assert client.post(CHAT, json=chat_body(_url(value, media))).status_code == 400
             assert (
                 client.post(MESS, json=_messages(_anthropic_source(value, media))).status_code
                 == 400
@@ -439,20 +256,6 @@ def test_models_report_input_modalities(client, hermes_server):
         assert model["input_modalities"] == ["text", "image"]
     finally:
         hermes_server.service.vision = None
-
-
-def test_an_image_ref_never_reaches_a_renderer():
-    ref = ImageRef("messages[0].content[0].image_url", url=data_url(GOOD))
-    loaded = _load([{"role": "user", "content": [{"type": "image", "image": ref}]}])
-    assert isinstance(loaded[0]["content"][0]["image"], ImageInput)
-
-
-def test_warm_prompts_take_no_images():
-    from llm_server.warm_prompts import warm_tokens
-
-    item = {"messages": _chat(data_url(GOOD))["messages"]}
-    with pytest.raises(ValueError, match="warm prompt 0: images are not prefilled"):
-        warm_tokens(None, [item])
 
 
 @pytest.fixture
@@ -548,29 +351,3 @@ def test_a_stored_response_keeps_its_images_for_the_next_turn(planned, client):
     assert second.status_code == 200, second.text
     digests = [images_of(list(chat.messages))[0].digest for chat in planned]
     assert len(digests) == 2 and digests[0] == digests[1]
-
-
-def test_a_file_sent_again_is_not_decoded_again(monkeypatch):
-    """Agents resend every image on every turn: the same bytes are decoded once (the limits
-    and the declared type are still checked); the cache is bounded by decoded bytes."""
-    from llm_server.api.shared import images
-    from llm_server.api.shared.image_cache import DecodedImages
-
-    monkeypatch.setattr(images, "DECODED", DecodedImages(max_bytes=100 * 100 * 3))
-    shot = png((100, 100), (9, 9, 9))
-    first = images.decode_image(shot, "turn1", ImageLimits())
-    calls = []
-    monkeypatch.setattr(images, "_decode", lambda *a: calls.append(a))
-    again = images.decode_image(shot, "turn2", ImageLimits())
-    assert calls == [] and again.field == "turn2" and again.digest == first.digest
-    with pytest.raises(APIError, match="--max-image-pixels"):
-        images.decode_image(shot, "f", ImageLimits(max_pixels=100))
-    with pytest.raises(APIError, match="media type says image/gif") as err:
-        images.decode_image(shot, "f", ImageLimits(), "image/gif", "f.media_type")
-    assert err.value.param == "f.media_type"
-    monkeypatch.undo()
-    cache = DecodedImages(max_bytes=100 * 100 * 3)
-    decoded = images._decode(shot, "f", ImageLimits())
-    cache.put(b"a", decoded)
-    cache.put(b"b", decoded)  # over the bound: the least recently used goes
-    assert cache.get(b"a") is None and cache.get(b"b") is decoded and cache.bytes == decoded.nbytes
