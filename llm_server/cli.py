@@ -21,7 +21,13 @@ from llm_server.scheduler.batch import (
     DEFAULT_SPECULATIVE,
     DEFAULT_STEP_TOKENS,
 )
-from llm_server.settings import DEFAULT_LOAD_WAIT_S, DEFAULT_MAX_FILE_BYTES
+from llm_server.settings import (
+    DEFAULT_LOAD_WAIT_S,
+    DEFAULT_MAX_FILE_BYTES,
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES,
+)
 from llm_server.tools.registry import PARSERS
 
 if TYPE_CHECKING:
@@ -314,6 +320,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest file POST /v1/files takes, e.g. 50M (default 200M); larger gets HTTP 413",
     )
     p.add_argument(
+        "--max-images",
+        type=int,
+        default=DEFAULT_MAX_IMAGES,
+        metavar="N",
+        help=f"most images one request may carry (default {DEFAULT_MAX_IMAGES}); more gets "
+        "HTTP 400",
+    )
+    p.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=DEFAULT_MAX_IMAGE_PIXELS,
+        metavar="N",
+        help=f"largest image, width x height in pixels (default {DEFAULT_MAX_IMAGE_PIXELS:,}, "
+        "8K); larger gets HTTP 400, checked from the file's header before anything is decoded",
+    )
+    p.add_argument(
+        "--allow-image-urls",
+        action="store_true",
+        help="fetch http(s) image URLs a request names (default: off, only data: URLs and "
+        "base64 images; a URL gets HTTP 400). file:// and other schemes are always refused",
+    )
+    p.add_argument(
+        "--max-image-bytes",
+        type=_size,
+        default=DEFAULT_MAX_IMAGE_BYTES,
+        metavar="SIZE",
+        help="largest image file, inline or fetched, e.g. 5M (default 20M); larger gets HTTP 400",
+    )
+    p.add_argument(
         "--log-requests",
         metavar="FILE",
         help="append one JSON line per API request to FILE (see README, Replay)",
@@ -422,6 +457,12 @@ def validate_args(args: argparse.Namespace) -> None:
         raise SystemExit("llm-server: --max-body-size must be at least 1 byte")
     if args.max_file_size < 1:
         raise SystemExit("llm-server: --max-file-size must be at least 1 byte")
+    if args.max_images < 0:
+        raise SystemExit("llm-server: --max-images must be 0 (no images) or more")
+    if args.max_image_pixels < 1:
+        raise SystemExit("llm-server: --max-image-pixels must be at least 1")
+    if args.max_image_bytes < 1:
+        raise SystemExit("llm-server: --max-image-bytes must be at least 1 byte")
     if args.pipeline and not (args.distributed or args.hosts):
         raise SystemExit("llm-server: --pipeline needs --distributed BACKEND or --hosts HOSTFILE")
     if args.models or args.models_from_cache:

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, eq=False)
 class ImageInput:
-    image: Image.Image  # RGB, within the server's limits
+    # RGB, within the server's limits; shared by every request that sends the same file: read only
+    image: Image.Image
     digest: str  # SHA-256 hex of the decoded pixels and size: the prefix cache's key
     field: str  # the request field it came from ("messages[1].content[0].image_url")
 

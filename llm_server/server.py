@@ -81,6 +81,7 @@ def _http_server(http: HTTPSettings, state: AppState, request_log):
         ui=http.ui,
         data_dir=http.data_dir,
         max_file_bytes=http.max_file_bytes,
+        images=http.images,
     )
     config = uvicorn.Config(
         app,
@@ -223,6 +224,7 @@ async def run_replay(
             api_key=key,
             max_body_bytes=settings.http.max_body_bytes,
             request_log=recorder,
+            images=settings.http.images,
         )
         report = await replay_app(
             app,

@@ -15,6 +15,21 @@ from llm_server.service import ServiceConfig
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # --max-body-size's default
 DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024  # --max-file-size's default (OpenAI's bound)
 DEFAULT_LOAD_WAIT_S = 60.0  # --load-wait's default: a load waits this long for room (--models)
+DEFAULT_MAX_IMAGES = 8  # --max-images' default: images one request may carry
+DEFAULT_MAX_IMAGE_PIXELS = 7680 * 4320  # --max-image-pixels' default: 8K (33,177,600 pixels)
+DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024  # --max-image-bytes' default: one image file
+DEFAULT_IMAGE_URL_TIMEOUT_S = 10.0  # seconds one http(s) image fetch may take
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """What the API layer takes in images (api/shared/images.py), per request."""
+
+    max_images: int = DEFAULT_MAX_IMAGES  # more image parts in one request: 400
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # width * height; larger: 400, never decoded
+    max_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # one image file, inline or fetched; larger: 400
+    allow_urls: bool = False  # fetch http(s) image URLs (--allow-image-urls); off: 400
+    url_timeout: float = DEFAULT_IMAGE_URL_TIMEOUT_S  # seconds a fetch may take in all
 
 
 @dataclass(frozen=True)
@@ -32,6 +47,7 @@ class HTTPSettings:
     ui: bool = True  # the page at `/` (api/ui/); --no-ui turns it off
     data_dir: Path | None = None  # the Batch API's files and batches (None: the user's data dir)
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES  # a larger upload to /v1/files gets 413
+    images: ImageLimits = field(default_factory=ImageLimits)  # --max-images and the others
 
 
 @dataclass(frozen=True)
@@ -93,6 +109,12 @@ class ServerSettings:
                 ui=not args.no_ui,
                 data_dir=args.data_dir,
                 max_file_bytes=args.max_file_size,
+                images=ImageLimits(
+                    max_images=args.max_images,
+                    max_pixels=args.max_image_pixels,
+                    max_bytes=args.max_image_bytes,
+                    allow_urls=args.allow_image_urls,
+                ),
             ),
             backend=args.backend,
             distributed=args.distributed or "",

@@ -44,6 +44,7 @@ def warm_tokens(service, items: list[Any]) -> list[list[int]]:
     """Each item's prompt ids as the API would build them for `service`'s model."""
     from llm_server.api.chat.plan import chat_prompt
     from llm_server.api.shared.errors import APIError
+    from llm_server.api.shared.images import is_image_part
     from llm_server.api.shared.schemas import parse_chat
 
     out = []
@@ -51,6 +52,11 @@ def warm_tokens(service, items: list[Any]) -> list[list[int]]:
         if isinstance(item, dict) and "messages" in item:
             try:
                 chat = parse_chat({**item, "max_tokens": 1}, 1)
+                parts = [
+                    p for m in chat.messages if isinstance(m["content"], list) for p in m["content"]
+                ]
+                if any(is_image_part(p) for p in parts):
+                    raise ValueError(f"warm prompt {i}: images are not prefilled; leave them out")
                 out.append(chat_prompt(service, chat))
             except APIError as exc:
                 raise ValueError(f"warm prompt {i}: {exc}") from None

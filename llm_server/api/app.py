@@ -44,7 +44,7 @@ from llm_server.api.shared.recent import RecentRequests, RecentRequestsMiddlewar
 from llm_server.api.shared.request_log import RequestLogMiddleware, RequestRecorder
 from llm_server.api.shared.security import APIKeyMiddleware, SameOriginMiddleware, resolve_api_key
 from llm_server.api.shared.state import AppState, scoped_service
-from llm_server.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_FILE_BYTES
+from llm_server.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_FILE_BYTES, ImageLimits
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +144,7 @@ def create_app(
     ui: bool = True,
     data_dir: Path | None = None,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    images: ImageLimits | None = None,
 ) -> Starlette:
     """The ASGI app for `state`.
 
@@ -152,7 +153,8 @@ def create_app(
     `request_log` records every API request (the caller closes it after the service has
     drained); `ui` serves the page at `/` (api/ui/) and keeps the recent requests it lists;
     the Batch API keeps its files and batches in `data_dir` (None: the user's data folder, on
-    first use) and takes files up to `max_file_bytes`.
+    first use) and takes files up to `max_file_bytes`; `images` bounds the images a request
+    carries (api/shared/images.py; None: the defaults).
     """
     if max_body_bytes < 1:
         raise ValueError("max_body_bytes must be at least 1")
@@ -213,6 +215,7 @@ def create_app(
     app.state.llm = state
     app.state.metrics = metrics
     app.state.max_body_bytes = max_body_bytes
+    app.state.image_limits = images or ImageLimits()
     app.state.recent = recent
     app.state.openapi = openapi_schema()
     app.state.batch = attach_batch_api(app, state, data_dir, max_file_bytes, key)

@@ -12,6 +12,7 @@ from llm_server.api.chat.plan import render_prompt
 from llm_server.api.managed_models import list_managed, managed_health
 from llm_server.api.shared.errors import invalid
 from llm_server.api.shared.handling import check_model, get_service, read_json, served_id
+from llm_server.api.shared.images import input_modalities, load_images
 from llm_server.api.shared.schemas import parse_messages
 from llm_server.api.shared.state import AppState
 from llm_server.api.shared.tool_fields import parse_template_kwargs, parse_tools
@@ -23,7 +24,13 @@ async def list_models(request: Request) -> Response:
     if st.manager is not None:
         return list_managed(st.manager)
     created = int(st.service.started_at) if st.service else int(time.time())
-    model = {"id": st.model_id, "object": "model", "created": created, "owned_by": "llm-server"}
+    model = {
+        "id": st.model_id,
+        "object": "model",
+        "created": created,
+        "owned_by": "llm-server",
+        "input_modalities": input_modalities(st.service),  # null while loading
+    }
     return JSONResponse({"object": "list", "data": [model]})
 
 
@@ -83,7 +90,13 @@ async def tokenize(request: Request) -> Response:
     if "messages" in body:
         # the prompt chat sends (tools in the generic format where the template shows none)
         kwargs = parse_template_kwargs(body)
-        ids = render_prompt(service, list(parse_messages(body)), parse_tools(body), kwargs)
+        messages = await load_images(
+            parse_messages(body),
+            request.app.state.image_limits,
+            served_id(request),
+            service.vision is not None,
+        )
+        ids = render_prompt(service, list(messages), parse_tools(body), kwargs)
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):

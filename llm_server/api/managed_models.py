@@ -8,10 +8,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from llm_server.api.shared.errors import APIError
+from llm_server.api.shared.images import input_modalities
 from llm_server.api.shared.state import AppState
 from llm_server.models.manager import ModelManager
 from llm_server.models.memory import rss_bytes
-from llm_server.models.slots import ModelError, Status
+from llm_server.models.slots import ModelError, ModelSlot, Status
 
 
 def _manager(request: Request) -> ModelManager:
@@ -26,7 +27,7 @@ def _manager(request: Request) -> ModelManager:
 
 
 def list_managed(manager: ModelManager) -> Response:
-    data = [slot.describe() for slot in manager.slots.values()]
+    data = [_described(slot) for slot in manager.slots.values()]
     return JSONResponse({"object": "list", "data": data, "memory": memory(manager)})
 
 
@@ -42,7 +43,7 @@ async def model_action(request: Request) -> Response:
     name, _, action = rest.rpartition("/")
     try:
         if request.method == "GET":
-            return JSONResponse(manager.slot(rest).describe())
+            return JSONResponse(_described(manager.slot(rest)))
         if action == "load" and name:
             slot = await manager.load(name)
         elif action == "unload" and name:
@@ -51,7 +52,12 @@ async def model_action(request: Request) -> Response:
             raise APIError(404, f"no route {request.url.path}", code="not_found")
     except ModelError as exc:
         raise APIError(exc.status, str(exc), param="model", code=exc.code) from None
-    return JSONResponse(slot.describe())
+    return JSONResponse(_described(slot))
+
+
+def _described(slot: ModelSlot) -> dict:
+    """The slot as models/slots.py describes it, and what it reads (null until loaded)."""
+    return {**slot.describe(), "input_modalities": input_modalities(slot.service)}
 
 
 def managed_health(state: AppState, manager: ModelManager) -> Response:

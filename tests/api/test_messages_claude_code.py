@@ -8,11 +8,14 @@ Claude Code's first request: `?beta=true`, an `anthropic-beta` header, system bl
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 
 import anthropic
 import httpx
 import pytest
+from PIL import Image
 
 from llm_server.api.anthropic.system import place_system, renders_system_in_place
 from llm_server.testing.tiny import build_tiny_checkpoint
@@ -272,17 +275,14 @@ def test_structured_output_config(ant):
     assert isinstance(json.loads(m.content[0].text)["n"], int)
 
 
-def test_tool_search_and_image_results_read_as_text(hermes_server):
+def test_tool_search_results_read_as_text_and_image_results_name_their_field(hermes_server):
     """Claude Code's tool search answers with `tool_reference` blocks (the tool itself sent with
-    `defer_loading`) and Read with image blocks: both read as text, never a 400 that every
-    later turn of the conversation would repeat."""
+    `defer_loading`): they read as text. Its Read tool answers with image blocks: a text-only
+    model refuses them with a 400 naming the model and the block (issue 49), not a line of text
+    the model would take for the picture."""
     use = {"type": "tool_use", "id": "toolu_1", "name": "ToolSearch", "input": {"query": "grep"}}
-    blocks = [
-        {"type": "tool_reference", "tool_name": "Grep"},
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}},
-        {"type": "text", "text": "done"},
-    ]
-    text = "Tool available: Grep\n[image omitted: this model reads text only]\ndone"
+    blocks = [{"type": "tool_reference", "tool_name": "Grep"}, {"type": "text", "text": "done"}]
+    text = "Tool available: Grep\ndone"
 
     def body(content) -> dict:
         result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": content}
@@ -302,3 +302,18 @@ def test_tool_search_and_image_results_read_as_text(hermes_server):
     assert r.status_code == 200, r.text
     counted = [_post(hermes_server, body(c), "/v1/messages/count_tokens") for c in (blocks, text)]
     assert counted[0].json() == counted[1].json()
+    png = base64.b64encode(_png()).decode()
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}
+    for path in ("/v1/messages?beta=true", "/v1/messages/count_tokens"):
+        r = _post(hermes_server, body([*blocks, image]), path)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        assert "messages[2].content[0].content[2].source" in error["message"]
+        assert "reads text only" in error["message"]
+
+
+def _png() -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (4, 4), (200, 10, 10)).save(out, "PNG")
+    return out.getvalue()

@@ -104,3 +104,80 @@ def test_responses_match_declared_schemas(spec, http, method, path, body, status
     assert str(resp.status_code) == status, resp.text
     schema = op["responses"][status]["content"]["application/json"]["schema"]
     jsonschema.validate(resp.json(), _to_json_schema(copy.deepcopy(schema), components))
+
+
+PNG_URL = "data:image/png;base64,iVBORw0KGgo="
+IMAGE_BODIES = [
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is it?"},
+                        {"type": "image_url", "image_url": {"url": PNG_URL, "detail": "low"}},
+                        {"type": "image_url", "image_url": PNG_URL},
+                    ],
+                }
+            ]
+        },
+    ),
+    (
+        "/v1/responses",
+        {
+            "input": [
+                {"role": "user", "content": [{"type": "input_image", "image_url": PNG_URL}]},
+                {"type": "function_call", "call_id": "c", "name": "view", "arguments": "{}"},
+                {
+                    "type": "function_call_output",
+                    "call_id": "c",
+                    "output": [{"type": "input_image", "image_url": PNG_URL, "detail": "auto"}],
+                },
+            ]
+        },
+    ),
+    (
+        "/v1/messages",
+        {
+            "model": "m",
+            "max_tokens": 4,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image",
+                            "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
+                        },
+                        {"type": "image", "source": {"type": "url", "url": "https://x/a.png"}},
+                    ],
+                }
+            ],
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), IMAGE_BODIES, ids=[p for p, _ in IMAGE_BODIES])
+def test_image_parts_are_described(spec, path, body):
+    """The document describes each API's image parts: a body with them validates, and one with
+    an image part of a wrong shape does not."""
+    components = spec["components"]["schemas"]
+    op = spec["paths"][path]["post"]
+    schema = _to_json_schema(op["requestBody"]["content"]["application/json"]["schema"], components)
+    jsonschema.validate(body, schema)
+    text = repr(schema)
+    assert "--allow-image-urls" in text and "a text-only model answers 400" in text
+    if path == "/v1/chat/completions":
+        bad = copy.deepcopy(body)
+        bad["messages"][0]["content"][1]["image_url"]["detail"] = "ultra"
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+
+
+def test_models_declare_input_modalities(spec, http):
+    components = spec["components"]["schemas"]
+    item = components["ModelList"]["properties"]["data"]["items"]
+    assert item["properties"]["input_modalities"]["items"]["enum"] == ["text", "image"]
+    assert http.get("/v1/models").json()["data"][0]["input_modalities"] == ["text"]

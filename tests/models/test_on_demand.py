@@ -187,7 +187,8 @@ def test_every_api_serves_the_model_it_names(entries):
 
 def test_the_openai_sdk_lists_retrieves_and_calls_registered_models(entries):
     """The real openai client against the daemon: models.list() holds every registered model
-    with its status, retrieve() one, a chat naming a model loads it, an unknown one is 404."""
+    with its status and input modalities, retrieve() one, a chat naming a model loads it, an
+    unknown one is 404."""
     import openai
 
     with ManagedServer(entries) as srv:
@@ -195,12 +196,15 @@ def test_the_openai_sdk_lists_retrieves_and_calls_registered_models(entries):
         listed = client.models.list().data
         assert sorted(m.id for m in listed) == ["alpha", "beta", "gamma"]
         assert {m.model_extra["status"] for m in listed} == {"unloaded"}
+        # what a model reads is known once it is loaded (its service's vision renderer)
+        assert [m.model_extra["input_modalities"] for m in listed] == [None] * 3
         chat = client.chat.completions.create(
             model="gamma", messages=[{"role": "user", "content": "hi"}], max_tokens=4
         )
         assert chat.model == "gamma" and chat.usage.completion_tokens > 0
         gamma = client.models.retrieve("gamma")
         assert gamma.id == "gamma" and gamma.model_extra["status"] == "loaded"
+        assert gamma.model_extra["input_modalities"] == ["text"]
         with pytest.raises(openai.NotFoundError) as missing:
             client.chat.completions.create(
                 model="nope", messages=[{"role": "user", "content": "hi"}], max_tokens=4

@@ -14,7 +14,8 @@ AGENT_CASES = [
     Case("responses-unknown-item-type", RESP, {"input": [{"type": "web_search_call"}]}, 400,
          "input[0].type", ("web_search_call",)),
     Case("responses-image-part", RESP, {"input": [{"role": "user", "content": [
-        {"type": "input_image", "image_url": "x"}]}]}, 400, "input[0].content[0].type"),
+        {"type": "input_image", "image_url": "x"}]}]}, 400, "input[0].content[0].image_url",
+         ("data: URL",)),
     Case("responses-output-without-call", RESP, {"input": [
         {"type": "function_call_output", "call_id": "call_9", "output": "x"}]}, 400,
          "input[0].call_id", ("call_9",)),

@@ -17,6 +17,7 @@ from llm_server.api.anthropic import fields as fields_of
 from llm_server.api.anthropic.system import place_system
 from llm_server.api.chat.run import parse_translated
 from llm_server.api.shared.errors import invalid
+from llm_server.api.shared.images import base64_ref, image_part, is_image_part
 from llm_server.api.shared.sampling_fields import MAX_STOP_SEQUENCES as CHAT_MAX_STOPS
 from llm_server.api.shared.schemas import ChatRequest
 from llm_server.service import ModelService
@@ -191,12 +192,14 @@ def _assistant(blocks: list, param: str) -> tuple[dict[str, Any], str, set[str]]
 
 
 def _user(blocks: list, param: str, open_calls: set[str]) -> list[dict[str, Any]]:
-    results, text = [], []
+    results, parts = [], []
     for j, b in enumerate(blocks):
         where = f"{param}.content[{j}]"
         kind = b.get("type") if isinstance(b, dict) else None
         if kind == "text":
-            text.append(_text_block(b, where))
+            parts.append({"type": "text", "text": _text_block(b, where)})
+        elif kind == "image":
+            parts.append(image_part(base64_ref(b.get("source"), f"{where}.source")))
         elif kind == "tool_result":
             cid = b.get("tool_use_id")
             if not isinstance(cid, str) or cid not in open_calls:
@@ -209,32 +212,57 @@ def _user(blocks: list, param: str, open_calls: set[str]) -> list[dict[str, Any]
         else:
             raise invalid(
                 f"{where}.type",
-                f"user block type {kind!r} is not supported; send text or tool_result blocks",
+                f"user block type {kind!r} is not supported; send text, image or tool_result "
+                "blocks",
             )
-    if text or not results:
-        results.append({"role": "user", "content": "".join(text)})
+    if parts or not results:
+        results.append({"role": "user", "content": _joined(parts)})
     return results
 
 
-def _result(block: dict, param: str) -> str:
+def _joined(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Text parts as one string, as always; with an image, the parts in order."""
+    if any(is_image_part(p) for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
+
+
+def _result(block: dict, param: str) -> str | list[dict[str, Any]]:
     content = block.get("content")
     if content is None:
         content = ""
-    if isinstance(content, list):
-        content = "".join(_result_part(b, f"{param}.content[{k}]") for k, b in enumerate(content))
-    if not isinstance(content, str):
-        raise invalid(f"{param}.content", "tool_result content must be a string or text blocks")
+    if isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    elif isinstance(content, list):
+        content = [_result_part(b, f"{param}.content[{k}]") for k, b in enumerate(content)]
+    else:
+        raise invalid(
+            f"{param}.content", "tool_result content must be a string or text and image blocks"
+        )
     if block.get("is_error"):
-        return f"Error: {content}"
-    return content
+        content = [{"type": "text", "text": "Error: "}, *content]
+    return _joined(_merged(content))
 
 
-def _result_part(block: Any, param: str) -> str:
-    """A tool_result's block as text. Claude Code's tool search answers with `tool_reference`
-    blocks and its Read tool with images; refusing them would refuse every later turn too."""
+def _merged(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Neighbouring text parts as one (a tool result's text reads as it always did)."""
+    out: list[dict[str, Any]] = []
+    for p in parts:
+        if out and p["type"] == "text" and out[-1]["type"] == "text":
+            out[-1] = {"type": "text", "text": out[-1]["text"] + p["text"]}
+        else:
+            out.append(p)
+    return out
+
+
+def _result_part(block: Any, param: str) -> dict[str, Any]:
+    """A tool_result's block as a part: Claude Code's Read tool answers with images, its tool
+    search with `tool_reference` blocks (read as text); a document is named, not read."""
     kind = block.get("type") if isinstance(block, dict) else None
+    if kind == "image":
+        return image_part(base64_ref(block.get("source"), f"{param}.source"))
     if kind == "tool_reference":
-        return f"Tool available: {block.get('tool_name')}\n"
-    if kind in ("image", "document"):
-        return f"[{kind} omitted: this model reads text only]\n"
-    return _text_block(block, param)
+        return {"type": "text", "text": f"Tool available: {block.get('tool_name')}\n"}
+    if kind == "document":
+        return {"type": "text", "text": "[document omitted: this model reads text only]\n"}
+    return {"type": "text", "text": _text_block(block, param)}

@@ -38,6 +38,7 @@ from llm_server.api.shared.errors import (
     note_refusal,
 )
 from llm_server.api.shared.handling import check_model, get_service, read_json, served_id, settle
+from llm_server.api.shared.images import with_images
 from llm_server.api.shared.streaming import collect_many
 from llm_server.decoding import FinishReason
 from llm_server.scheduler import FinishEvent
@@ -98,6 +99,7 @@ async def count_tokens(request: Request) -> Response:
         body = await read_json(request)
         chat = parse_messages_request(body, service, count_only=True)
         check_model(service, chat.model, served_id(request))
+        chat = await with_images(request, service, chat, served_id(request))
         prompt = chat_prompt(service, chat)
     except APIError as exc:
         return _refused(request, exc)
@@ -109,6 +111,7 @@ async def _create(request: Request) -> Response:
     body = await read_json(request)
     chat = parse_messages_request(body, service)
     check_model(service, chat.model, served_id(request))
+    chat = await with_images(request, service, chat, served_id(request))
     try:  # context errors, then a 429, before any byte (S3)
         started = await start_chat(
             service, chat, check_length=lambda n: check_context(service, n, chat.params.max_tokens)

@@ -22,6 +22,7 @@ from llm_server.api.shared.handling import (
     settle,
     usage,
 )
+from llm_server.api.shared.images import with_images
 from llm_server.api.shared.schemas import ChatRequest, parse_chat
 from llm_server.api.shared.streaming import collect_many, finish_reason, merge_events, sse
 from llm_server.decoding import FinishReason
@@ -39,6 +40,7 @@ async def chat_completions(request: Request) -> Response:
         body, service.config.default_max_tokens, service.token_id_limit, service.sampling_defaults
     )
     check_model(service, chat.model, served_id(request))
+    chat = await with_images(request, service, chat, served_id(request))
     if not any(m["content"] or m.get("tool_calls") for m in chat.messages):
         raise invalid("messages", "every message is empty; send some content")
     # every choice admitted before any SSE byte (S3), all or none

@@ -5,6 +5,7 @@ from __future__ import annotations
 from llm_server.api.anthropic import fields as messages_fields
 from llm_server.api.anthropic import input as messages_input
 from llm_server.api.openai.responses import input as responses_input
+from llm_server.api.openapi import images
 from llm_server.api.openapi.blocks import (
     BOOL,
     INT,
@@ -25,6 +26,7 @@ _TEXT_PART = {
         "text": STR,
     },
 }
+_INPUT_PART = {"oneOf": [_TEXT_PART, images.RESPONSES_IMAGE_PART]}
 _CALL_FIELDS = {"call_id": STR, "name": STR, "namespace": STR, "arguments": STR, "input": STR}
 _INPUT_ITEM = {
     "type": "object",
@@ -45,9 +47,9 @@ _INPUT_ITEM = {
         "id": STR,
         "status": STR,
         "role": {"type": "string", "enum": ["user", "assistant", "system", "developer"]},
-        "content": {"oneOf": [STR, {"type": "array", "items": _TEXT_PART}]},
+        "content": {"oneOf": [STR, {"type": "array", "items": _INPUT_PART}]},
         **_CALL_FIELDS,
-        "output": STR,
+        "output": {"oneOf": [STR, {"type": "array", "items": _INPUT_PART}]},
     },
 }
 _OUTPUT_ITEM = {
@@ -78,13 +80,20 @@ _ANT_BLOCK = {
     "type": "object",
     "required": ["type"],
     "properties": {
-        "type": {"type": "string", "enum": ["text", "tool_use", "tool_result", "thinking"]},
+        "type": {
+            "type": "string",
+            "enum": ["text", "image", "tool_use", "tool_result", "thinking"],
+        },
+        "source": images.ANTHROPIC_IMAGE_SOURCE,
         "text": STR,
         "id": STR,
         "name": STR,
         "input": OBJ,
         "tool_use_id": STR,
-        "content": {"oneOf": [STR, {"type": "array", "items": OBJ}]},
+        "content": {
+            "oneOf": [STR, {"type": "array", "items": OBJ}],
+            "description": "a tool_result's text and image blocks",
+        },
         "thinking": STR,
     },
 }

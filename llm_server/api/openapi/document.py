@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llm_server.api.openapi import agents, batches, info, tools
+from llm_server.api.openapi import agents, batches, images, info, tools
 from llm_server.api.openapi.blocks import (
     BOOL,
     INT,
@@ -155,12 +155,17 @@ SCHEMAS: dict[str, dict] = {
                         {
                             "type": "array",
                             "items": {
-                                "type": "object",
-                                "required": ["type", "text"],
-                                "properties": {
-                                    "type": {"type": "string", "enum": ["text"]},
-                                    "text": STR,
-                                },
+                                "oneOf": [
+                                    {
+                                        "type": "object",
+                                        "required": ["type", "text"],
+                                        "properties": {
+                                            "type": {"type": "string", "enum": ["text"]},
+                                            "text": STR,
+                                        },
+                                    },
+                                    images.CHAT_IMAGE_PART,
+                                ]
                             },
                         },
                     ]

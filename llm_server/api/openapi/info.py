@@ -16,6 +16,7 @@ from llm_server.api.openapi.blocks import (
     post_path,
     ref,
 )
+from llm_server.api.openapi.images import INPUT_MODALITIES
 
 _NO_QUEUE = tuple(s for s in POST_ERRORS if s != "429")  # tokenizing never waits for a row
 
@@ -24,7 +25,13 @@ SCHEMAS = {
         {
             "type": "object",
             "required": ["id", "object", "created", "owned_by"],
-            "properties": {"id": STR, "object": STR, "created": INT, "owned_by": STR},
+            "properties": {
+                "id": STR,
+                "object": STR,
+                "created": INT,
+                "owned_by": STR,
+                "input_modalities": INPUT_MODALITIES,
+            },
         }
     ),
     "Health": {

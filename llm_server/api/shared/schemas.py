@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llm_server.api.shared.errors import invalid
+from llm_server.api.shared.images import check_detail, image_part, is_image_part, url_ref
 from llm_server.api.shared.sampling_fields import (
     OPENAI_DEFAULTS,
     get_field,
@@ -20,6 +21,7 @@ from llm_server.generation_config import SamplingDefaults
 from llm_server.tools.spec import ToolRequest
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
+IMAGE_ROLES = ("user", "tool")  # the messages an image_url part may be in
 
 
 @dataclass(frozen=True)
@@ -49,26 +51,45 @@ class CompletionRequest:
     n: int = 1  # choices generated from each prompt
 
 
-def _content(value: Any, index: int) -> str:
+def _content(value: Any, index: int, role: str) -> str | list[dict[str, Any]]:
+    """A message's content: one string, or text and image parts in order when it carries an
+    image (llm_server/images.py; an adapter's own image parts pass through)."""
     param = f"messages[{index}].content"
     if isinstance(value, str):
         return value
     if value is None:
         return ""
     if not isinstance(value, list):
-        raise invalid(param, f"'{param}' must be a string or an array of text parts")
-    parts = []
+        raise invalid(param, f"'{param}' must be a string or an array of content parts")
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(value):
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise invalid(
-                f"{param}[{j}]", f"content part type {kind!r} is not supported; only 'text' parts"
-            )
-        text = part.get("text")
-        if not isinstance(text, str):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind == "image_url" and role in IMAGE_ROLES:
+            parts.append(_image_url_part(part, f"{param}[{j}]"))
+        elif is_image_part(part):
+            parts.append(part)
+        elif kind != "text":
+            hint = "'text' parts, and 'image_url' parts in user messages"
+            raise invalid(f"{param}[{j}]", f"content part type {kind!r} is not supported; {hint}")
+        elif not isinstance(part.get("text"), str):
             raise invalid(f"{param}[{j}].text", "a text part needs a string 'text'")
-        parts.append(text)
-    return "".join(parts)
+        else:
+            parts.append({"type": "text", "text": part["text"]})
+    if not any(is_image_part(p) for p in parts):  # text only: one string, as always
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def _image_url_part(part: dict, param: str) -> dict[str, Any]:
+    """`{"type": "image_url", "image_url": URL or {"url", "detail"}}` as an image part."""
+    field = f"{param}.image_url"
+    spec = part.get("image_url")
+    if isinstance(spec, dict):
+        check_detail(spec.get("detail"), f"{field}.detail")
+        spec = spec.get("url")
+    elif spec is None:
+        raise invalid(field, "an image_url part needs 'image_url': {\"url\": a data: URL}")
+    return image_part(url_ref(spec, field))
 
 
 def parse_messages(body: dict) -> tuple[dict[str, Any], ...]:
@@ -87,7 +108,7 @@ def parse_messages(body: dict) -> tuple[dict[str, Any], ...]:
         out.append(
             {
                 "role": "system" if role == "developer" else role,
-                "content": _content(m.get("content"), i),
+                "content": _content(m.get("content"), i, role),
                 **message_extras(m, i),
             }
         )

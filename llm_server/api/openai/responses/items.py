@@ -18,6 +18,7 @@ from typing import Any
 
 from llm_server.api.openai.responses.tools import chat_name
 from llm_server.api.shared.errors import invalid
+from llm_server.api.shared.images import check_detail, image_part, is_image_part, url_ref
 
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -47,7 +48,7 @@ class _Conversation:
         if self.pending:
             self.reasoning[len(self.out) - 1], self.pending = self.pending, ""
 
-    def message(self, role: str, content: str) -> None:
+    def message(self, role: str, content: str | list[dict[str, Any]]) -> None:
         if role != "assistant":
             self.flush()
         self.out.append({"role": role, "content": content})
@@ -82,7 +83,8 @@ def input_messages(
             role = item.get("role")
             if role not in ROLES:
                 raise invalid(f"{param}.role", f"role must be one of {', '.join(ROLES)}")
-            conv.message(role, text_of(item.get("content"), f"{param}.content"))
+            images = role == "user"
+            conv.message(role, content_of(item.get("content"), f"{param}.content", images))
         elif kind in CALLS:
             _add_call(conv, item, param)
         elif kind in OUTPUTS:
@@ -148,36 +150,56 @@ def _is_object(args: str) -> bool:
     return isinstance(parsed, dict)
 
 
-def text_of(content: Any, param: str) -> str:
-    """A message's content (a string or text parts) as one string."""
+def content_of(content: Any, param: str, images: bool) -> str | list[dict[str, Any]]:
+    """A message's content as one string, or as text and image parts in order when it carries
+    an `input_image` (`images`: where one may stand)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise invalid(param, f"'{param}' must be a string or an array of text parts")
-    parts = []
+        raise invalid(param, f"'{param}' must be a string or an array of content parts")
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "refusal" and isinstance(part.get("refusal"), str):
-            parts.append(part["refusal"])
+            parts.append({"type": "text", "text": part["refusal"]})
+            continue
+        if kind == "input_image" and images:
+            parts.append(_input_image(part, f"{param}[{j}]"))
             continue
         if kind not in TEXT_PARTS:
+            also = ", and input_image in user messages and outputs" if kind == "input_image" else ""
             raise invalid(
                 f"{param}[{j}].type",
-                f"content part type {kind!r} is not supported; only input_text and output_text",
+                f"content part type {kind!r} is not supported here; only input_text and "
+                f"output_text{also}",
             )
         text = part.get("text")
         if not isinstance(text, str):
             raise invalid(f"{param}[{j}].text", "a text part needs a string 'text'")
-        parts.append(text)
-    return "".join(parts)
+        parts.append({"type": "text", "text": text})
+    if not any(is_image_part(p) for p in parts):  # text only: one string, as always
+        return "".join(p["text"] for p in parts)
+    return parts
 
 
-def _output(item: dict, param: str) -> str:
+def _input_image(part: dict, param: str) -> dict[str, Any]:
+    """`{"type": "input_image", "image_url": a data: URL, "detail"}` as an image part."""
+    check_detail(part.get("detail"), f"{param}.detail")
+    if part.get("file_id") is not None and part.get("image_url") is None:
+        raise invalid(
+            f"{param}.file_id",
+            "input_image 'file_id' is not supported (no Files API for images here); send the "
+            "image inline as 'image_url': a data: URL (data:image/png;base64,...)",
+        )
+    return image_part(url_ref(part.get("image_url"), f"{param}.image_url"))
+
+
+def _output(item: dict, param: str) -> str | list[dict[str, Any]]:
     output = item.get("output")
     if isinstance(output, list):
-        return text_of(output, param)
+        return content_of(output, param, images=True)
     if not isinstance(output, str):
-        raise invalid(param, f"'{param}' must be a string or an array of text parts")
+        raise invalid(param, f"'{param}' must be a string or an array of content parts")
     return output
 
 

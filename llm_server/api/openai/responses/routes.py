@@ -26,6 +26,7 @@ from llm_server.api.openai.responses.output import CALL_ITEMS, OutputItems
 from llm_server.api.openai.responses.store import ResponseStore
 from llm_server.api.shared.errors import APIError, invalid
 from llm_server.api.shared.handling import check_model, get_service, read_json, served_id, settle
+from llm_server.api.shared.images import with_images
 from llm_server.api.shared.streaming import Collected, collect_many
 from llm_server.decoding import FinishReason
 from llm_server.scheduler import FinishEvent
@@ -67,8 +68,9 @@ async def create_response(request: Request) -> Response:
     previous, cut = _previous(store, body.get("previous_response_id"))
     req = parse_responses(body, service, previous, cut)
     check_model(service, req.chat.model, served_id(request))
+    chat = await with_images(request, service, req.chat, served_id(request))  # kept as sent
     try:
-        started = await start_chat(service, req.chat, "input")  # 429 before any byte (S3)
+        started = await start_chat(service, chat, "input")  # 429 before any byte (S3)
     except APIError as exc:  # a grammar or template error names the chat field
         exc.param = req.param(exc.param)
         raise

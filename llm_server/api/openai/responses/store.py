@@ -6,10 +6,13 @@ response goes first. Lives on the event loop (handlers only), so it needs no loc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
+
+from llm_server.api.shared.images import ImageRef
 
 DEFAULT_MAX_ENTRIES = 1024
 DEFAULT_MAX_BYTES = 64 << 20
@@ -42,7 +45,8 @@ class ResponseStore:
 
     def put(self, response: dict[str, Any], messages: tuple[dict[str, Any], ...]) -> bool:
         """Keep `response` (evicting the oldest as needed); False when it alone is too big."""
-        size = len(json.dumps([response, messages], ensure_ascii=False).encode("utf-8"))
+        kept = json.dumps([response, messages], ensure_ascii=False, default=_as_json)
+        size = len(kept.encode("utf-8"))
         if size > self.max_bytes:
             return False
         self.delete(response["id"])
@@ -66,3 +70,10 @@ class ResponseStore:
             return False
         self.bytes -= item.size
         return True
+
+
+def _as_json(value: Any) -> Any:
+    """An image part's ImageRef as its fields (its base64 or URL counts against the bound)."""
+    if isinstance(value, ImageRef):
+        return dataclasses.asdict(value)
+    raise TypeError(f"{type(value).__name__} is not kept in the response store")
