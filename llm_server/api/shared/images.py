@@ -305,7 +305,10 @@ async def load_images(
     """`messages` with every ImageRef decoded into an ImageInput (the same tuple when none).
 
     400s: more images than --max-images, each bad image (the first in prompt order), then an
-    image for a model that reads text only (`takes_images` False), naming `model`."""
+    image a client sent to a model that reads text only (`takes_images` False), naming
+    `model`. An image inside a tool's result (an agent's Read of a PNG, a screenshot tool) is
+    the agent's, not the user's choice: for a text model it becomes a line saying it was
+    omitted, so the conversation goes on (refused, every later turn would be refused too)."""
     images = _refs(messages)
     if not images:
         return messages
@@ -317,6 +320,10 @@ async def load_images(
         )
     loaded = {id(r): await load_image(r, limits) for r in images if isinstance(r, ImageRef)}
     if not takes_images:
+        messages = tuple(_tool_images_omitted(m) for m in messages)
+        images = _refs(messages)
+        if not images:
+            return messages
         raise invalid(
             images[0].field,
             f"model {model!r} reads text only and cannot take the image at {images[0].field}; "
@@ -328,6 +335,18 @@ async def load_images(
         else m
         for m in messages
     )
+
+
+def _tool_images_omitted(message: dict[str, Any]) -> dict[str, Any]:
+    """A tool result's image parts as a line of text each (the content one string again)."""
+    content = message.get("content")
+    if message.get("role") != "tool" or not isinstance(content, list):
+        return message
+    if not any(is_image_part(p) for p in content):
+        return message
+    note = "[image omitted: this model reads text only]\n"
+    text = "".join(note if is_image_part(p) else p.get("text", "") for p in content)
+    return {**message, "content": text}
 
 
 def _loaded(part: Any, loaded: dict[int, ImageInput]) -> Any:
