@@ -23,6 +23,7 @@ from llm_server.scheduler.batch import (
 )
 from llm_server.settings import (
     DEFAULT_LOAD_WAIT_S,
+    DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_IMAGE_BYTES,
     DEFAULT_MAX_IMAGE_PIXELS,
@@ -292,9 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-body-size",
         type=_size,
-        default=4 << 20,
+        default=DEFAULT_MAX_BODY_BYTES,
         metavar="SIZE",
-        help="largest request body, e.g. 4M (default 4M); larger gets HTTP 413",
+        help="largest request body, e.g. 64M (default 32M: a few screenshots inline, as agents "
+        "resend them every turn); larger gets HTTP 413",
     )
     p.add_argument(
         "--data-dir",

@@ -12,7 +12,7 @@ from typing import Any
 from llm_server.engines.settings import EngineSettings
 from llm_server.service import ServiceConfig
 
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # --max-body-size's default
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # --max-body-size's default: room for inline images
 DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024  # --max-file-size's default (OpenAI's bound)
 DEFAULT_LOAD_WAIT_S = 60.0  # --load-wait's default: a load waits this long for room (--models)
 DEFAULT_MAX_IMAGES = 8  # --max-images' default: images one request may carry

@@ -10,6 +10,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from llm_server.api.app import AppState, create_app
+from llm_server.settings import DEFAULT_MAX_BODY_BYTES
 from tests.api.helpers import assert_openai_error
 
 CHAT = "/v1/chat/completions"
@@ -134,7 +135,7 @@ CASES = [
     ("GET", "/v1/nothing-here", None, 404, None, ["/v1/nothing-here"]),
     ("GET", COMP, None, 405, None, ["GET", COMP]),
     ("DELETE", "/v1/models", None, 405, None, ["DELETE"]),
-    ("POST", CHAT, b"x" * (4 * 1024 * 1024 + 1), 413, None, ["limit"]),
+    ("POST", CHAT, b"x" * (DEFAULT_MAX_BODY_BYTES + 1), 413, None, ["limit"]),
 ]
 
 
@@ -160,7 +161,7 @@ def test_413_without_content_length(http):
     """A chunked body is cut off at the limit too (no Content-Length to trust)."""
 
     def chunks():
-        for _ in range(5):
+        for _ in range(DEFAULT_MAX_BODY_BYTES // (1024 * 1024) + 1):
             yield b" " * (1024 * 1024)
 
     resp = http.post(CHAT, content=chunks(), headers={"content-type": "application/json"})

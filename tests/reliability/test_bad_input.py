@@ -18,6 +18,7 @@ import json
 
 import pytest
 
+from llm_server.settings import DEFAULT_MAX_BODY_BYTES
 from tests.reliability.bad_input import (
     CHAT,
     COMP,
@@ -77,7 +78,7 @@ CASES = [
     Case(
         "body-over-limit",
         CHAT,
-        json.dumps(user("a " * (2 << 20))).encode(),
+        json.dumps(user("a " * (DEFAULT_MAX_BODY_BYTES // 2 + 1))).encode(),
         413,
         None,
         ("limit",),
@@ -194,7 +195,7 @@ CASES = [
         "messages",
         ("empty",),
     ),
-    Case("content-a-number", CHAT, user(5), 400, "messages[0].content", ("string", "text parts")),
+    Case("content-a-number", CHAT, user(5), 400, "messages[0].content", ("string", "content parts")),
     Case(
         "content-part-audio",
         CHAT,
