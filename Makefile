@@ -1,5 +1,5 @@
 # Set-up and everyday commands. `make serve` installs the runtime if missing; `make test`,
-# `make bench` and `make lint` add the dev and eval extras (~600 MB) once.
+# `make bench` and `make lint` add the dev, eval and vision extras (~1.8 GB) once.
 VENV    ?= .venv
 # The interpreter for a new venv: PYTHON=..., else the first of these on PATH (a stock Mac's
 # python3 is Apple's 3.9; coremltools has no 3.14 wheel: requires-python >=3.11,<3.14).
@@ -51,11 +51,11 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m llm_server.native.decode_ops
 	@touch $(STAMP)
 
-# the dev and eval extras: tests, lint, the benchmark's plots; on Linux also Debian's headless
+# the dev, eval and vision extras: tests, lint, the benchmark's plots, the vision models' tests; on Linux also Debian's headless
 # browser for tests/ui (chromium and its driver, which selenium drives; nothing downloaded at test
 # time). Checked on every run, installed only where missing.
 $(DEV_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[dev,eval]'
+	$(PY) -m pip install -q -e '.[dev,eval,vision]'
 	@touch $(DEV_STAMP)
 
 browser:

@@ -1,0 +1,228 @@
+"""Tiny random vision-language checkpoints built with mlx-vlm's own classes (tests make them).
+
+Each folder is what an mlx-community upload holds: `config.json`, the weights (vision tower,
+projector and language model, in mlx-vlm's names), the tokenizer of `tiny.py` plus the image
+special tokens the family's processor needs, the image processor's and the processor's files,
+and a chat template written after the family's real one (with its traps: Gemma 3 shows only
+`{"type": "image"}` parts; SmolVLM renders plain-string content as nothing). `mlx_vlm.load`
+and this server both load them with the hub offline.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from llm_server.testing.tiny import EOS_TOKEN, build_tokenizer
+
+# the real Gemma 3 template (google/gemma-3-*-it), shortened: images are {"type": "image"}
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- if messages[0]['content'] is string -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- else -%}{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}"
+    "{%- endif -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if message['role'] == 'assistant' -%}{%- set role = 'model' -%}"
+    "{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- else -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+# the real SmolVLM template (HuggingFaceTB/SmolVLM-Instruct): string content renders as nothing
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+VLM_FAMILIES = ("gemma3", "idefics3")
+_TEXT = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6,
+}
+_VISION = {
+    "num_hidden_layers": 1,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 2,
+    "layer_norm_eps": 1e-6,
+}
+_OUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight")
+_POST_NORMS = ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")
+
+
+def build_vlm_checkpoint(out_dir: str | Path, family: str, seed: int = 0) -> Path:
+    """Write a tiny random `family` ("gemma3", "idefics3") checkpoint to `out_dir`; its path."""
+    build = {"gemma3": _gemma3, "idefics3": _idefics3}
+    if family not in build:
+        raise ValueError(f"no tiny {family!r} checkpoint; one of {', '.join(VLM_FAMILIES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    build[family](out, seed)
+    return out
+
+
+def _tokenizer(out: Path, specials: list[str], template: str, extra: dict) -> dict[str, int]:
+    """The tiny BPE tokenizer with `specials` added, saved with `template`; token -> id."""
+    from tokenizers import AddedToken
+
+    tok = build_tokenizer(384)
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": template,
+        "eos_token": EOS_TOKEN,
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "model_max_length": 1024,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        **extra,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (out / "chat_template.jinja").write_text(template)
+    names = [*specials, EOS_TOKEN, "<|endoftext|>"]
+    return {s: tok.token_to_id(s) for s in names} | {"vocab_size": tok.get_vocab_size()}
+
+
+def _save(out: Path, config: dict, seed: int, tied: bool) -> None:
+    """mlx-vlm's model for `config`, seeded, float32, with wide logit margins, saved."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map, tree_unflatten
+    from mlx_vlm.utils import get_model_and_args, save_config, save_weights
+
+    module, _ = get_model_and_args(config)
+    model_config = module.ModelConfig.from_dict(config)
+    model_config.text_config = module.TextConfig.from_dict(config["text_config"])
+    model_config.vision_config = module.VisionConfig.from_dict(config["vision_config"])
+    mx.random.seed(seed)
+    model = module.Model(model_config)
+    model.update(tree_map(lambda a: a.astype(mx.float32), model.parameters()))
+    params = dict(tree_flatten(model.parameters()))
+    changed = {}
+    for k, v in params.items():
+        if k.startswith("language_model.") and k.endswith(_OUT_PROJECTIONS) and tied:
+            changed[k] = v * 6.0  # tied head: let the layers outweigh the input embedding
+        elif k.startswith("language_model.") and k.endswith(_POST_NORMS) and v.ndim == 1:
+            changed[k] = v + 5.0
+        elif k.endswith("lm_head.weight"):
+            changed[k] = v * 8.0
+        elif "projector" in k or "connector" in k:  # random, not the init's ones
+            changed[k] = mx.random.normal(v.shape) / (v.shape[-1] ** 0.5) * 4.0
+    model.update(tree_unflatten(list(changed.items())))
+    mx.eval(model.parameters())
+    save_weights(out, model)
+    save_config(config, out / "config.json")
+
+
+def _gemma3(out: Path, seed: int) -> None:
+    from transformers import Gemma3ImageProcessor
+
+    ids = _tokenizer(
+        out,
+        ["<bos>", "<pad>", "<start_of_turn>", "<end_of_turn>"]
+        + ["<start_of_image>", "<end_of_image>", "<image_soft_token>"],
+        GEMMA3_TEMPLATE,
+        {
+            "bos_token": "<bos>",
+            "pad_token": "<pad>",
+            "extra_special_tokens": {
+                "boi_token": "<start_of_image>",
+                "eoi_token": "<end_of_image>",
+                "image_token": "<image_soft_token>",
+            },
+        },
+    )
+    tokens_per_image = 4  # 4x4 patches of 8 pixels, pooled 2x2
+    Gemma3ImageProcessor(
+        size={"height": 32, "width": 32}, image_mean=[0.5] * 3, image_std=[0.5] * 3
+    ).save_pretrained(out)
+    processor = {"processor_class": "Gemma3Processor", "image_seq_length": tokens_per_image}
+    (out / "processor_config.json").write_text(json.dumps(processor, indent=2))
+    text = {
+        **_TEXT,
+        "model_type": "gemma3_text",
+        "vocab_size": ids["vocab_size"],
+        "query_pre_attn_scalar": 16,
+        "sliding_window": 512,  # past the tests' prompts: mlx-vlm's prefill ignores windows
+        "sliding_window_pattern": 2,
+        "mm_tokens_per_image": tokens_per_image,
+        "rope_theta": 1_000_000.0,
+        "rope_global_base_freq": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+    }
+    vision = {**_VISION, "model_type": "siglip_vision_model", "patch_size": 8, "image_size": 32}
+    config = {
+        "model_type": "gemma3",
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": vision,
+        "vocab_size": ids["vocab_size"],
+        "hidden_size": text["hidden_size"],
+        "image_token_index": ids["<image_soft_token>"],
+        "pad_token_id": ids["<pad>"],
+        "bos_token_id": ids["<bos>"],
+        "eos_token_id": [ids["<end_of_turn>"], ids[EOS_TOKEN]],
+        "mm_tokens_per_image": tokens_per_image,
+    }
+    _save(out, config, seed, tied=True)
+
+
+def _idefics3(out: Path, seed: int) -> None:
+    from transformers import Idefics3ImageProcessor
+
+    tiles = [f"<row_{r}_col_{c}>" for r in range(1, 5) for c in range(1, 5)]
+    ids = _tokenizer(
+        out,
+        ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", *tiles],
+        SMOLVLM_TEMPLATE,
+        {"bos_token": None},
+    )
+    tokens_per_tile = 4  # 4x4 patches of 8 pixels, pixel-shuffled by 2
+    # images resized to a longest edge of 64 and split into tiles of 32 (plus the whole image)
+    Idefics3ImageProcessor(
+        size={"longest_edge": 64},
+        max_image_size={"longest_edge": 32},
+        image_mean=[0.5] * 3,
+        image_std=[0.5] * 3,
+    ).save_pretrained(out)
+    processor = {"processor_class": "Idefics3Processor", "image_seq_len": tokens_per_tile}
+    (out / "processor_config.json").write_text(json.dumps(processor, indent=2))
+    text = {
+        **_TEXT,
+        "model_type": "llama",
+        "vocab_size": ids["vocab_size"],
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    }
+    vision = {**_VISION, "model_type": "idefics3", "patch_size": 8, "image_size": 32}
+    config = {
+        "model_type": "idefics3",
+        "architectures": ["Idefics3ForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": vision,
+        "vocab_size": ids["vocab_size"],
+        "scale_factor": 2,
+        "image_token_id": ids["<image>"],
+        "eos_token_id": [ids["<end_of_utterance>"], ids[EOS_TOKEN]],
+    }
+    _save(out, config, seed, tied=False)
