@@ -129,6 +129,8 @@ def _save(out: Path, config: dict, seed: int, tied: bool) -> None:
         elif "projector" in k or "connector" in k:  # random, not the init's ones
             changed[k] = mx.random.normal(v.shape) / (v.shape[-1] ** 0.5) * 4.0
     model.update(tree_unflatten(list(changed.items())))
+    if tied:  # no output layer saved: the embeddings are the head (as in the real checkpoints)
+        del model.language_model["lm_head"]
     mx.eval(model.parameters())
     save_weights(out, model)
     save_config(config, out / "config.json")

@@ -1,0 +1,45 @@
+"""Which checkpoints get a vision renderer, and the words when one cannot."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from llm_server.engines.mlx.vlm_checkpoint import is_vlm
+from llm_server.tokenizer import Tokenizer
+from llm_server.vision.renderer import VisionRenderer
+
+INSTALL = "pip install 'llm-server[vision]'"
+# VLM families whose language model mlx-lm runs as text only: image positions need M-RoPE's
+# 3-D positions, which the engine's rows (one position per token) cannot give
+POSITIONS_3D = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
+
+
+class VisionUnavailable(RuntimeError):
+    """The model is a vision-language checkpoint whose images this server cannot take."""
+
+
+def load_vision(path: Path, tokenizer: Tokenizer) -> VisionRenderer | None:
+    """The renderer of a vision-language checkpoint at `path`; None for a text model;
+    VisionUnavailable (with what to do) for a VLM whose images cannot be served."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    model_type = config.get("model_type")
+    if model_type in POSITIONS_3D and "vision_config" in config:
+        raise VisionUnavailable(
+            f"images are not served for {model_type}: its language model gives image positions "
+            "3-D rotary positions (M-RoPE), which this server's engine does not; text requests "
+            "are served"
+        )
+    if not is_vlm(config) or "vision_config" not in config:
+        return None
+    # a checkpoint's processor files are all local: never ask a hub for the missing ones
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import mlx_vlm  # noqa: F401
+    except ImportError:
+        raise VisionUnavailable(
+            f"{Path(path).name} is a vision-language model ({model_type}) and images need "
+            f"mlx-vlm: {INSTALL}"
+        ) from None
+    return VisionRenderer(Path(path), tokenizer)

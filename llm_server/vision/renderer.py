@@ -1,0 +1,171 @@
+"""A chat request with images -> prompt ids with the processor's placeholder positions, and
+each image's rows from the checkpoint's vision tower and projector as embedding spans.
+
+The chat template renders the parts in the user's order (each image as `{"type": "image"}`, the
+one form every family's template knows); mlx-vlm's processor expands each image's marker into
+its placeholder positions (their number is the processor's, never the config's); mlx-vlm's
+`get_input_embeddings` runs the tower and projector and scales the rows as its own generation
+does; the rows at the placeholder positions become `EmbeddingSpan`s keyed by the image's
+digest, so the prefix cache reuses a resent image and misses a different one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from llm_server.engines.plan import EmbeddingSpan
+from llm_server.images import ImageInput, images_of
+from llm_server.tokenizer import Tokenizer
+
+CACHED_IMAGES = 32  # images whose tower rows are kept (a resent image skips the tower)
+_PROBE = "probe-7f3a"  # text that must survive the template when content is a plain string
+
+
+def template_messages(
+    messages: Sequence[dict[str, Any]], strings_as_parts: bool
+) -> list[dict[str, Any]]:
+    """`messages` as the chat template takes them: image parts as `{"type": "image"}` (the
+    pixels never reach the template), text parts as they are; plain-string content as one
+    text part where the template renders strings as nothing (`strings_as_parts`: SmolVLM)."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = [{"type": "image"} if _is_image(p) else p for p in content]
+            out.append({**m, "content": parts})
+        elif isinstance(content, str) and strings_as_parts:
+            out.append({**m, "content": [{"type": "text", "text": content}]})
+        else:
+            out.append(m)
+    return out
+
+
+def _is_image(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "image"
+
+
+def image_runs(positions: Sequence[int]) -> list[tuple[int, int]]:
+    """Contiguous runs of `positions` (ascending) as (first index, end index) into it."""
+    runs, start = [], 0
+    for i in range(1, len(positions) + 1):
+        if i == len(positions) or positions[i] != positions[i - 1] + 1:
+            runs.append((start, i))
+            start = i
+    return runs
+
+
+def span_key(digest: str, run: int) -> bytes:
+    """The prefix cache's key of an image's `run`-th span: its pixels' digest and the run."""
+    return hashlib.sha256(f"image:{digest}:{run}".encode()).digest()
+
+
+class VisionRenderer:
+    """A vision-language checkpoint's tower, projector and processor (mlx-vlm), and its chat
+    template (the service's tokenizer). `render` is safe to call from any thread."""
+
+    def __init__(self, path: Path, tokenizer: Tokenizer) -> None:
+        from mlx_vlm.utils import load_model, load_processor, should_add_special_tokens
+
+        self.tokenizer = tokenizer
+        # lazy: the language model's layers are the engine's and are never read here
+        self.model = load_model(path, lazy=True)
+        self.processor = load_processor(path, add_detokenizer=False)
+        self.model_type = str(self.model.config.model_type)
+        config = self.model.config
+        self.image_token_id = int(getattr(config, "image_token_index", None) or 0)
+        if not self.image_token_id:
+            self.image_token_id = int(config.image_token_id)
+        self.add_special_tokens = should_add_special_tokens(self.model_type, self.processor)
+        probe = tokenizer.render_chat([{"role": "user", "content": _PROBE}])
+        self.strings_as_parts = _PROBE not in probe
+        self.one_image = tokenizer.render_chat([{"role": "user", "content": [{"type": "image"}]}])
+        self._lock = threading.Lock()  # one tower call at a time
+        self._rows: OrderedDict[str, np.ndarray] = OrderedDict()  # digest -> [n, hidden]
+        self.tower_runs = 0  # images that went through the tower (not from `_rows`)
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
+    ) -> tuple[list[int], tuple[EmbeddingSpan, ...]]:
+        """Prompt ids (placeholders at the image positions) and one span per contiguous run of
+        an image's positions. ChatTemplateError when the template rejects the messages;
+        ValueError when the processor's positions do not match the images."""
+        text = self.tokenizer.render_chat(
+            template_messages(messages, self.strings_as_parts), tools, template_kwargs
+        )
+        images = images_of(messages)
+        ids = self._prompt_ids(text, images)
+        positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        rows = [self.image_rows(image) for image in images]
+        if sum(len(r) for r in rows) != len(positions):
+            raise ValueError(
+                f"the processor placed {len(positions)} image positions for {len(images)} "
+                f"image(s) whose tower gave {sum(len(r) for r in rows)} rows"
+            )
+        spans, at = [], 0
+        for image, image_rows in zip(images, rows, strict=True):
+            own = positions[at : at + len(image_rows)]
+            at += len(image_rows)
+            for run, (a, b) in enumerate(image_runs(own)):
+                spans.append(EmbeddingSpan(own[a], image_rows[a:b], span_key(image.digest, run)))
+        return ids, tuple(spans)
+
+    def _prompt_ids(self, text: str, images: list[ImageInput]) -> list[int]:
+        """The processor's ids of `text` with each image marker expanded to its positions."""
+        inputs = self._inputs(text, images)
+        return [int(t) for t in np.array(inputs["input_ids"]).reshape(-1)]
+
+    def _inputs(self, text: str, images: list[ImageInput]) -> dict[str, Any]:
+        from mlx_vlm.utils import prepare_inputs
+
+        pixels = [_pixels(image) for image in images]
+        with self._lock:
+            return prepare_inputs(
+                self.processor,
+                images=pixels or None,
+                prompts=[text],
+                image_token_index=self.image_token_id,
+                add_special_tokens=self.add_special_tokens,
+            )
+
+    def image_rows(self, image: ImageInput) -> np.ndarray:
+        """The rows the tower and projector give `image` at its placeholder positions,
+        [n, hidden] float32, as mlx-vlm's generation puts them in the prompt."""
+        import mlx.core as mx
+
+        with self._lock:
+            if image.digest in self._rows:
+                self._rows.move_to_end(image.digest)
+                return self._rows[image.digest]
+        inputs = dict(self._inputs(self.one_image, [image]))
+        input_ids = inputs.pop("input_ids")
+        pixel_values = inputs.pop("pixel_values")
+        mask = inputs.pop("attention_mask", None)
+        with self._lock:
+            out = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
+            embeds = out.inputs_embeds[0].astype(mx.float32)
+            where = np.flatnonzero(np.array(input_ids).reshape(-1) == self.image_token_id)
+            rows = np.array(embeds[mx.array(where)])
+            self.tower_runs += 1
+            self._rows[image.digest] = rows
+            while len(self._rows) > CACHED_IMAGES:
+                self._rows.popitem(last=False)
+        return rows
+
+
+def _pixels(image: ImageInput):
+    """The decoded picture (never a URL or a path: mlx-vlm would fetch or open those)."""
+    from PIL import Image
+
+    if not isinstance(image.image, Image.Image):
+        raise TypeError(f"{image.field}: an image must be decoded pixels, not {type(image.image)}")
+    return image.image
