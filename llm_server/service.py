@@ -296,6 +296,8 @@ class ModelService:
         self.scorer.close()  # fails scoring requests that can no longer run
         if self.embedder is not None:
             self.embedder.close()
+        if self.vision is not None:
+            self.vision.close()
         return closed
 
 

@@ -12,9 +12,9 @@ digest, so the prefix cache reuses a resent image and misses a different one.
 from __future__ import annotations
 
 import hashlib
-import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -68,12 +68,21 @@ def span_key(digest: str, run: int) -> bytes:
 
 class VisionRenderer:
     """A vision-language checkpoint's tower, projector and processor (mlx-vlm), and its chat
-    template (the service's tokenizer). `render` is safe to call from any thread."""
+    template (the service's tokenizer).
+
+    One thread of its own owns the mlx-vlm model (MLX arrays belong to the thread whose stream
+    made them, as the engine's belong to the scheduler thread): `render` may be called from
+    any thread and waits for that one; the rows leave it as numpy arrays."""
 
     def __init__(self, path: Path, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="llm-vision")
+        self._thread.submit(self._load, path).result()
+
+    def _load(self, path: Path) -> None:
         from mlx_vlm.utils import load_model, load_processor, should_add_special_tokens
 
-        self.tokenizer = tokenizer
+        tokenizer = self.tokenizer
         # lazy: the language model's layers are the engine's and are never read here
         self.model = load_model(path, lazy=True)
         self.processor = load_processor(path, add_detokenizer=False)
@@ -86,9 +95,11 @@ class VisionRenderer:
         probe = tokenizer.render_chat([{"role": "user", "content": _PROBE}])
         self.strings_as_parts = _PROBE not in probe
         self.one_image = tokenizer.render_chat([{"role": "user", "content": [{"type": "image"}]}])
-        self._lock = threading.Lock()  # one tower call at a time
         self._rows: OrderedDict[str, np.ndarray] = OrderedDict()  # digest -> [n, hidden]
         self.tower_runs = 0  # images that went through the tower (not from `_rows`)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
 
     def render(
         self,
@@ -99,6 +110,11 @@ class VisionRenderer:
         """Prompt ids (placeholders at the image positions) and one span per contiguous run of
         an image's positions. ChatTemplateError when the template rejects the messages;
         ValueError when the processor's positions do not match the images."""
+        return self._thread.submit(self._render, messages, tools, template_kwargs).result()
+
+    def _render(
+        self, messages: list[dict[str, Any]], tools: list[dict] | None, template_kwargs: dict | None
+    ) -> tuple[list[int], tuple[EmbeddingSpan, ...]]:
         text = self.tokenizer.render_chat(
             template_messages(messages, self.strings_as_parts), tools, template_kwargs
         )
@@ -127,38 +143,35 @@ class VisionRenderer:
     def _inputs(self, text: str, images: list[ImageInput]) -> dict[str, Any]:
         from mlx_vlm.utils import prepare_inputs
 
-        pixels = [_pixels(image) for image in images]
-        with self._lock:
-            return prepare_inputs(
-                self.processor,
-                images=pixels or None,
-                prompts=[text],
-                image_token_index=self.image_token_id,
-                add_special_tokens=self.add_special_tokens,
-            )
+        return prepare_inputs(
+            self.processor,
+            images=[_pixels(image) for image in images] or None,
+            prompts=[text],
+            image_token_index=self.image_token_id,
+            add_special_tokens=self.add_special_tokens,
+        )
 
     def image_rows(self, image: ImageInput) -> np.ndarray:
         """The rows the tower and projector give `image` at its placeholder positions,
-        [n, hidden] float32, as mlx-vlm's generation puts them in the prompt."""
+        [n, hidden] float32, as mlx-vlm's generation puts them in the prompt (on the vision
+        thread; kept by digest, so a resent image skips the tower)."""
         import mlx.core as mx
 
-        with self._lock:
-            if image.digest in self._rows:
-                self._rows.move_to_end(image.digest)
-                return self._rows[image.digest]
+        if image.digest in self._rows:
+            self._rows.move_to_end(image.digest)
+            return self._rows[image.digest]
         inputs = dict(self._inputs(self.one_image, [image]))
         input_ids = inputs.pop("input_ids")
         pixel_values = inputs.pop("pixel_values")
         mask = inputs.pop("attention_mask", None)
-        with self._lock:
-            out = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
-            embeds = out.inputs_embeds[0].astype(mx.float32)
-            where = np.flatnonzero(np.array(input_ids).reshape(-1) == self.image_token_id)
-            rows = np.array(embeds[mx.array(where)])
-            self.tower_runs += 1
-            self._rows[image.digest] = rows
-            while len(self._rows) > CACHED_IMAGES:
-                self._rows.popitem(last=False)
+        out = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
+        embeds = out.inputs_embeds[0].astype(mx.float32)
+        where = np.flatnonzero(np.array(input_ids).reshape(-1) == self.image_token_id)
+        rows = np.array(embeds[mx.array(where)])
+        self.tower_runs += 1
+        self._rows[image.digest] = rows
+        while len(self._rows) > CACHED_IMAGES:
+            self._rows.popitem(last=False)
         return rows
 
 

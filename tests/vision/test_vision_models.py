@@ -1,0 +1,133 @@
+"""Vision-language checkpoints served: each family's tower and projector (mlx-vlm) give an
+image's rows, its language model runs in the engine with the rows as embedding spans, batched
+with text requests and cached by the image's content.
+
+Every test runs through the chat path (`api/chat/run.py: start_chat`, which plans with
+`service.vision` and admits the spans) on tiny random checkpoints built with mlx-vlm's classes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from llm_server.api.chat.run import start_chat
+from llm_server.scheduler import FinishEvent, TokenEvent
+from llm_server.testing.vision import VLM_FAMILIES
+from llm_server.tokenizer import Tokenizer
+from tests.vision.helpers import ask, chat, picture
+
+TEXTS = ("Hello, how are you today?", "The capital of France is", "One two three four five")
+
+
+async def _collect(handle) -> tuple[list[int], FinishEvent]:
+    tokens = [ev.token_id async for ev in handle.events() if isinstance(ev, TokenEvent)]
+    assert handle.finish is not None and handle.finish.error is None
+    return tokens, handle.finish
+
+
+def answer(service, request) -> tuple[list[int], FinishEvent]:
+    """Greedy tokens and the finish event of one chat request, alone."""
+
+    async def run():
+        started = await start_chat(service, request)
+        return await _collect(started.handles[0])
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_an_image_request_batched_with_three_text_requests_equals_it_alone(
+    family, vlm_paths, make_service
+):
+    path = vlm_paths[family]
+    image_request = chat([ask(picture(1))])
+    texts = [chat([ask(None, t)]) for t in TEXTS]
+    # small steps: the image request's prompt chunks ride beside the text rows' decode steps
+    svc = make_service(path, 4, step_tokens=8)
+
+    async def together():
+        started = [await start_chat(svc, r) for r in (texts[0], image_request, *texts[1:])]
+        return await asyncio.gather(*(_collect(s.handles[0]) for s in started))
+
+    batched = asyncio.run(together())
+    alone = make_service(path, 1, prefix_cache_bytes=0)
+    want = answer(alone, image_request)
+    assert batched[1][0] == want[0] and len(want[0]) == 10
+    assert batched[1][1].prompt_tokens == want[1].prompt_tokens
+    for (got, _), request in zip([batched[0], *batched[2:]], texts, strict=True):
+        assert got == answer(alone, request)[0]
+
+
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_the_image_makes_the_answer_and_the_same_request_answers_the_same(
+    family, vlm_paths, make_service
+):
+    svc = make_service(vlm_paths[family], 1, prefix_cache_bytes=0)
+    a, b = picture(1), picture(2)
+    first = answer(svc, chat([ask(a)]))[0]
+    assert answer(svc, chat([ask(b)]))[0] != first  # two images, two answers
+    assert answer(svc, chat([ask(a)]))[0] == first  # the same request, the same answer
+    assert answer(svc, chat([ask(None)]))[0] != first  # without the image, another answer
+
+
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_greedy_tokens_equal_mlx_vlms_own_generate(family, vlm_paths, make_service):
+    """mlx-vlm's `stream_generate` at temperature 0 on the same folder, image and prompt text
+    gives the same tokens. Not bit-exact in the logits: the engine runs the language model
+    through its own forward (fused layers, BLIS products on this CPU) where mlx-vlm runs its own
+    modules, so logits differ by float32 rounding (~1e-5); greedy tokens are equal."""
+    import mlx_vlm
+
+    path, image, n = vlm_paths[family], picture(3), 10
+    ours, finish = answer(make_service(path, 1), chat([ask(image)], n))
+    model, processor = mlx_vlm.load(str(path))
+    text = Tokenizer(path).render_chat([_template_turn()])
+    theirs = [
+        r.token
+        for r in mlx_vlm.stream_generate(
+            model, processor, text, image=[image.image], max_tokens=n, temperature=0.0
+        )
+    ]
+    assert ours == theirs[: len(ours)] and len(ours) == n
+    svc_text = make_service(path, 1)  # and a text-only request: the language model alone
+    plain = Tokenizer(path).render_chat([_template_turn(image=False)])
+    ours_text, _ = answer(svc_text, chat([ask(None)], n))
+    theirs_text = [
+        r.token
+        for r in mlx_vlm.stream_generate(model, processor, plain, max_tokens=n, temperature=0.0)
+    ]
+    assert ours_text == theirs_text[: len(ours_text)]
+    assert finish.prompt_tokens > len(Tokenizer(path).encode(plain, add_special_tokens=False))
+
+
+def _template_turn(image: bool = True) -> dict:
+    parts = [{"type": "image"}] if image else []
+    return {
+        "role": "user",
+        "content": [*parts, {"type": "text", "text": "What is in the picture?"}],
+    }
+
+
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_turn_two_with_the_same_image_is_cached_and_a_changed_image_misses(
+    family, vlm_paths, make_service
+):
+    svc = make_service(vlm_paths[family], 1)
+    a, b = picture(4), picture(5)
+    first, _ = answer(svc, chat([ask(a)]))
+    reply = {"role": "assistant", "content": svc.tokenizer.decode(first)}
+
+    def turn2(image):
+        return [ask(image), reply, ask(None, "And the colours?")]
+
+    _, spans = svc.vision.render(turn2(a))
+    towers = svc.vision.tower_runs
+    again, finish = answer(svc, chat(turn2(a)))
+    assert finish.cached_tokens >= spans[-1].end  # every image position came from the cache
+    assert svc.vision.tower_runs == towers  # and the tower did not run again
+    _, changed = answer(svc, chat(turn2(b)))
+    assert changed.cached_tokens <= spans[0].start  # the placeholders alone do not match
+    cold = make_service(vlm_paths[family], 1, prefix_cache_bytes=0)
+    assert answer(cold, chat(turn2(a)))[0] == again  # the cached turn answers as a cold one
