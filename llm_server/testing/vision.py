@@ -47,7 +47,20 @@ SMOLVLM_TEMPLATE = (
     "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
 
-VLM_FAMILIES = ("gemma3", "idefics3")
+# LFM2-VL's template after LiquidAI's: a part it does not know is written as JSON
+LFM2_VL_TEMPLATE = (
+    "{{- bos_token -}}{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{- '<image>' -}}"
+    "{%- elif item['type'] == 'text' -%}{{- item['text'] -}}"
+    "{%- else -%}{{- item | tojson -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}{{- '<|im_end|>\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+
+VLM_FAMILIES = ("gemma3", "idefics3", "lfm2_vl")
 _TEXT = {
     "hidden_size": 64,
     "num_hidden_layers": 2,
@@ -65,13 +78,13 @@ _VISION = {
     "num_attention_heads": 2,
     "layer_norm_eps": 1e-6,
 }
-_OUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight")
+_OUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight", "out_proj.weight", "w2.weight")
 _POST_NORMS = ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")
 
 
 def build_vlm_checkpoint(out_dir: str | Path, family: str, seed: int = 0) -> Path:
-    """Write a tiny random `family` ("gemma3", "idefics3") checkpoint to `out_dir`; its path."""
-    build = {"gemma3": _gemma3, "idefics3": _idefics3}
+    """Write a tiny random `family` (one of `VLM_FAMILIES`) checkpoint to `out_dir`; its path."""
+    build = {"gemma3": _gemma3, "idefics3": _idefics3, "lfm2_vl": _lfm2_vl}
     if family not in build:
         raise ValueError(f"no tiny {family!r} checkpoint; one of {', '.join(VLM_FAMILIES)}")
     out = Path(out_dir)
@@ -129,8 +142,8 @@ def _save(out: Path, config: dict, seed: int, tied: bool) -> None:
         elif "projector" in k or "connector" in k:  # random, not the init's ones
             changed[k] = mx.random.normal(v.shape) / (v.shape[-1] ** 0.5) * 4.0
     model.update(tree_unflatten(list(changed.items())))
-    if tied:  # no output layer saved: the embeddings are the head (as in the real checkpoints)
-        del model.language_model["lm_head"]
+    if tied and "lm_head" in model.language_model:  # the embeddings are the head (as in the
+        del model.language_model["lm_head"]  # real checkpoints): no output layer saved
     mx.eval(model.parameters())
     save_weights(out, model)
     save_config(config, out / "config.json")
@@ -228,3 +241,74 @@ def _idefics3(out: Path, seed: int) -> None:
         "eos_token_id": [ids["<end_of_utterance>"], ids[EOS_TOKEN]],
     }
     _save(out, config, seed, tied=False)
+
+
+def _lfm2_vl(out: Path, seed: int) -> None:
+    tiles = [f"<|img_row_{r}_col_{c}|>" for r in range(1, 5) for c in range(1, 5)]
+    ids = _tokenizer(
+        out,
+        ["<|startoftext|>", "<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>"]
+        + tiles,
+        LFM2_VL_TEMPLATE,
+        {"bos_token": "<|startoftext|>"},
+    )
+    # small images: one tile of 16-pixel patches, pixel-unshuffled by 2, at least 16 positions
+    # (the processor puts its own tiling defaults over these, as it does for real checkpoints)
+    image = {
+        "image_mean": [0.5] * 3,
+        "image_std": [0.5] * 3,
+        "encoder_patch_size": 16,
+        "downsample_factor": 2,
+        "min_image_tokens": 16,
+        "max_image_tokens": 64,
+        "tile_size": 128,
+        "max_num_patches": 256,
+    }
+    (out / "preprocessor_config.json").write_text(json.dumps(image, indent=2))
+    processor = {"processor_class": "Lfm2VlProcessor", "use_image_special_tokens": True}
+    (out / "processor_config.json").write_text(json.dumps(processor, indent=2))
+    text = {
+        **_TEXT,
+        "model_type": "lfm2",
+        "vocab_size": ids["vocab_size"],
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": 64,
+        "block_ff_dim": 128,
+        "block_multiple_of": 16,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False,
+        "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+        "num_hidden_layers": 4,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+    }
+    vision = {
+        **_VISION,
+        "model_type": "siglip2_vision_model",
+        "patch_size": 16,
+        "num_patches": 256,
+        "image_size": 256,
+        "vision_use_head": False,
+    }
+    config = {
+        "model_type": "lfm2_vl",
+        "architectures": ["Lfm2VlForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": vision,
+        "vocab_size": ids["vocab_size"],
+        "image_token_id": ids["<image>"],
+        "downsample_factor": 2,
+        "encoder_patch_size": 16,
+        "projector_hidden_size": 64,
+        "projector_hidden_act": "gelu",
+        "projector_bias": True,
+        "projector_use_layernorm": True,
+        "min_image_tokens": 16,
+        "max_image_tokens": 64,
+        "tile_size": 128,
+        "max_num_patches": 256,
+        "eos_token_id": ids[EOS_TOKEN],
+    }
+    _save(out, config, seed, tied=True)

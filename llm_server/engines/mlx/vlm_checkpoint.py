@@ -20,7 +20,7 @@ TEXT_FAMILIES = {
     "lfm2-vl": "lfm2",
 }
 # families whose output layer is always the input embeddings (as mlx-vlm loads them)
-TIED = frozenset({"gemma3"})
+TIED = frozenset({"gemma3", "lfm2_vl", "lfm2-vl"})
 # checkpoint prefix -> causal-LM prefix, first match wins; any other weight is not the LM's
 _RENAMES = (
     ("language_model.model.", "model."),  # mlx-vlm / HF (gemma3, lfm2_vl)
