@@ -1,0 +1,115 @@
+"""A chat request with images through each family's own chat template and processor: the parts
+in the user's order, each image as the template expects it, the processor's positions, spans
+keyed by the image; and the words when a model cannot take images."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from llm_server.api.chat.plan import chat_inputs
+from llm_server.api.shared.errors import APIError
+from llm_server.images import ImageInput
+from llm_server.testing.vision import VLM_FAMILIES
+from llm_server.tokenizer import Tokenizer
+from llm_server.vision import VisionUnavailable, load_vision
+from llm_server.vision.renderer import image_runs, template_messages
+from tests.vision.helpers import ask, chat, picture
+
+
+def test_template_messages_show_images_as_image_parts_and_strings_as_parts_where_needed():
+    image = picture(1)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "a"}, {"type": "image", "image": image}],
+        },
+    ]
+    plain = template_messages(messages, strings_as_parts=False)
+    assert plain[0] == messages[0]
+    assert plain[1]["content"] == [{"type": "text", "text": "a"}, {"type": "image"}]
+    parts = template_messages(messages, strings_as_parts=True)  # SmolVLM's template
+    assert parts[0]["content"] == [{"type": "text", "text": "Be brief."}]
+    assert messages[1]["content"][1]["image"] is image  # the request is not changed
+    assert image_runs([3, 4, 5, 9, 10, 12]) == [(0, 3), (3, 5), (5, 6)]
+
+
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_parts_render_in_order_through_the_checkpoints_own_template(family, vlm_paths):
+    """Gemma 3's template knows only {"type": "image"}, SmolVLM's renders plain strings as
+    nothing, LFM2-VL's writes unknown parts as JSON: none of that reaches the prompt."""
+    path = vlm_paths[family]
+    tok = Tokenizer(path)
+    vision = load_vision(path, tok)
+    try:
+        a, b = picture(1), picture(2, (64, 64))
+        messages = [
+            {"role": "system", "content": "Answer in one word."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "First"},
+                    {"type": "image", "image": a},
+                    {"type": "text", "text": "then"},
+                    {"type": "image", "image": b},
+                    {"type": "text", "text": "which is brighter?"},
+                ],
+            },
+        ]
+        ids, spans = vision.render(messages)
+        text = tok.decode(ids, skip_special_tokens=False)
+        order = [text.find(s) for s in ("Answer in one word.", "First", "then", "which is")]
+        assert -1 not in order and order == sorted(order)
+        assert '"type"' not in text and "digest" not in text  # no part written as JSON
+        holder = vision.image_token_id
+        positions = [i for i, t in enumerate(ids) if t == holder]
+        assert sorted(p for s in spans for p in range(s.start, s.end)) == positions
+        # each image's spans are keyed by its digest and hold what the tower gives it alone
+        alone = [vision.render([ask(image)])[1] for image in (a, b)]
+        assert [s.key for s in spans] == [s.key for image in alone for s in image]
+        assert {s.key for s in alone[0]}.isdisjoint({s.key for s in alone[1]})
+        for got, want in zip(spans, [s for image in alone for s in image], strict=True):
+            assert got.length == want.length and (got.embeddings == want.embeddings).all()
+    finally:
+        vision.close()
+
+
+def test_a_string_never_reaches_mlx_vlm_as_an_image(vlm_paths):
+    path = vlm_paths["gemma3"]
+    vision = load_vision(path, Tokenizer(path))
+    try:
+        url = ImageInput("https://example.com/x.png", "d" * 64, "messages[0].content[0]")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="decoded pixels"):
+            vision.render([ask(url)])
+    finally:
+        vision.close()
+
+
+def test_a_text_model_has_no_vision_and_qwen_vl_images_are_refused_in_words(
+    tiny_model_path, tmp_path
+):
+    assert load_vision(tiny_model_path, Tokenizer(tiny_model_path)) is None
+    config = json.loads((tiny_model_path / "config.json").read_text())
+    qwen = {"model_type": "qwen2_5_vl", "text_config": config, "vision_config": {"depth": 1}}
+    folder = tmp_path / "qwen"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(qwen))
+    with pytest.raises(VisionUnavailable, match="M-RoPE"):
+        load_vision(folder, Tokenizer(tiny_model_path))
+
+
+def test_a_vlm_without_mlx_vlm_serves_text_and_says_what_to_install(
+    vlm_paths, make_service, monkeypatch
+):
+    monkeypatch.setitem(sys.modules, "mlx_vlm", None)  # import mlx_vlm -> ImportError
+    svc = make_service(vlm_paths["gemma3"], 1)
+    assert svc.vision is None and "pip install 'llm-server[vision]'" in svc.vision_error
+    with pytest.raises(APIError) as err:
+        chat_inputs(svc, chat([ask(picture(1))]))
+    assert err.value.status == 400 and err.value.param == "messages"
+    assert "pip install 'llm-server[vision]'" in err.value.message
+    ids, spans = chat_inputs(svc, chat([ask(None)]))  # text is served as before
+    assert ids and spans == ()
