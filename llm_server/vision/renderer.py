@@ -25,23 +25,18 @@ from llm_server.images import ImageInput, images_of
 from llm_server.tokenizer import Tokenizer
 
 CACHED_IMAGES = 32  # images whose tower rows are kept (a resent image skips the tower)
-_PROBE = "probe-7f3a"  # text that must survive the template when content is a plain string
 
 
-def template_messages(
-    messages: Sequence[dict[str, Any]], strings_as_parts: bool
-) -> list[dict[str, Any]]:
+def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """`messages` as the chat template takes them: image parts as `{"type": "image"}` (the
-    pixels never reach the template), text parts as they are; plain-string content as one
-    text part where the template renders strings as nothing (`strings_as_parts`: SmolVLM)."""
+    pixels never reach the template), other parts and plain strings as they are (the
+    tokenizer shows strings as text parts to a template that wants them, `Tokenizer`)."""
     out = []
     for m in messages:
         content = m.get("content")
         if isinstance(content, list):
             parts = [{"type": "image"} if _is_image(p) else p for p in content]
             out.append({**m, "content": parts})
-        elif isinstance(content, str) and strings_as_parts:
-            out.append({**m, "content": [{"type": "text", "text": content}]})
         else:
             out.append(m)
     return out
@@ -92,8 +87,6 @@ class VisionRenderer:
         if not self.image_token_id:
             self.image_token_id = int(config.image_token_id)
         self.add_special_tokens = should_add_special_tokens(self.model_type, self.processor)
-        probe = tokenizer.render_chat([{"role": "user", "content": _PROBE}])
-        self.strings_as_parts = _PROBE not in probe
         self.one_image = tokenizer.render_chat([{"role": "user", "content": [{"type": "image"}]}])
         self._rows: OrderedDict[str, np.ndarray] = OrderedDict()  # digest -> [n, hidden]
         self.tower_runs = 0  # images that went through the tower (not from `_rows`)
@@ -115,9 +108,7 @@ class VisionRenderer:
     def _render(
         self, messages: list[dict[str, Any]], tools: list[dict] | None, template_kwargs: dict | None
     ) -> tuple[list[int], tuple[EmbeddingSpan, ...]]:
-        text = self.tokenizer.render_chat(
-            template_messages(messages, self.strings_as_parts), tools, template_kwargs
-        )
+        text = self.tokenizer.render_chat(template_messages(messages), tools, template_kwargs)
         images = images_of(messages)
         ids = self._prompt_ids(text, images)
         positions = [i for i, t in enumerate(ids) if t == self.image_token_id]

@@ -19,7 +19,7 @@ from llm_server.vision.renderer import image_runs, template_messages
 from tests.vision.helpers import ask, chat, picture
 
 
-def test_template_messages_show_images_as_image_parts_and_strings_as_parts_where_needed():
+def test_template_messages_show_images_as_image_parts():
     image = picture(1)
     messages = [
         {"role": "system", "content": "Be brief."},
@@ -28,13 +28,24 @@ def test_template_messages_show_images_as_image_parts_and_strings_as_parts_where
             "content": [{"type": "text", "text": "a"}, {"type": "image", "image": image}],
         },
     ]
-    plain = template_messages(messages, strings_as_parts=False)
-    assert plain[0] == messages[0]
-    assert plain[1]["content"] == [{"type": "text", "text": "a"}, {"type": "image"}]
-    parts = template_messages(messages, strings_as_parts=True)  # SmolVLM's template
-    assert parts[0]["content"] == [{"type": "text", "text": "Be brief."}]
+    shown = template_messages(messages)
+    assert shown[0] == messages[0]
+    assert shown[1]["content"] == [{"type": "text", "text": "a"}, {"type": "image"}]
     assert messages[1]["content"][1]["image"] is image  # the request is not changed
     assert image_runs([3, 4, 5, 9, 10, 12]) == [(0, 3), (3, 5), (5, 6)]
+
+
+def test_a_template_that_shows_only_parts_gets_strings_as_text_parts(vlm_paths):
+    """SmolVLM's template renders a plain-string content as nothing: the tokenizer hands it
+    every string as one text part, so text requests (and system turns) reach the model."""
+    smolvlm = Tokenizer(vlm_paths["idefics3"])
+    assert smolvlm.strings_as_parts
+    text = smolvlm.render_chat([{"role": "system", "content": "Be brief."}, ask(None, "Hi")])
+    assert "Be brief." in text and "Hi" in text
+    plain = [{"role": "user", "content": "Hello there"}]
+    assert "Hello there" in smolvlm.render_chat(plain)
+    gemma = Tokenizer(vlm_paths["gemma3"])
+    assert not gemma.strings_as_parts and "Hello there" in gemma.render_chat(plain)
 
 
 @pytest.mark.parametrize("family", VLM_FAMILIES)
