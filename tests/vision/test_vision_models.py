@@ -102,6 +102,28 @@ def test_greedy_tokens_equal_mlx_vlms_own_generate(family, vlm_paths, make_servi
     assert finish.prompt_tokens > len(Tokenizer(path).encode(plain, add_special_tokens=False))
 
 
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_a_4bit_checkpoint_of_mlx_vlms_convert_serves_as_mlx_vlm_runs_it(
+    family, vlm_paths, make_service, tmp_path
+):
+    """mlx-community's uploads are `mlx_vlm.convert -q` folders: the language model's layers
+    4-bit (dequantized at load on this CPU), the tower's kept float; mlx-vlm's own generation on
+    the same folder gives the same greedy tokens."""
+    import mlx_vlm
+    from mlx_vlm.convert import convert
+
+    folder = tmp_path / f"{family}-4bit"
+    convert(str(vlm_paths[family]), str(folder), quantize=True, q_group_size=64, q_bits=4)
+    image, n = picture(3), 8
+    ours, _ = answer(make_service(folder, 1), chat([ask(image)], n))
+    model, processor = mlx_vlm.load(str(folder))
+    text = Tokenizer(folder).render_chat([_template_turn()])
+    stream = mlx_vlm.stream_generate(
+        model, processor, text, image=[image.image], max_tokens=n, temperature=0.0
+    )
+    assert ours == [r.token for r in stream][: len(ours)] and len(ours) == n
+
+
 def _template_turn(image: bool = True) -> dict:
     parts = [{"type": "image"}] if image else []
     return {
