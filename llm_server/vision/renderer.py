@@ -80,6 +80,7 @@ class VisionRenderer:
         tokenizer = self.tokenizer
         # lazy: the language model's layers are the engine's and are never read here
         self.model = load_model(path, lazy=True)
+        _drop_token_table(self.model)
         self.processor = load_processor(path, add_detokenizer=False)
         self.model_type = str(self.model.config.model_type)
         config = self.model.config
@@ -164,6 +165,33 @@ class VisionRenderer:
         while len(self._rows) > CACHED_IMAGES:
             self._rows.popitem(last=False)
         return rows
+
+
+def _drop_token_table(model) -> None:
+    """Stand zeros in for the language model's token embedding: `get_input_embeddings` looks
+    up every prompt position, but only the image rows are read here (the engine embeds the
+    text), and the table, the largest matrix of many VLMs, is then never loaded twice."""
+    import mlx.nn as nn
+
+    lm = model.language_model
+    for owner in (lm, getattr(lm, "model", None)):
+        if isinstance(owner, nn.Module) and "embed_tokens" in owner:
+            table = owner["embed_tokens"]
+            dtype = getattr(table, "scales", table.weight).dtype
+            owner["embed_tokens"] = _NoTokenRows(int(model.config.text_config.hidden_size), dtype)
+            return
+
+
+class _NoTokenRows:
+    """Rows of zeros [*ids.shape, hidden] for any token ids."""
+
+    def __init__(self, hidden: int, dtype) -> None:
+        self.hidden, self.dtype = hidden, dtype
+
+    def __call__(self, ids):
+        import mlx.core as mx
+
+        return mx.zeros((*ids.shape, self.hidden), self.dtype)
 
 
 def _pixels(image: ImageInput):
