@@ -74,12 +74,12 @@ test: install-dev browser
 	$(PY) -m llm_server.native.blas $(PY) -m pytest -q $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-generic
 
-# the engine and scheduler equivalence suites again under the generic kernel set (plain MLX ops:
-# what Metal runs; llm_server/engines/forward/kernels.py) on this machine, so the branches a Mac takes
-# run here too (~1.5 min on 2 cores). The linux_cpu tests assert the other set and do not apply.
+# the engine, scheduler and vision-model equivalence suites again under the generic kernel set
+# (plain MLX ops: what Metal runs; llm_server/engines/forward/kernels.py) on this machine, so the
+# branches a Mac takes run here too (~1.5 min on 2 cores). The linux_cpu tests assert the other set and do not apply.
 test-generic: install-dev
 	LLM_SERVER_KERNELS=generic $(PY) -m llm_server.native.blas $(PY) -m pytest -q -m "not linux_cpu" \
-		tests/engines tests/scheduler
+		tests/engines tests/scheduler tests/vision
 
 # the real coding agents (tests/agents): pinned npm versions into ~/.cache/llm-server/agents,
 # run against a live server; node and npm from Debian where missing (README "Coding agents")
