@@ -76,7 +76,8 @@ test: install-dev browser
 
 # the engine, scheduler and vision-model equivalence suites again under the generic kernel set
 # (plain MLX ops: what Metal runs; llm_server/engines/forward/kernels.py) on this machine, so the
-# branches a Mac takes run here too (~1.5 min on 2 cores). The linux_cpu tests assert the other set and do not apply.
+# branches a Mac takes run here too (~1.5 min on 2 cores). The linux_cpu tests assert the other
+# set and do not apply.
 test-generic: install-dev
 	LLM_SERVER_KERNELS=generic $(PY) -m llm_server.native.blas $(PY) -m pytest -q -m "not linux_cpu" \
 		tests/engines tests/scheduler tests/vision
