@@ -15,7 +15,12 @@ from llm_server.images import ImageInput
 from llm_server.testing.vision import VLM_FAMILIES
 from llm_server.tokenizer import Tokenizer
 from llm_server.vision import VisionUnavailable, load_vision
-from llm_server.vision.renderer import image_runs, template_messages
+from llm_server.vision.renderer import (
+    image_runs,
+    lift_tool_images,
+    merge_user_turns,
+    template_messages,
+)
 from tests.vision.helpers import ask, chat, picture
 
 
@@ -124,3 +129,50 @@ def test_a_vlm_without_mlx_vlm_serves_text_and_says_what_to_install(
     assert "pip install 'llm-server[vision]'" in err.value.message
     ids, spans = chat_inputs(svc, chat([ask(None)]))  # text is served as before
     assert ids and spans == ()
+
+
+def test_a_tool_results_images_open_the_next_user_turn():
+    shot = {"type": "image", "image": picture(1)}
+    call = {"role": "assistant", "content": "", "tool_calls": [{"id": "c1"}]}
+    result = {
+        "role": "tool",
+        "tool_call_id": "c1",
+        "content": [{"type": "text", "text": "ok"}, shot],
+    }
+    lifted = lift_tool_images([ask(None, "Read it"), call, result])
+    assert lifted[2] == {"role": "tool", "tool_call_id": "c1", "content": "ok"}
+    assert lifted[3] == {"role": "user", "content": [shot]}
+    follow = lift_tool_images([call, result, {"role": "user", "content": "and?"}])
+    assert follow[2]["content"] == [shot, {"type": "text", "text": "and?"}]
+    merged = merge_user_turns([{"role": "user", "content": "<tool_response>ok"}, lifted[3]])
+    assert merged == [
+        {"role": "user", "content": [{"type": "text", "text": "<tool_response>ok"}, shot]}
+    ]
+
+
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_an_image_in_a_tool_result_reaches_the_model(family, vlm_paths, make_service):
+    """A coding agent's tool result holding a screenshot (templates without tool syntax: the
+    generic format, tool results as a user turn): the image's positions are in the prompt and
+    no part of it is written as text."""
+    svc = make_service(vlm_paths[family], 1)
+    shot = picture(6)
+    messages = [
+        ask(None, "Open the screenshot"),
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "read", "arguments": "{}"}}
+            ],
+        },
+        {
+            "role": "tool",
+            "tool_call_id": "c1",
+            "content": [{"type": "text", "text": "shot.png"}, {"type": "image", "image": shot}],
+        },
+    ]
+    ids, spans = chat_inputs(svc, chat(messages))
+    text = svc.tokenizer.decode(ids, skip_special_tokens=False)
+    assert spans and "shot.png" in text and "ImageInput" not in text and '"type"' not in text
+    assert [s.key for s in spans] == [s.key for s in svc.vision.render([ask(shot)])[1]]

@@ -36,6 +36,7 @@ from llm_server.tools.reasoning import (
 )
 from llm_server.tools.registry import PARSERS
 from llm_server.tools.spec import ToolRequest
+from llm_server.vision.renderer import lift_tool_images, merge_user_turns
 
 # Markers that may be special tokens, kept in the decoded text so the parsers see them.
 MARKERS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>")
@@ -104,16 +105,21 @@ def render_images(
     if vision is None:
         name = service.config.model_id or "the served model"
         raise invalid("messages", service.vision_error or f"{name} does not take images")
+    messages = lift_tool_images(messages)  # a tool result's images open the next user turn
+
+    def generic(into_user: bool = False) -> list[dict[str, Any]]:
+        return merge_user_turns(generic_messages(messages, tools, into_user))
+
     try:
         if service.syntax.tool_parser != GENERIC:
             shown_tools = [t.template_dict() for t in tools.tools] or None
             return vision.render(messages, shown_tools, template_kwargs)
         if tools.active:  # a template that refuses a system turn (Gemma): the first user turn
             try:
-                return vision.render(generic_messages(messages, tools), None, template_kwargs)
+                return vision.render(generic(), None, template_kwargs)
             except ChatTemplateError:
-                return vision.render(generic_messages(messages, tools, True), None, template_kwargs)
-        return vision.render(generic_messages(messages, tools), None, template_kwargs)
+                return vision.render(generic(True), None, template_kwargs)
+        return vision.render(generic(), None, template_kwargs)
     except (ChatTemplateError, ValueError) as exc:
         raise invalid("messages", str(exc)) from None
 
