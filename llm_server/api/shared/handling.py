@@ -15,6 +15,7 @@ from llm_server.api.shared.request_log import note_finish
 from llm_server.api.shared.state import MODEL_ID_KEY, AppState, scoped_service
 from llm_server.decoding import FinishReason, LogitsConstraint, SamplingParams
 from llm_server.distributed import group_lost
+from llm_server.engines.contract import EmbeddingInputUnsupported
 from llm_server.engines.plan import EmbeddingSpan
 from llm_server.scheduler import FinishEvent, QueueFull, SchedulerClosed
 from llm_server.service import GenerationHandle, ModelService
@@ -191,6 +192,8 @@ def admit_all(
         )
     except (QueueFull, SchedulerClosed) as exc:
         raise scheduler_errors(exc) from None
+    except EmbeddingInputUnsupported as exc:  # images for a forward that cannot take their rows
+        raise invalid("messages", str(exc)) from None
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
