@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from llm_server.engines.mlx.vlm_checkpoint import is_vlm
@@ -33,8 +32,6 @@ def load_vision(path: Path, tokenizer: Tokenizer) -> VisionRenderer | None:
         )
     if not is_vlm(config) or "vision_config" not in config:
         return None
-    # a checkpoint's processor files are all local: never ask a hub for the missing ones
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import mlx_vlm  # noqa: F401
     except ImportError:

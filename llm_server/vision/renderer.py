@@ -129,7 +129,8 @@ class VisionRenderer:
         # lazy: the language model's layers are the engine's and are never read here
         self.model = load_model(path, lazy=True)
         _drop_token_table(self.model)
-        self.processor = load_processor(path, add_detokenizer=False)
+        # every processor file is the folder's: a missing one is an error, never a hub request
+        self.processor = load_processor(path, add_detokenizer=False, local_files_only=True)
         self.model_type = str(self.model.config.model_type)
         config = self.model.config
         self.image_token_id = int(getattr(config, "image_token_index", None) or 0)
