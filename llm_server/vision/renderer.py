@@ -11,10 +11,13 @@ digest, so the prefix cache reuses a resent image and misses a different one.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
+import queue
+import threading
 from collections import OrderedDict
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -113,14 +116,14 @@ class VisionRenderer:
     """A vision-language checkpoint's tower, projector and processor (mlx-vlm), and its chat
     template (the service's tokenizer).
 
-    One thread of its own owns the mlx-vlm model (MLX arrays belong to the thread whose stream
-    made them, as the engine's belong to the scheduler thread): `render` may be called from
-    any thread and waits for that one; the rows leave it as numpy arrays."""
+    One thread of its own owns the mlx-vlm model (`VisionThread`; MLX arrays belong to the
+    thread whose stream made them, as the engine's belong to the scheduler thread): `render`
+    may be called from any thread and waits for that one; the rows leave it as numpy arrays."""
 
     def __init__(self, path: Path, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="llm-vision")
-        self._thread.submit(self._load, path).result()
+        self._thread = VisionThread()
+        self._thread.call(self._load, path)
 
     def _load(self, path: Path) -> None:
         from mlx_vlm.utils import load_model, load_processor, should_add_special_tokens
@@ -142,7 +145,7 @@ class VisionRenderer:
         self.tower_runs = 0  # images that went through the tower (not from `_rows`)
 
     def close(self) -> None:
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        self._thread.stop()
 
     def render(
         self,
@@ -153,7 +156,7 @@ class VisionRenderer:
         """Prompt ids (placeholders at the image positions) and one span per contiguous run of
         an image's positions. ChatTemplateError when the template rejects the messages;
         ValueError when the processor's positions do not match the images."""
-        return self._thread.submit(self._render, messages, tools, template_kwargs).result()
+        return self._thread.call(self._render, messages, tools, template_kwargs)
 
     def _render(
         self, messages: list[dict[str, Any]], tools: list[dict] | None, template_kwargs: dict | None
@@ -214,6 +217,46 @@ class VisionRenderer:
         while len(self._rows) > CACHED_IMAGES:
             self._rows.popitem(last=False)
         return rows
+
+
+class VisionThread:
+    """The one thread that makes every MLX call of the vision side (a daemon: it never holds
+    the process open). When it stops (`stop`, also at exit) its MLX streams are finished and
+    freed, as the engine's thread does at its end: a CPU thread that ended without that
+    aborted the process at exit about one run in two."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._main, name="llm-vision", daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the thread; its result, or its exception raised here."""
+        if not self._thread.is_alive():
+            raise RuntimeError("the vision thread has stopped")
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future.result()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        atexit.unregister(self.stop)
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join(timeout)
+
+    def _main(self) -> None:
+        from llm_server.engines.forward.kernels import GenericKernels
+
+        try:
+            while (job := self._jobs.get()) is not None:
+                future, fn, args = job
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - the caller's to raise
+                    future.set_exception(exc)
+        finally:
+            GenericKernels.thread_exit()  # plain MLX ops here: the generic set's end
 
 
 def _drop_token_table(model) -> None:
