@@ -176,3 +176,20 @@ def test_an_image_in_a_tool_result_reaches_the_model(family, vlm_paths, make_ser
     text = svc.tokenizer.decode(ids, skip_special_tokens=False)
     assert spans and "shot.png" in text and "ImageInput" not in text and '"type"' not in text
     assert [s.key for s in spans] == [s.key for s in svc.vision.render([ask(shot)])[1]]
+
+
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_images_in_several_turns_each_keep_their_own_spans(family, vlm_paths, make_service):
+    svc = make_service(vlm_paths[family], 1)
+    a, b = picture(2), picture(3)
+    ids, spans = chat_inputs(svc, chat([ask(a), {"role": "assistant", "content": "x"}, ask(b)]))
+    keys = [s.key for image in (a, b) for s in svc.vision.render([ask(image)])[1]]
+    assert [s.key for s in spans] == keys
+
+
+def test_a_template_that_rejects_an_image_where_it_stands_is_a_400(vlm_paths, make_service):
+    svc = make_service(vlm_paths["gemma3"], 1)  # Gemma 3's template reads a system turn's text
+    system = {"role": "system", "content": [{"type": "image", "image": picture(2)}]}
+    with pytest.raises(APIError) as err:
+        chat_inputs(svc, chat([system, ask(None)]))
+    assert err.value.status == 400 and err.value.param == "messages"
