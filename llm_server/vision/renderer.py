@@ -11,13 +11,7 @@ digest, so the prefix cache reuses a resent image and misses a different one.
 
 from __future__ import annotations
 
-import atexit
-import hashlib
-import queue
-import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -26,90 +20,10 @@ import numpy as np
 from llm_server.engines.plan import EmbeddingSpan
 from llm_server.images import ImageInput, images_of
 from llm_server.tokenizer import Tokenizer
+from llm_server.vision.messages import image_runs, span_key, template_messages
+from llm_server.vision.thread import VisionThread
 
 CACHED_IMAGES = 32  # images whose tower rows are kept (a resent image skips the tower)
-
-
-def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`messages` as the chat template takes them: image parts as `{"type": "image"}` (the
-    pixels never reach the template), other parts and plain strings as they are (the
-    tokenizer shows strings as text parts to a template that wants them, `Tokenizer`)."""
-    out = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = [{"type": "image"} if _is_image(p) else p for p in content]
-            out.append({**m, "content": parts})
-        else:
-            out.append(m)
-    return out
-
-
-def lift_tool_images(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Tool results that carry images (an agent's screenshot, a file it read) as templates can
-    show them: a tool message keeps its text parts as its content, and the images of a run of
-    tool messages open the next user turn (one made for them when none follows); no template
-    shows an image inside a tool turn, and most print a list there as it is."""
-    out: list[dict[str, Any]] = []
-    pending: list[dict[str, Any]] = []
-    for m in messages:
-        content = m.get("content")
-        if m.get("role") == "tool" and isinstance(content, list):
-            pending += [p for p in content if _is_image(p)]
-            text = [p.get("text", "") for p in content if p.get("type") == "text"]
-            out.append({**m, "content": "\n".join(text)})
-            continue
-        if pending and m.get("role") == "user":
-            parts = content if isinstance(content, list) else [{"type": "text", "text": content}]
-            out.append({**m, "content": [*pending, *parts]})
-            pending = []
-            continue
-        if pending and m.get("role") != "tool":
-            out.append({"role": "user", "content": pending})
-            pending = []
-        out.append(m)
-    if pending:
-        out.append({"role": "user", "content": pending})
-    return out
-
-
-def merge_user_turns(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Consecutive user turns as one (parts in order), where either holds parts: the generic
-    tool format turns tool results into a user turn, and the images lifted out of them follow."""
-    out: list[dict[str, Any]] = []
-    for m in messages:
-        prev = out[-1] if out else None
-        lists = prev is not None and (
-            isinstance(m.get("content"), list) or isinstance(prev.get("content"), list)
-        )
-        if prev is not None and lists and prev.get("role") == m.get("role") == "user":
-            out[-1] = {**prev, "content": [*_parts(prev["content"]), *_parts(m["content"])]}
-        else:
-            out.append(m)
-    return out
-
-
-def _parts(content: Any) -> list[dict[str, Any]]:
-    return content if isinstance(content, list) else [{"type": "text", "text": content or ""}]
-
-
-def _is_image(part: Any) -> bool:
-    return isinstance(part, dict) and part.get("type") == "image"
-
-
-def image_runs(positions: Sequence[int]) -> list[tuple[int, int]]:
-    """Contiguous runs of `positions` (ascending) as (first index, end index) into it."""
-    runs, start = [], 0
-    for i in range(1, len(positions) + 1):
-        if i == len(positions) or positions[i] != positions[i - 1] + 1:
-            runs.append((start, i))
-            start = i
-    return runs
-
-
-def span_key(digest: str, run: int) -> bytes:
-    """The prefix cache's key of an image's `run`-th span: its pixels' digest and the run."""
-    return hashlib.sha256(f"image:{digest}:{run}".encode()).digest()
 
 
 class VisionRenderer:
@@ -142,7 +56,6 @@ class VisionRenderer:
         self.add_special_tokens = should_add_special_tokens(self.model_type, self.processor)
         self.one_image = tokenizer.render_chat([{"role": "user", "content": [{"type": "image"}]}])
         self._rows: OrderedDict[str, np.ndarray] = OrderedDict()  # digest -> [n, hidden]
-        self.tower_runs = 0  # images that went through the tower (not from `_rows`)
 
     def close(self) -> None:
         self._thread.stop()
@@ -212,51 +125,10 @@ class VisionRenderer:
         embeds = out.inputs_embeds[0].astype(mx.float32)
         where = np.flatnonzero(np.array(input_ids).reshape(-1) == self.image_token_id)
         rows = np.array(embeds[mx.array(where)])
-        self.tower_runs += 1
         self._rows[image.digest] = rows
         while len(self._rows) > CACHED_IMAGES:
             self._rows.popitem(last=False)
         return rows
-
-
-class VisionThread:
-    """The one thread that makes every MLX call of the vision side (a daemon: it never holds
-    the process open). When it stops (`stop`, also at exit) its MLX streams are finished and
-    freed, as the engine's thread does at its end: a CPU thread that ended without that
-    aborted the process at exit about one run in two."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._main, name="llm-vision", daemon=True)
-        self._thread.start()
-        atexit.register(self.stop)
-
-    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)` on the thread; its result, or its exception raised here."""
-        if not self._thread.is_alive():
-            raise RuntimeError("the vision thread has stopped")
-        future: Future = Future()
-        self._jobs.put((future, fn, args))
-        return future.result()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        atexit.unregister(self.stop)
-        if self._thread.is_alive():
-            self._jobs.put(None)
-            self._thread.join(timeout)
-
-    def _main(self) -> None:
-        from llm_server.engines.forward.kernels import GenericKernels
-
-        try:
-            while (job := self._jobs.get()) is not None:
-                future, fn, args = job
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as exc:  # noqa: BLE001 - the caller's to raise
-                    future.set_exception(exc)
-        finally:
-            GenericKernels.thread_exit()  # plain MLX ops here: the generic set's end
 
 
 def _drop_token_table(model) -> None:

@@ -15,7 +15,7 @@ from llm_server.images import ImageInput
 from llm_server.testing.vision import VLM_FAMILIES
 from llm_server.tokenizer import Tokenizer
 from llm_server.vision import VisionUnavailable, load_vision
-from llm_server.vision.renderer import (
+from llm_server.vision.messages import (
     image_runs,
     lift_tool_images,
     merge_user_turns,

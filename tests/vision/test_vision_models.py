@@ -134,7 +134,7 @@ def _template_turn(image: bool = True) -> dict:
 
 @pytest.mark.parametrize("family", VLM_FAMILIES)
 def test_turn_two_with_the_same_image_is_cached_and_a_changed_image_misses(
-    family, vlm_paths, make_service
+    family, vlm_paths, make_service, monkeypatch
 ):
     svc = make_service(vlm_paths[family], 1)
     a, b = picture(4), picture(5)
@@ -145,11 +145,16 @@ def test_turn_two_with_the_same_image_is_cached_and_a_changed_image_misses(
         return [ask(image), reply, ask(None, "And the colours?")]
 
     _, spans = svc.vision.render(turn2(a))
-    towers = svc.vision.tower_runs
+    towers = []  # the images that go through the tower from here on
+    tower = svc.vision.model.get_input_embeddings
+    monkeypatch.setattr(
+        svc.vision.model, "get_input_embeddings", lambda *a, **k: towers.append(1) or tower(*a, **k)
+    )
     again, finish = answer(svc, chat(turn2(a)))
     assert finish.cached_tokens >= spans[-1].end  # every image position came from the cache
-    assert svc.vision.tower_runs == towers  # and the tower did not run again
+    assert towers == []  # and the tower did not run again
     _, changed = answer(svc, chat(turn2(b)))
+    assert towers == [1]  # a new image: its tower runs once
     assert changed.cached_tokens <= spans[0].start  # the placeholders alone do not match
     cold = make_service(vlm_paths[family], 1, prefix_cache_bytes=0)
     assert answer(cold, chat(turn2(a)))[0] == again  # the cached turn answers as a cold one

@@ -36,7 +36,7 @@ from llm_server.tools.reasoning import (
 )
 from llm_server.tools.registry import PARSERS
 from llm_server.tools.spec import ToolRequest
-from llm_server.vision.renderer import lift_tool_images, merge_user_turns
+from llm_server.vision.messages import lift_tool_images, merge_user_turns
 
 # Markers that may be special tokens, kept in the decoded text so the parsers see them.
 MARKERS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>")
