@@ -60,7 +60,18 @@ LFM2_VL_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
 )
 
-VLM_FAMILIES = ("gemma3", "idefics3", "lfm2_vl")
+# the Qwen2.5-VL template, shortened: an image is a vision_start / image_pad / vision_end run
+QWEN_VL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+VLM_FAMILIES = ("gemma3", "idefics3", "lfm2_vl")  # images served
+TEXT_ONLY_VLM_FAMILIES = ("qwen2_5_vl",)  # text served, images refused (M-RoPE positions)
 _TEXT = {
     "hidden_size": 64,
     "num_hidden_layers": 2,
@@ -83,10 +94,11 @@ _POST_NORMS = ("post_attention_layernorm.weight", "post_feedforward_layernorm.we
 
 
 def build_vlm_checkpoint(out_dir: str | Path, family: str, seed: int = 0) -> Path:
-    """Write a tiny random `family` (one of `VLM_FAMILIES`) checkpoint to `out_dir`; its path."""
-    build = {"gemma3": _gemma3, "idefics3": _idefics3, "lfm2_vl": _lfm2_vl}
+    """Write a tiny random `family` (of `VLM_FAMILIES` or `TEXT_ONLY_VLM_FAMILIES`) checkpoint
+    to `out_dir`; its path."""
+    build = {"gemma3": _gemma3, "idefics3": _idefics3, "lfm2_vl": _lfm2_vl, "qwen2_5_vl": _qwen}
     if family not in build:
-        raise ValueError(f"no tiny {family!r} checkpoint; one of {', '.join(VLM_FAMILIES)}")
+        raise ValueError(f"no tiny {family!r} checkpoint; one of {', '.join(build)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     build[family](out, seed)
@@ -312,3 +324,53 @@ def _lfm2_vl(out: Path, seed: int) -> None:
         "eos_token_id": ids[EOS_TOKEN],
     }
     _save(out, config, seed, tied=True)
+
+
+def _qwen(out: Path, seed: int) -> None:
+    from transformers import Qwen2VLImageProcessor
+
+    ids = _tokenizer(
+        out,
+        ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
+        QWEN_VL_TEMPLATE,
+        {},
+    )
+    Qwen2VLImageProcessor(
+        min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16, patch_size=14, merge_size=2
+    ).save_pretrained(out)
+    processor = {"processor_class": "Qwen2_5_VLProcessor"}
+    (out / "processor_config.json").write_text(json.dumps(processor, indent=2))
+    text = {k: v for k, v in _TEXT.items() if k != "head_dim"}  # 64 / 4 heads
+    text.update(
+        vocab_size=ids["vocab_size"],
+        rope_theta=10000.0,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},  # head_dim 16 / 2
+        tie_word_embeddings=False,
+    )
+    vision = {
+        "model_type": "qwen2_5_vl",
+        "depth": 1,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "out_hidden_size": text["hidden_size"],
+        "num_heads": 2,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 56,
+        "fullatt_block_indexes": [0],
+        "in_channels": 3,
+    }
+    config = {
+        "model_type": "qwen2_5_vl",
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        **text,  # the HF layout: the language model's entries at the top level
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "eos_token_id": ids[EOS_TOKEN],
+        "vision_config": vision,
+    }
+    config["text_config"] = {k: v for k, v in config.items() if k != "vision_config"}
+    _save(out, config, seed, tied=False)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from typing import Any
 
 import numpy as np
 
+from llm_server.api.chat.run import start_chat
 from llm_server.api.shared.schemas import ChatRequest
 from llm_server.decoding import SamplingParams
 from llm_server.images import ImageInput
+from llm_server.scheduler import FinishEvent, TokenEvent
 
 
 def picture(seed: int, size: tuple[int, int] = (50, 40)) -> ImageInput:
@@ -38,3 +41,20 @@ def chat(messages: list[dict[str, Any]], max_tokens: int = 10) -> ChatRequest:
         response_format=None,
         model=None,
     )
+
+
+async def collect(handle) -> tuple[list[int], FinishEvent]:
+    """An admitted request's tokens and finish event (it must not fail)."""
+    tokens = [ev.token_id async for ev in handle.events() if isinstance(ev, TokenEvent)]
+    assert handle.finish is not None and handle.finish.error is None
+    return tokens, handle.finish
+
+
+def answer(service, request) -> tuple[list[int], FinishEvent]:
+    """Greedy tokens and the finish event of one chat request, alone."""
+
+    async def run():
+        started = await start_chat(service, request)
+        return await collect(started.handles[0])
+
+    return asyncio.run(run())

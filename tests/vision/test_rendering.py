@@ -12,7 +12,7 @@ import pytest
 from llm_server.api.chat.plan import chat_inputs
 from llm_server.api.shared.errors import APIError
 from llm_server.images import ImageInput
-from llm_server.testing.vision import VLM_FAMILIES
+from llm_server.testing.vision import VLM_FAMILIES, build_vlm_checkpoint
 from llm_server.tokenizer import Tokenizer
 from llm_server.vision import VisionUnavailable, load_vision
 from llm_server.vision.messages import (
@@ -21,7 +21,7 @@ from llm_server.vision.messages import (
     merge_user_turns,
     template_messages,
 )
-from tests.vision.helpers import ask, chat, picture
+from tests.vision.helpers import answer, ask, chat, picture
 
 
 def test_template_messages_show_images_as_image_parts():
@@ -193,3 +193,30 @@ def test_a_template_that_rejects_an_image_where_it_stands_is_a_400(vlm_paths, ma
     with pytest.raises(APIError) as err:
         chat_inputs(svc, chat([system, ask(None)]))
     assert err.value.status == 400 and err.value.param == "messages"
+
+
+def test_qwen_vl_serves_text_as_its_language_model_and_refuses_images_in_words(
+    tmp_path, make_service
+):
+    """Qwen2.5-VL places image positions with M-RoPE (3-D positions) the engine does not give:
+    its images are refused with the reason, never answered with wrong logits; its text runs on
+    mlx-lm's own classes and equals mlx-vlm's language model (text positions are the same
+    in 1-D and in M-RoPE)."""
+    import mlx.core as mx
+    from mlx_vlm.utils import load_model
+
+    path = build_vlm_checkpoint(tmp_path / "qwen2_5_vl", "qwen2_5_vl")
+    svc = make_service(path, 1)
+    assert svc.vision is None and "M-RoPE" in svc.vision_error
+    with pytest.raises(APIError) as err:
+        chat_inputs(svc, chat([ask(picture(1))]))
+    assert err.value.status == 400 and "M-RoPE" in err.value.message
+    request = chat([{"role": "user", "content": "Hello, how are you?"}], 8)
+    ours, _ = answer(svc, request)
+    language_model = load_model(path).language_model
+    ids = chat_inputs(svc, request)[0]
+    for _ in range(8):  # mlx-vlm's greedy tokens, the whole sequence each step
+        language_model._rope_deltas = language_model._position_ids = None  # (no state kept)
+        logits = language_model(mx.array([ids])).logits[0, -1]
+        ids.append(int(mx.argmax(logits)))
+    assert ours == ids[-8:]

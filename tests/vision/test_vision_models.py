@@ -13,28 +13,11 @@ import asyncio
 import pytest
 
 from llm_server.api.chat.run import start_chat
-from llm_server.scheduler import FinishEvent, TokenEvent
 from llm_server.testing.vision import VLM_FAMILIES
 from llm_server.tokenizer import Tokenizer
-from tests.vision.helpers import ask, chat, picture
+from tests.vision.helpers import answer, ask, chat, collect, picture
 
 TEXTS = ("Hello, how are you today?", "The capital of France is", "One two three four five")
-
-
-async def _collect(handle) -> tuple[list[int], FinishEvent]:
-    tokens = [ev.token_id async for ev in handle.events() if isinstance(ev, TokenEvent)]
-    assert handle.finish is not None and handle.finish.error is None
-    return tokens, handle.finish
-
-
-def answer(service, request) -> tuple[list[int], FinishEvent]:
-    """Greedy tokens and the finish event of one chat request, alone."""
-
-    async def run():
-        started = await start_chat(service, request)
-        return await _collect(started.handles[0])
-
-    return asyncio.run(run())
 
 
 @pytest.mark.parametrize("family", VLM_FAMILIES)
@@ -49,7 +32,7 @@ def test_an_image_request_batched_with_three_text_requests_equals_it_alone(
 
     async def together():
         started = [await start_chat(svc, r) for r in (texts[0], image_request, *texts[1:])]
-        return await asyncio.gather(*(_collect(s.handles[0]) for s in started))
+        return await asyncio.gather(*(collect(s.handles[0]) for s in started))
 
     batched = asyncio.run(together())
     alone = make_service(path, 1, prefix_cache_bytes=0)
