@@ -70,7 +70,7 @@ QWEN_VL_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-VLM_FAMILIES = ("gemma3", "idefics3", "lfm2_vl")  # images served
+VLM_FAMILIES = ("gemma3", "idefics3", "smolvlm", "lfm2_vl")  # images served
 TEXT_ONLY_VLM_FAMILIES = ("qwen2_5_vl",)  # text served, images refused (M-RoPE positions)
 _TEXT = {
     "hidden_size": 64,
@@ -96,7 +96,13 @@ _POST_NORMS = ("post_attention_layernorm.weight", "post_feedforward_layernorm.we
 def build_vlm_checkpoint(out_dir: str | Path, family: str, seed: int = 0) -> Path:
     """Write a tiny random `family` (of `VLM_FAMILIES` or `TEXT_ONLY_VLM_FAMILIES`) checkpoint
     to `out_dir`; its path."""
-    build = {"gemma3": _gemma3, "idefics3": _idefics3, "lfm2_vl": _lfm2_vl, "qwen2_5_vl": _qwen}
+    build = {
+        "gemma3": _gemma3,
+        "idefics3": _idefics3,
+        "smolvlm": _smolvlm,
+        "lfm2_vl": _lfm2_vl,
+        "qwen2_5_vl": _qwen,
+    }
     if family not in build:
         raise ValueError(f"no tiny {family!r} checkpoint; one of {', '.join(build)}")
     out = Path(out_dir)
@@ -214,7 +220,14 @@ def _gemma3(out: Path, seed: int) -> None:
     _save(out, config, seed, tied=True)
 
 
-def _idefics3(out: Path, seed: int) -> None:
+def _smolvlm(out: Path, seed: int) -> None:
+    """SmolVLM2: Idefics3's model and image layout, its own processor class and model_type."""
+    _idefics3(out, seed, "smolvlm", "SmolVLMProcessor")
+
+
+def _idefics3(
+    out: Path, seed: int, model_type: str = "idefics3", processor_class: str = "Idefics3Processor"
+) -> None:
     from transformers import Idefics3ImageProcessor
 
     tiles = [f"<row_{r}_col_{c}>" for r in range(1, 5) for c in range(1, 5)]
@@ -232,7 +245,7 @@ def _idefics3(out: Path, seed: int) -> None:
         image_mean=[0.5] * 3,
         image_std=[0.5] * 3,
     ).save_pretrained(out)
-    processor = {"processor_class": "Idefics3Processor", "image_seq_len": tokens_per_tile}
+    processor = {"processor_class": processor_class, "image_seq_len": tokens_per_tile}
     (out / "processor_config.json").write_text(json.dumps(processor, indent=2))
     text = {
         **_TEXT,
@@ -243,8 +256,8 @@ def _idefics3(out: Path, seed: int) -> None:
     }
     vision = {**_VISION, "model_type": "idefics3", "patch_size": 8, "image_size": 32}
     config = {
-        "model_type": "idefics3",
-        "architectures": ["Idefics3ForConditionalGeneration"],
+        "model_type": model_type,
+        "architectures": [f"{processor_class.removesuffix('Processor')}ForConditionalGeneration"],
         "text_config": text,
         "vision_config": vision,
         "vocab_size": ids["vocab_size"],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from llm_server.engines.mlx.vlm_checkpoint import is_vlm
+from llm_server.engines.mlx.vlm_checkpoint import TEXT_FAMILIES, is_vlm
 from llm_server.tokenizer import Tokenizer
 from llm_server.vision.renderer import VisionRenderer
 
@@ -13,6 +13,7 @@ INSTALL = "pip install 'llm-server[vision]'"
 # VLM families whose language model mlx-lm runs as text only: image positions need M-RoPE's
 # 3-D positions, which the engine's rows (one position per token) cannot give
 POSITIONS_3D = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
+SERVED = sorted({t.replace("-", "_") for t in TEXT_FAMILIES})  # families whose images are served
 
 
 class VisionUnavailable(RuntimeError):
@@ -30,8 +31,13 @@ def load_vision(path: Path, tokenizer: Tokenizer) -> VisionRenderer | None:
             "3-D rotary positions (M-RoPE), which this server's engine does not; text requests "
             "are served"
         )
-    if not is_vlm(config) or "vision_config" not in config:
-        return None
+    if "vision_config" not in config:
+        return None  # a text model
+    if not is_vlm(config):
+        raise VisionUnavailable(
+            f"images are not served for {model_type} (served: {', '.join(SERVED)}); text "
+            "requests are served"
+        )
     try:
         import mlx_vlm  # noqa: F401
     except ImportError:

@@ -104,7 +104,7 @@ def test_a_string_never_reaches_mlx_vlm_as_an_image(vlm_paths):
         vision.close()
 
 
-def test_a_text_model_has_no_vision_and_qwen_vl_images_are_refused_in_words(
+def test_a_text_model_has_no_vision_and_other_vlms_images_are_refused_in_words(
     tiny_model_path, tmp_path
 ):
     assert load_vision(tiny_model_path, Tokenizer(tiny_model_path)) is None
@@ -114,6 +114,10 @@ def test_a_text_model_has_no_vision_and_qwen_vl_images_are_refused_in_words(
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(qwen))
     with pytest.raises(VisionUnavailable, match="M-RoPE"):
+        load_vision(folder, Tokenizer(tiny_model_path))
+    llava = {"model_type": "llava", "text_config": config, "vision_config": {}}
+    (folder / "config.json").write_text(json.dumps(llava))
+    with pytest.raises(VisionUnavailable, match=r"not served for llava \(served: gemma3, idefics3"):
         load_vision(folder, Tokenizer(tiny_model_path))
 
 
