@@ -12,7 +12,7 @@ import pytest
 from llm_server.api.chat.plan import chat_inputs
 from llm_server.api.shared.errors import APIError
 from llm_server.images import ImageInput
-from llm_server.testing.vision import VLM_FAMILIES, build_vlm_checkpoint
+from llm_server.testing.vision import VLM_FAMILIES
 from llm_server.tokenizer import Tokenizer
 from llm_server.vision import VisionUnavailable, load_vision
 from llm_server.vision.messages import (
@@ -200,7 +200,7 @@ def test_a_template_that_rejects_an_image_where_it_stands_is_a_400(vlm_paths, ma
 
 
 def test_qwen_vl_serves_text_as_its_language_model_and_refuses_images_in_words(
-    tmp_path, make_service
+    vlm_paths, make_service
 ):
     """Qwen2.5-VL places image positions with M-RoPE (3-D positions) the engine does not give:
     its images are refused with the reason, never answered with wrong logits; its text runs on
@@ -209,7 +209,7 @@ def test_qwen_vl_serves_text_as_its_language_model_and_refuses_images_in_words(
     import mlx.core as mx
     from mlx_vlm.utils import load_model
 
-    path = build_vlm_checkpoint(tmp_path / "qwen2_5_vl", "qwen2_5_vl")
+    path = vlm_paths["qwen2_5_vl"]
     svc = make_service(path, 1)
     assert svc.vision is None and "M-RoPE" in svc.vision_error
     with pytest.raises(APIError) as err:
