@@ -45,4 +45,10 @@ def load_vision(path: Path, tokenizer: Tokenizer) -> VisionRenderer | None:
             f"{Path(path).name} is a vision-language model ({model_type}) and images need "
             f"mlx-vlm: {INSTALL}"
         ) from None
-    return VisionRenderer(Path(path), tokenizer)
+    try:
+        return VisionRenderer(Path(path), tokenizer)
+    except Exception as exc:  # noqa: BLE001 - a tower that does not load leaves the text served
+        raise VisionUnavailable(
+            f"the vision tower or processor of {Path(path).name} ({model_type}) did not load "
+            f"({type(exc).__name__}: {exc}); text requests are served"
+        ) from exc

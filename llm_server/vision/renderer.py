@@ -37,7 +37,11 @@ class VisionRenderer:
     def __init__(self, path: Path, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._thread = VisionThread()
-        self._thread.call(self._load, path)
+        try:
+            self._thread.call(self._load, path)
+        except BaseException:
+            self._thread.stop()
+            raise
 
     def _load(self, path: Path) -> None:
         from mlx_vlm.utils import load_model, load_processor, should_add_special_tokens

@@ -224,3 +224,15 @@ def test_qwen_vl_serves_text_as_its_language_model_and_refuses_images_in_words(
         logits = language_model(mx.array([ids])).logits[0, -1]
         ids.append(int(mx.argmax(logits)))
     assert ours == ids[-8:]
+
+
+def test_a_tower_that_does_not_load_leaves_the_text_served(vlm_paths, tmp_path, make_service):
+    import shutil
+
+    folder = shutil.copytree(vlm_paths["gemma3"], tmp_path / "gemma3")
+    (folder / "preprocessor_config.json").unlink()  # a processor file missing
+    svc = make_service(folder, 1)
+    assert svc.vision is None and "did not load" in svc.vision_error
+    assert answer(svc, chat([ask(None)]))[0]  # the language model answers text
+    with pytest.raises(APIError, match="did not load"):
+        chat_inputs(svc, chat([ask(picture(1))]))
