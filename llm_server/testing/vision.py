@@ -4,8 +4,10 @@ Each folder is what an mlx-community upload holds: `config.json`, the weights (v
 projector and language model, in mlx-vlm's names), the tokenizer of `tiny.py` plus the image
 special tokens the family's processor needs, the image processor's and the processor's files,
 and a chat template written after the family's real one (with its traps: Gemma 3 shows only
-`{"type": "image"}` parts; SmolVLM renders plain-string content as nothing). `mlx_vlm.load`
-and this server both load them with the hub offline.
+`{"type": "image"}` parts; SmolVLM renders plain-string content as nothing; LFM2-VL writes an
+unknown part as JSON). `mlx_vlm.load` and this server both load them with no hub. Families:
+`VLM_FAMILIES` (images served: Gemma 3, SmolVLM as idefics3 and as SmolVLM2's smolvlm,
+LFM2-VL) and `TEXT_ONLY_VLM_FAMILIES` (Qwen2.5-VL: text served, images refused).
 """
 
 from __future__ import annotations
