@@ -24,23 +24,25 @@ TEXTS = ("Hello, how are you today?", "The capital of France is", "One two three
 def test_an_image_request_batched_with_three_text_requests_equals_it_alone(
     family, vlm_paths, make_service
 ):
+    """Five requests on four rows, small steps (prompt chunks ride beside decoding rows): two
+    image requests with different images, three text requests; each equals itself alone."""
     path = vlm_paths[family]
-    image_request = chat([ask(picture(1))])
+    images = [chat([ask(picture(1))]), chat([ask(picture(2), "Describe it.")])]
     texts = [chat([ask(None, t)]) for t in TEXTS]
-    # small steps: the image request's prompt chunks ride beside the text rows' decode steps
+    order = [texts[0], images[0], texts[1], images[1], texts[2]]
     svc = make_service(path, 4, step_tokens=8)
 
     async def together():
-        started = [await start_chat(svc, r) for r in (texts[0], image_request, *texts[1:])]
+        started = [await start_chat(svc, r) for r in order]
         return await asyncio.gather(*(collect(s.handles[0]) for s in started))
 
     batched = asyncio.run(together())
     alone = make_service(path, 1, prefix_cache_bytes=0)
-    want = answer(alone, image_request)
-    assert batched[1][0] == want[0] and len(want[0]) == 10
-    assert batched[1][1].prompt_tokens == want[1].prompt_tokens
-    for (got, _), request in zip([batched[0], *batched[2:]], texts, strict=True):
-        assert got == answer(alone, request)[0]
+    for (got, finish), request in zip(batched, order, strict=True):
+        want, want_finish = answer(alone, request)
+        assert got == want and len(want) == 10
+        assert finish.prompt_tokens == want_finish.prompt_tokens
+    assert batched[1][0] != batched[3][0]
 
 
 @pytest.mark.parametrize("family", VLM_FAMILIES)
