@@ -7,7 +7,7 @@ and a chat template written after the family's real one (with its traps: Gemma 3
 `{"type": "image"}` parts; SmolVLM renders plain-string content as nothing; LFM2-VL writes an
 unknown part as JSON). `mlx_vlm.load` and this server both load them with no hub. Families:
 `VLM_FAMILIES` (images served: Gemma 3, SmolVLM as idefics3 and as SmolVLM2's smolvlm,
-LFM2-VL) and `TEXT_ONLY_VLM_FAMILIES` (Qwen2.5-VL: text served, images refused).
+LFM2-VL, Mistral 3 with Pixtral's tower) and `TEXT_ONLY_VLM_FAMILIES` (Qwen2.5-VL: text served, images refused).
 """
 
 from __future__ import annotations
@@ -72,7 +72,19 @@ QWEN_VL_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-VLM_FAMILIES = ("gemma3", "idefics3", "smolvlm", "lfm2_vl")  # images served
+# Mistral 3 (Small 3.1) after its template: images are [IMG] markers inside [INST] turns
+MISTRAL3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}[SYSTEM_PROMPT]{{ message['content'] }}[/SYSTEM_PROMPT]"
+    "{% elif message['role'] == 'user' %}[INST]"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}[IMG]"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}[/INST]"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] }}{{ eos_token }}"
+    "{% endif %}{% endfor %}"
+)
+
+VLM_FAMILIES = ("gemma3", "idefics3", "smolvlm", "lfm2_vl", "mistral3")  # images served
 TEXT_ONLY_VLM_FAMILIES = ("qwen2_5_vl",)  # text served, images refused (M-RoPE positions)
 _TEXT = {
     "hidden_size": 64,
@@ -103,6 +115,7 @@ def build_vlm_checkpoint(out_dir: str | Path, family: str, seed: int = 0) -> Pat
         "idefics3": _idefics3,
         "smolvlm": _smolvlm,
         "lfm2_vl": _lfm2_vl,
+        "mistral3": _mistral3,
         "qwen2_5_vl": _qwen,
     }
     if family not in build:
@@ -388,4 +401,55 @@ def _qwen(out: Path, seed: int) -> None:
         "vision_config": vision,
     }
     config["text_config"] = {k: v for k, v in config.items() if k != "vision_config"}
+    _save(out, config, seed, tied=False)
+
+
+def _mistral3(out: Path, seed: int) -> None:
+    from mlx_vlm.models.pixtral.image_processing_pixtral import PixtralImageProcessor
+
+    ids = _tokenizer(
+        out,
+        ["<s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"]
+        + ["[IMG]", "[IMG_BREAK]", "[IMG_END]"],
+        MISTRAL3_TEMPLATE,
+        {"bos_token": "<s>"},
+    )
+    # images resized to a longest edge of 64 in 16-pixel patches, merged 2x2: a row of
+    # positions per two patch rows, [IMG_BREAK] between rows, [IMG_END] last
+    PixtralImageProcessor(
+        size={"longest_edge": 64},
+        patch_size={"height": 16, "width": 16},
+        image_mean=[0.5] * 3,
+        image_std=[0.5] * 3,
+    ).save_pretrained(out)
+    processor = {"processor_class": "Mistral3Processor", "spatial_merge_size": 2}
+    (out / "processor_config.json").write_text(json.dumps(processor, indent=2))
+    text = {
+        **_TEXT,
+        "model_type": "mistral",
+        "vocab_size": ids["vocab_size"],
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    }
+    vision = {
+        **_VISION,
+        "model_type": "pixtral",
+        "head_dim": 16,
+        "patch_size": 16,
+        "image_size": 64,
+        "rope_theta": 10000.0,
+    }
+    config = {
+        "model_type": "mistral3",
+        "architectures": ["Mistral3ForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": vision,
+        "vocab_size": ids["vocab_size"],
+        "image_token_index": ids["[IMG]"],
+        "spatial_merge_size": 2,
+        "vision_feature_layer": -1,
+        "projector_hidden_act": "gelu",
+        "multimodal_projector_bias": False,
+        "eos_token_id": ids[EOS_TOKEN],
+    }
     _save(out, config, seed, tied=False)

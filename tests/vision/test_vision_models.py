@@ -114,7 +114,7 @@ def test_the_first_logits_equal_mlx_vlms_forward_on_the_same_inputs(family, vlm_
     """The logits after the prompt, the engine's (spans from the renderer) against mlx-vlm's
     model on the processor's inputs: bit-exact where the engine runs the language model through
     mlx-lm's modules (gemma3_text, lfm2) or under the generic kernel set. The Linux CPU set's
-    fused llama layers (idefics3, smolvlm) sum their products in another order (BLIS and the
+    fused llama layers (idefics3, smolvlm, mistral3) sum their products in another order (BLIS and the
     skinny library, S10) than MLX's matmul in mlx-vlm: there within 1e-4 (6e-6 measured at
     logits of ~15), and the greedy tokens above are equal."""
     import mlx_vlm

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 # VLM model_type -> the mlx-lm text family of its language model (1-D positions only: the
 # Qwen-VL families' M-RoPE stays with mlx-lm's own qwen2_vl / qwen3_vl classes, text only)
-TEXT_FAMILIES = {
+TEXT_FAMILIES: dict[str, str | None] = {
     "gemma3": "gemma3_text",
     "idefics3": "llama",
     "smolvlm": "llama",
     "lfm2_vl": "lfm2",
     "lfm2-vl": "lfm2",
+    "mistral3": None,  # None: text_config's own model_type (mistral, ministral3)
 }
 # families whose output layer is always the input embeddings (as mlx-vlm loads them)
 TIED = frozenset({"gemma3", "lfm2_vl", "lfm2-vl"})
@@ -40,7 +41,7 @@ def is_vlm(config: dict) -> bool:
 def text_config(config: dict) -> dict:
     """The language model's config as its text family's (top-level ids and sizes filled in)."""
     text = dict(config["text_config"])
-    text["model_type"] = TEXT_FAMILIES[config["model_type"]]
+    text["model_type"] = TEXT_FAMILIES[config["model_type"]] or text["model_type"]
     for key in ("vocab_size", "eos_token_id", "bos_token_id", "quantization"):
         if key not in text and key in config:
             text[key] = config[key]
