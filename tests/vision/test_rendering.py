@@ -236,3 +236,23 @@ def test_a_tower_that_does_not_load_leaves_the_text_served(vlm_paths, tmp_path, 
     assert answer(svc, chat([ask(None)]))[0]  # the language model answers text
     with pytest.raises(APIError, match="did not load"):
         chat_inputs(svc, chat([ask(picture(1))]))
+
+
+def test_a_gemma3_text_config_that_leaves_sizes_to_defaults_gets_mlx_vlms():
+    """Real Gemma 3 configs omit the heads and the vocabulary (transformers' defaults): the
+    language model is built with what mlx-vlm builds it with, and the context is 128k."""
+    from llm_server.engines.mlx.vlm_checkpoint import text_config
+
+    config = {
+        "model_type": "gemma3",
+        "text_config": {"model_type": "gemma3_text", "hidden_size": 2560, "sliding_window": 1024},
+        "vision_config": {"model_type": "siglip_vision_model"},
+    }
+    text = text_config(config)
+    assert text["model_type"] == "gemma3_text" and text["hidden_size"] == 2560
+    assert (text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"]) == (
+        8,
+        4,
+        256,
+    )
+    assert text["vocab_size"] == 262208 and text["max_position_embeddings"] == 131072

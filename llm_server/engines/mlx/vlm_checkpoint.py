@@ -20,6 +20,20 @@ TEXT_FAMILIES: dict[str, str | None] = {
     "lfm2-vl": "lfm2",
     "mistral3": None,  # None: text_config's own model_type (mistral, ministral3)
 }
+# what a family's language model takes when its text_config omits it: mlx-vlm's defaults (real
+# Gemma 3 configs leave the heads and vocabulary to them), transformers' for the context length
+TEXT_DEFAULTS = {
+    "gemma3": {
+        "vocab_size": 262208,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 1024,
+        "sliding_window_pattern": 6,
+        "max_position_embeddings": 131072,
+    },
+}
 # families whose output layer is always the input embeddings (as mlx-vlm loads them)
 TIED = frozenset({"gemma3", "lfm2_vl", "lfm2-vl"})
 # checkpoint prefix -> causal-LM prefix, first match wins; any other weight is not the LM's
@@ -45,7 +59,7 @@ def text_config(config: dict) -> dict:
     for key in ("vocab_size", "eos_token_id", "bos_token_id", "quantization"):
         if key not in text and key in config:
             text[key] = config[key]
-    return text
+    return {**TEXT_DEFAULTS.get(config["model_type"], {}), **text}
 
 
 def language_weights(weights: dict, tied: bool = False) -> dict:
