@@ -1,5 +1,5 @@
 # Set-up and everyday commands. `make serve` installs the runtime if missing; `make test`,
-# `make bench` and `make lint` add the dev and eval extras (~600 MB) once.
+# `make bench` and `make lint` add the dev, eval and vision extras (~1.8 GB) once.
 VENV    ?= .venv
 # The interpreter for a new venv: PYTHON=..., else the first of these on PATH (a stock Mac's
 # python3 is Apple's 3.9; coremltools has no 3.14 wheel: requires-python >=3.11,<3.14).
@@ -51,11 +51,11 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m llm_server.native.decode_ops
 	@touch $(STAMP)
 
-# the dev and eval extras: tests, lint, the benchmark's plots; on Linux also Debian's headless
+# the dev, eval and vision extras: tests, lint, the benchmark's plots, the vision models' tests; on Linux also Debian's headless
 # browser for tests/ui (chromium and its driver, which selenium drives; nothing downloaded at test
 # time). Checked on every run, installed only where missing.
 $(DEV_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[dev,eval]'
+	$(PY) -m pip install -q -e '.[dev,eval,vision]'
 	@touch $(DEV_STAMP)
 
 browser:
@@ -74,12 +74,13 @@ test: install-dev browser
 	$(PY) -m llm_server.native.blas $(PY) -m pytest -q $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-generic
 
-# the engine and scheduler equivalence suites again under the generic kernel set (plain MLX ops:
-# what Metal runs; llm_server/engines/forward/kernels.py) on this machine, so the branches a Mac takes
-# run here too (~1.5 min on 2 cores). The linux_cpu tests assert the other set and do not apply.
+# the engine, scheduler and vision-model equivalence suites again under the generic kernel set
+# (plain MLX ops: what Metal runs; llm_server/engines/forward/kernels.py) on this machine, so the
+# branches a Mac takes run here too (~1.5 min on 2 cores). The linux_cpu tests assert the other
+# set and do not apply.
 test-generic: install-dev
 	LLM_SERVER_KERNELS=generic $(PY) -m llm_server.native.blas $(PY) -m pytest -q -m "not linux_cpu" \
-		tests/engines tests/scheduler
+		tests/engines tests/scheduler tests/vision
 
 # the real coding agents (tests/agents): pinned npm versions into ~/.cache/llm-server/agents,
 # run against a live server; node and npm from Debian where missing (README "Coding agents")

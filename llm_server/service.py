@@ -43,6 +43,7 @@ from llm_server.scheduler.request import Event
 from llm_server.scheduler.scorer import ScoredPrompt, Scorer
 from llm_server.tokenizer import Tokenizer
 from llm_server.tools.detect import model_syntax
+from llm_server.vision import VisionRenderer, VisionUnavailable, load_vision
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,15 @@ class ModelService:
             )
             pumps.append(self.embedder)
         self.scheduler.pump = Pumps(pumps)
+        # a vision-language checkpoint's images: its tower, projector and processor (None: a
+        # text model, or a VLM whose images cannot be served, `vision_error` says why)
+        self.vision: VisionRenderer | None = None
+        self.vision_error: str | None = None
+        try:
+            self.vision = load_vision(model_path, self.tokenizer)
+        except VisionUnavailable as exc:
+            self.vision_error = str(exc)
+            log.warning("images are off for this model: %s", exc)
         self.started_at = time.time()
         self.engine: Engine | None = None
         self.fingerprint = ""
@@ -290,6 +300,8 @@ class ModelService:
         self.scorer.close()  # fails scoring requests that can no longer run
         if self.embedder is not None:
             self.embedder.close()
+        if self.vision is not None:
+            self.vision.close()
         return closed
 
 

@@ -12,6 +12,9 @@ class ChatTemplateError(ValueError):
     """The model's chat template could not render the messages."""
 
 
+_PROBE = "probe-7f3a"  # text a template must show when a message's content is a plain string
+
+
 class Tokenizer:
     """A Hugging Face fast tokenizer plus the model's EOS ids and chat template."""
 
@@ -29,6 +32,9 @@ class Tokenizer:
         self.eos_token_ids = frozenset(_eos_ids(path, self._tok))
         self.vocab_size = len(self._tok)
         self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
+        # templates that show only lists of parts (SmolVLM's renders a plain string as nothing)
+        # get every string content as one text part
+        self.strings_as_parts = self.has_chat_template and not self._shows_strings()
 
     @property
     def hf(self):
@@ -66,6 +72,13 @@ class Tokenizer:
             if tools:
                 raise ChatTemplateError("this model has no chat template to show it 'tools'")
             return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        if self.strings_as_parts:
+            messages = [
+                {**m, "content": [{"type": "text", "text": m["content"]}]}
+                if isinstance(m.get("content"), str)
+                else m
+                for m in messages
+            ]
         try:
             return self._tok.apply_chat_template(
                 messages,
@@ -76,6 +89,17 @@ class Tokenizer:
             )
         except Exception as exc:  # jinja errors: a template that rejects these messages
             raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc
+
+    def _shows_strings(self) -> bool:
+        """Whether the template shows a user message's plain-string content (a template that
+        fails on the probe is taken to)."""
+        try:
+            text = self._tok.apply_chat_template(
+                [{"role": "user", "content": _PROBE}], add_generation_prompt=True, tokenize=False
+            )
+        except Exception:  # jinja errors: the probe is not what this template takes
+            return True
+        return _PROBE in text
 
     @property
     def template_source(self) -> str:

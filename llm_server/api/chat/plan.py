@@ -10,6 +10,8 @@ from typing import Any
 from llm_server.api.shared.errors import invalid
 from llm_server.api.shared.schemas import ChatRequest
 from llm_server.decoding import LogitsConstraint
+from llm_server.engines.plan import EmbeddingSpan
+from llm_server.images import has_images
 from llm_server.service import ModelService
 from llm_server.tokenizer import ChatTemplateError
 from llm_server.tools.budget import ThinkingBudget
@@ -34,6 +36,7 @@ from llm_server.tools.reasoning import (
 )
 from llm_server.tools.registry import PARSERS
 from llm_server.tools.spec import ToolRequest
+from llm_server.vision.messages import lift_tool_images, merge_user_turns
 
 # Markers that may be special tokens, kept in the decoded text so the parsers see them.
 MARKERS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>")
@@ -49,6 +52,8 @@ class ChatPlan:
     tools: ToolRequest
     reasoning: str | None  # "think" or "harmony": reasoning fields are reported
     thinking_open: bool  # the prompt ends inside <think>
+    # the images' rows at their placeholder positions in `prompt` (a vision model's; engines/plan.py)
+    embeddings: tuple[EmbeddingSpan, ...] = ()
 
     @property
     def constraint(self) -> LogitsConstraint | None:
@@ -73,8 +78,50 @@ class ChatPlan:
 
 def chat_prompt(service: ModelService, chat: ChatRequest) -> list[int]:
     """The prompt token ids of `chat` through the model's chat template (a template's own
-    error is a 400 on `messages`)."""
-    return render_prompt(service, list(chat.messages), chat.tools, chat.template_kwargs)
+    error is a 400 on `messages`); an image's placeholder positions included."""
+    return chat_inputs(service, chat)[0]
+
+
+def chat_inputs(
+    service: ModelService, chat: ChatRequest
+) -> tuple[list[int], tuple[EmbeddingSpan, ...]]:
+    """The prompt ids of `chat` and its images' embedding spans (none without images)."""
+    messages = list(chat.messages)
+    if has_images(messages):
+        return render_images(service, messages, chat.tools, chat.template_kwargs)
+    return render_prompt(service, messages, chat.tools, chat.template_kwargs), ()
+
+
+def render_images(
+    service: ModelService,
+    messages: list[dict[str, Any]],
+    tools: ToolRequest,
+    template_kwargs: dict[str, Any] | None = None,
+) -> tuple[list[int], tuple[EmbeddingSpan, ...]]:
+    """`render_prompt` for messages with image parts, through the model's vision renderer
+    (its tower runs here: call it off the event loop); a 400 on `messages` where the model
+    takes no images or the template or processor rejects them."""
+    vision = service.vision
+    if vision is None:
+        name = service.config.model_id or "the served model"
+        raise invalid("messages", service.vision_error or f"{name} does not take images")
+    messages = lift_tool_images(messages)  # a tool result's images open the next user turn
+
+    def generic(into_user: bool = False) -> list[dict[str, Any]]:
+        return merge_user_turns(generic_messages(messages, tools, into_user))
+
+    try:
+        if service.syntax.tool_parser != GENERIC:
+            shown_tools = [t.template_dict() for t in tools.tools] or None
+            return vision.render(messages, shown_tools, template_kwargs)
+        if tools.active:  # a template that refuses a system turn (Gemma): the first user turn
+            try:
+                return vision.render(generic(), None, template_kwargs)
+            except ChatTemplateError:
+                return vision.render(generic(True), None, template_kwargs)
+        return vision.render(generic(), None, template_kwargs)
+    except (ChatTemplateError, ValueError) as exc:
+        raise invalid("messages", str(exc)) from None
 
 
 def render_prompt(
@@ -112,7 +159,10 @@ async def plan_chat(service: ModelService, chat: ChatRequest) -> ChatPlan:
             "response_format",
             "response_format cannot be combined with tools unless tool_choice is 'none'",
         )
-    prompt = chat_prompt(service, chat)
+    if has_images(list(chat.messages)):  # the vision tower runs off the event loop
+        prompt, spans = await asyncio.to_thread(chat_inputs, service, chat)
+    else:
+        prompt, spans = chat_inputs(service, chat)
     tail = tok.decode(prompt[-16:], skip_special_tokens=False)
     thinking_open = syntax.reasoning == "think" and prompt_opens_thinking(tail)
     markers = MARKERS + THINK_MARKERS.get(syntax.reasoning or "", ())
@@ -130,6 +180,7 @@ async def plan_chat(service: ModelService, chat: ChatRequest) -> ChatPlan:
         tools=tools,
         reasoning=syntax.reasoning,
         thinking_open=thinking_open,
+        embeddings=spans,
     )
 
 

@@ -93,6 +93,7 @@ async def start_chat(
         list(plan.constraints),
         plan.keep_tokens,
         predicted,
+        plan.embeddings,
     )
     return Started(plan, handles)
 

@@ -15,6 +15,8 @@ from llm_server.api.shared.request_log import note_finish
 from llm_server.api.shared.state import MODEL_ID_KEY, AppState, scoped_service
 from llm_server.decoding import FinishReason, LogitsConstraint, SamplingParams
 from llm_server.distributed import group_lost
+from llm_server.engines.contract import EmbeddingInputUnsupported
+from llm_server.engines.plan import EmbeddingSpan
 from llm_server.scheduler import FinishEvent, QueueFull, SchedulerClosed
 from llm_server.service import GenerationHandle, ModelService
 
@@ -164,6 +166,7 @@ def admit_all(
     constraints: list[LogitsConstraint | None] | None = None,
     keep_tokens: frozenset[int] = frozenset(),
     prediction: tuple[int, ...] | None = None,
+    embeddings: tuple[EmbeddingSpan, ...] = (),
 ) -> list[GenerationHandle]:
     """Admit `n` choices of every prompt, all or none (429/503 before any response byte).
 
@@ -171,6 +174,7 @@ def admit_all(
     OpenAI gives `choices[i].index`). `constraints` has one entry per handle when given.
     `keep_tokens`: special tokens kept in the text (tool-call markers the parsers read).
     `prediction`: token ids every choice's output is expected to repeat (predicted outputs).
+    `embeddings`: every prompt's embedding spans (a chat request's images, one prompt).
     """
     total = len(prompts) * n
     if n > 1 and total > service.capacity:
@@ -182,9 +186,14 @@ def admit_all(
     ids = [p for p in prompts for _ in range(n)]
     per_choice = [choice_params(params, j) for _ in prompts for j in range(n)]
     try:
-        return service.start_generations(ids, per_choice, constraints, keep_tokens, prediction)
+        spans = [embeddings] * len(ids)
+        return service.start_generations(
+            ids, per_choice, constraints, keep_tokens, prediction, embeddings=spans
+        )
     except (QueueFull, SchedulerClosed) as exc:
         raise scheduler_errors(exc) from None
+    except EmbeddingInputUnsupported as exc:  # images for a forward that cannot take their rows
+        raise invalid("messages", str(exc)) from None
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:

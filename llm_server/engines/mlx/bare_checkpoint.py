@@ -31,6 +31,10 @@ def model_classes(config: dict):
     """mlx-lm's (model class, args class) for `config`, the model class reading bare layouts."""
     from mlx_lm.utils import _get_classes  # load_model's own default for get_model_classes
 
+    from llm_server.engines.mlx.vlm_checkpoint import is_vlm, vlm_text_classes
+
+    if is_vlm(config):  # a vision-language checkpoint: its language model alone
+        return vlm_text_classes(config)
     model_cls, args_cls = _get_classes(config)
     return _bare_aware(model_cls), args_cls
 

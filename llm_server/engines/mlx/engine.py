@@ -56,6 +56,7 @@ from llm_server.engines.mlx.layout import (
 )
 from llm_server.engines.mlx.selfcheck import VERIFIED_FAMILIES, row_forward_problem
 from llm_server.engines.mlx.sessions import EmbedSession, ScoreSession, all_position_logits
+from llm_server.engines.mlx.vlm_checkpoint import is_vlm, text_config
 from llm_server.engines.plan import (
     EmbeddingSpan,
     ScoreChunkResult,
@@ -94,7 +95,10 @@ class MLXEngine:
         self.dtype = settings.dtype or default_dtype(path)  # engines/mlx/dtypes.py
         config = json.loads((path / "config.json").read_text())
         check_model_type(config)
-        text = {**config, **config.get("text_config", {})}  # multimodal configs nest the LM's
+        # multimodal configs nest the LM's (a VLM's: as its text family reads it)
+        text = (
+            text_config(config) if is_vlm(config) else {**config, **config.get("text_config", {})}
+        )
         # bare-transformer checkpoints (embedding models) load too; see bare_checkpoint
         self.model, self.config = load_model(path, lazy=True, get_model_classes=model_classes)
         # this rank's layers when split pipeline-parallel (a pipeline.Stage); the fused

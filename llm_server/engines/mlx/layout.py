@@ -58,11 +58,14 @@ class Layout:
 
 
 def check_model_type(config: dict) -> None:
-    """Any architecture mlx-lm has a model class for; else a ValueError naming the type."""
+    """Any architecture mlx-lm has a model class for (a VLM's: its language model's); else a
+    ValueError naming the type."""
     from mlx_lm.utils import _get_classes
 
+    from llm_server.engines.mlx.vlm_checkpoint import is_vlm, text_config
+
     try:
-        _get_classes(config)
+        _get_classes(text_config(config) if is_vlm(config) else config)
     except (KeyError, ValueError):
         raise ValueError(
             f"model_type {config.get('model_type')!r} is not supported "
