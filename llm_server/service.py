@@ -14,7 +14,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -124,9 +123,6 @@ class ModelService:
         self.syntax = model_syntax(
             self.tokenizer.template_source, _TokenLookup(self.tokenizer.hf), config.tool_parser
         )
-        # a vision-language model's renderer of messages with images; None: text only (the API
-        # refuses image parts with a 400, api/shared/images.py)
-        self.vision: Any = None
         self.scheduler = BatchScheduler(
             engine_factory,
             max_concurrent=rows,

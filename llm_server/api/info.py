@@ -95,6 +95,7 @@ async def tokenize(request: Request) -> Response:
             request.app.state.image_limits,
             served_id(request),
             service.vision is not None,
+            service.vision_error,
         )
         ids = render_prompt(service, list(messages), parse_tools(body), kwargs)
     else:

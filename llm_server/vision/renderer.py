@@ -11,6 +11,7 @@ digest, so the prefix cache reuses a resent image and misses a different one.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,8 @@ class VisionRenderer:
         self.add_special_tokens = should_add_special_tokens(self.model_type, self.processor)
         self.one_image = tokenizer.render_chat([{"role": "user", "content": [{"type": "image"}]}])
         self._rows: OrderedDict[str, np.ndarray] = OrderedDict()  # digest -> [n, hidden]
+        self.encode_seconds = 0.0  # the tower and projector's time since start (/metrics)
+        self.images_encoded = 0  # images through the tower (a resent one is not counted)
 
     def close(self) -> None:
         self._thread.stop()
@@ -121,6 +124,7 @@ class VisionRenderer:
         if image.digest in self._rows:
             self._rows.move_to_end(image.digest)
             return self._rows[image.digest]
+        started = time.perf_counter()
         inputs = dict(self._inputs(self.one_image, [image]))
         input_ids = inputs.pop("input_ids")
         pixel_values = inputs.pop("pixel_values")
@@ -129,6 +133,8 @@ class VisionRenderer:
         embeds = out.inputs_embeds[0].astype(mx.float32)
         where = np.flatnonzero(np.array(input_ids).reshape(-1) == self.image_token_id)
         rows = np.array(embeds[mx.array(where)])
+        self.encode_seconds += time.perf_counter() - started
+        self.images_encoded += 1
         self._rows[image.digest] = rows
         while len(self._rows) > CACHED_IMAGES:
             self._rows.popitem(last=False)

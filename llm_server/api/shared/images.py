@@ -300,7 +300,11 @@ def _refs(messages: tuple[dict[str, Any], ...]) -> list[ImageRef | ImageInput]:
 
 
 async def load_images(
-    messages: tuple[dict[str, Any], ...], limits: ImageLimits, model: str, takes_images: bool
+    messages: tuple[dict[str, Any], ...],
+    limits: ImageLimits,
+    model: str,
+    takes_images: bool,
+    why: str | None = None,
 ) -> tuple[dict[str, Any], ...]:
     """`messages` with every ImageRef decoded into an ImageInput (the same tuple when none).
 
@@ -326,8 +330,9 @@ async def load_images(
             return messages
         raise invalid(
             images[0].field,
-            f"model {model!r} reads text only and cannot take the image at {images[0].field}; "
-            "remove the image, or send it to a vision-language model",
+            f"model {model!r} reads text only and cannot take the image at {images[0].field}"
+            + (f" ({why})" if why else "")
+            + "; remove the image, or send it to a vision-language model",
         )
     return tuple(
         {**m, "content": [_loaded(p, loaded) for p in m["content"]]}
@@ -361,7 +366,9 @@ async def with_images(request: Request, service: ModelService, chat: Chat, model
     if not _refs(messages):
         return chat
     limits: ImageLimits = request.app.state.image_limits
-    done = await load_images(messages, limits, model, service.vision is not None)
+    done = await load_images(
+        messages, limits, model, service.vision is not None, service.vision_error
+    )
     return dataclasses.replace(chat, messages=done)  # type: ignore[type-var]
 
 

@@ -72,6 +72,18 @@ class _SchedulerCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=value)
         if cache is not None:
             yield from _prefix_counters(cache)
+        vision = svc.vision if stats else None
+        if vision is not None:
+            yield CounterMetricFamily(
+                "llm_server_vision_encode_seconds",
+                "seconds the vision tower and projector ran since start",
+                value=vision.encode_seconds,
+            )
+            yield CounterMetricFamily(
+                "llm_server_vision_images",
+                "images through the vision tower since start (a resent image is not counted)",
+                value=vision.images_encoded,
+            )
 
 
 def _prefix_counters(cache) -> Iterator[CounterMetricFamily]:
