@@ -5,8 +5,9 @@ status, the response bytes, streamed or not), except that `force_tool` rewrites 
 request that offers that tool so its `tool_choice` names it, in the shape of its API: that
 is how a test makes an agent with a random-weight model run one of its own tools. Where the
 arguments matter (Claude Code's Read on a given PNG), `canned_call` answers the FIRST
-Messages request offering that tool itself, with a `tool_use` of those arguments, and the
-agent's next request (the tool's result) goes to the server as usual.
+Messages request offering that tool itself, with a `tool_use` of those arguments (a Responses
+request, Codex's view_image: a `function_call`), and the agent's next request (the tool's
+result) goes to the server as usual.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ class RecordingProxy:
 
     upstream: str
     force_tool: str | list[str] | None = None
-    canned_call: tuple[str, dict] | None = None  # (tool, arguments): Messages API only
+    canned_call: tuple[str, dict] | None = None  # (tool, arguments): Messages or Responses
     exchanges: list[Exchange] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -140,8 +141,9 @@ class RecordingProxy:
         return True
 
     def _canned(self, path: str, body: dict) -> bytes | None:
-        """The canned `tool_use` answer to the first Messages request offering the tool."""
-        if self.canned_call is None or not path.endswith("/messages"):
+        """The canned `tool_use` (Messages) or `function_call` (Responses) answer to the first
+        request offering the tool."""
+        if self.canned_call is None or not path.endswith(("/messages", "/responses")):
             return None
         name, arguments = self.canned_call
         if name not in tool_names(path, body):
@@ -150,6 +152,8 @@ class RecordingProxy:
             if self._forced:
                 return None
             self._forced = True
+        if path.endswith("/responses"):
+            return canned_function_call(body, name, arguments)
         return canned_tool_use(body, name, arguments)
 
     async def _handle(self, request: Request) -> Response:
@@ -233,6 +237,48 @@ def canned_tool_use(body: dict, name: str, arguments: dict) -> bytes:
                            "delta": {"stop_reason": "tool_use", "stop_sequence": None},
                            "usage": {"output_tokens": 1}}),
         ("message_stop", {"type": "message_stop"}),
+    ]  # fmt: skip
+    return "".join(f"event: {e}\ndata: {json.dumps(d)}\n\n" for e, d in events).encode()
+
+
+def canned_function_call(body: dict, name: str, arguments: dict) -> bytes:
+    """A Responses answer calling `name` with `arguments`: SSE events when `body` streams,
+    else the one response object."""
+    item = {
+        "type": "function_call",
+        "id": "fc_canned_1",
+        "call_id": "call_canned_1",
+        "name": name,
+        "arguments": json.dumps(arguments),
+        "status": "completed",
+    }
+    usage = {
+        "input_tokens": 1,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": 1,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 2,
+    }
+    response = {"id": "resp_canned", "object": "response", "created_at": int(time.time()),
+                "status": "completed", "model": body.get("model"), "output": [item],
+                "usage": usage}  # fmt: skip
+    if not body.get("stream"):
+        return json.dumps(response).encode()
+    events = [
+        ("response.created", {"type": "response.created", "sequence_number": 0,
+                              "response": {**response, "status": "in_progress", "output": [],
+                                           "usage": None}}),
+        ("response.output_item.added", {"type": "response.output_item.added",
+                                        "sequence_number": 1, "output_index": 0,
+                                        "item": {**item, "status": "in_progress",
+                                                 "arguments": ""}}),
+        ("response.function_call_arguments.done", {
+            "type": "response.function_call_arguments.done", "sequence_number": 2,
+            "item_id": item["id"], "output_index": 0, "arguments": item["arguments"]}),
+        ("response.output_item.done", {"type": "response.output_item.done",
+                                       "sequence_number": 3, "output_index": 0, "item": item}),
+        ("response.completed", {"type": "response.completed", "sequence_number": 4,
+                                "response": response}),
     ]  # fmt: skip
     return "".join(f"event: {e}\ndata: {json.dumps(d)}\n\n" for e, d in events).encode()
 

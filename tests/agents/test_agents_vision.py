@@ -1,5 +1,6 @@
 """The real agents send an image to a vision-language model (issue 49): Claude Code reads a PNG
-in its working folder with its own Read tool, and `codex exec -i shot.png` attaches one.
+in its working folder with its own Read tool, `codex exec -i shot.png` attaches one, and Codex's
+own view_image tool returns one inside a `function_call_output`.
 
 The checkpoint is `agents_vision.py`'s tiny Gemma 3 VLM (65,536 positions, the agents' corpus
 tokenizer, an early EOS in the weights, so answers end after a few tokens: nothing caps
@@ -69,12 +70,13 @@ def _images(node) -> list[dict]:
 
 
 def _without_images(node):
-    """`node` with every image part left out (a content list left empty becomes "")."""
+    """`node` with every image part left out (a content or output list left empty becomes
+    "")."""
     if isinstance(node, dict):
         out = {}
         for key, value in node.items():
             kept = _without_images(value)
-            if key == "content" and isinstance(value, list) and not kept:
+            if key in ("content", "output") and isinstance(value, list) and not kept:
                 kept = ""
             out[key] = kept
         return out
@@ -183,4 +185,41 @@ def test_codex_exec_attaches_an_image(vlm_server, tmp_path: Path) -> None:
     assert head == "data:image/png;base64"
     assert base64.b64decode(data) == png.read_bytes()
     _assert_image_counted(vlm_server.url, first)
+    assert run.returncode == 0, run.describe()
+
+
+def test_codex_view_image_returns_the_png_in_its_function_call_output(
+    vlm_server, tmp_path: Path
+) -> None:
+    """The first request offering view_image is answered (by the proxy) with view_image on
+    shot.png; Codex runs its own tool and sends the PNG back in its next request; the server
+    answers it with the image in the prompt."""
+    work = tmp_path / "work"  # agents_run's working folder for the agent
+    work.mkdir(parents=True)
+    png = work / "shot.png"
+    png.write_bytes(image_png(0))
+    canned = ("view_image", {"path": str(png)})
+    with RecordingProxy(vlm_server.url, canned_call=canned) as proxy:
+        run = run_agent("codex", proxy.url, MODEL, "Look at shot.png.", tmp_path, timeout=900)
+    calls = _check_calls(proxy, run)
+    forced = [i for i, ex in enumerate(calls) if ex.forced]
+    assert forced, f"no request offered view_image\n{run.describe()}"
+    answered = [ex for ex in calls[forced[0] + 1 :] if "call_canned_1" in tool_results(ex)]
+    assert answered, f"no later request carried view_image's result\n{run.describe()}"
+    after = answered[0]
+    # what Codex sends: a function_call_output whose output is the one input_image (a data
+    # URL of the file's bytes, detail "high")
+    outputs = [
+        item
+        for item in after.body["input"]
+        if item.get("type") == "function_call_output" and item["call_id"] == "call_canned_1"
+    ]
+    assert len(outputs) == 1, str(after.body["input"])[-1500:]
+    output = outputs[0]["output"]
+    assert isinstance(output, list) and [p["type"] for p in output] == ["input_image"], output
+    head, data = output[0]["image_url"].split(",", 1)
+    assert head == "data:image/png;base64"
+    assert base64.b64decode(data) == png.read_bytes()
+    assert _images(after.body["input"]) == output  # the only image in the request
+    _assert_image_counted(vlm_server.url, after)
     assert run.returncode == 0, run.describe()
