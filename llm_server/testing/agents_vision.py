@@ -22,7 +22,10 @@ three wired dimensions, and the final norm's per-dimension gains (`1 + weight`) 
 No layer writes those dimensions (their rows of `o_proj` and `down_proj` are zero, and Gemma's
 post-norms keep a zero a zero), so they hold the current token's embedding alone. The EOS row
 reads nothing but the bias dimension, like every token's: after any token but `.` its logit is
-an ordinary one, so an answer is never empty in practice.
+an ordinary one, so an answer is never empty in practice. Sampled (the agents send no
+temperature), answers are 2-15 tokens. Greedy decoding can still loop on a token whose tied
+row reads its own embedding (seen once: `64` repeated to `max_tokens`); the agents never ask
+for it.
 """
 
 from __future__ import annotations

@@ -118,6 +118,24 @@ def _assert_image_counted(url: str, ex: Exchange) -> tuple[int, int]:
     return with_image, without
 
 
+def test_sampled_answers_end_early(vlm_server) -> None:
+    """The checkpoint's early EOS, as the agents meet it (they send no temperature): every
+    sampled answer is non-empty and ends with the EOS within a few dozen tokens."""
+    prompts = ["Say hello.", "Describe the attached image.", "What does this do? " * 30]
+    for i in range(12):
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
+            "max_tokens": 256,
+        }
+        resp = httpx.post(vlm_server.url + "/v1/chat/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text[:800]
+        answer = resp.json()
+        assert answer["choices"][0]["finish_reason"] == "stop", answer
+        assert answer["choices"][0]["message"]["content"].strip(), answer
+        assert answer["usage"]["completion_tokens"] <= 64, answer
+
+
 def test_claude_code_reads_a_png_with_its_read_tool(vlm_server, tmp_path: Path) -> None:
     """The first request offering Read is answered (by the proxy) with Read on shot.png;
     Claude Code runs its own Read tool, which returns the PNG as an image block inside the
