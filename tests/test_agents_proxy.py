@@ -3,7 +3,10 @@ offers the tool, as the official SDK reads it; every other request reaches the s
 
 from __future__ import annotations
 
+import json
+
 import anthropic
+import openai
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -63,5 +66,22 @@ def test_a_request_without_the_tool_is_forwarded():
             )
         assert answer.content[0].text == "from upstream"
         assert not proxy.model_calls()[0].forced
+    finally:
+        up.stop()
+
+
+def test_the_canned_call_answers_a_responses_request_as_the_openai_sdk_reads_it():
+    up = _upstream()
+    tool = {"type": "function", "name": "view_image", "parameters": {"type": "object"}}
+    try:
+        with RecordingProxy(up.url, canned_call=("view_image", {"path": "shot.png"})) as proxy:
+            client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="x", max_retries=0)
+            with client.responses.stream(model="m", input="Look.", tools=[tool]) as stream:
+                streamed = stream.get_final_response()
+        call = streamed.output[0]
+        assert (call.type, call.name, json.loads(call.arguments)) == (
+            "function_call", "view_image", {"path": "shot.png"},
+        )  # fmt: skip
+        assert calls_made(proxy.model_calls()[0]) == [("view_image", {"path": "shot.png"})]
     finally:
         up.stop()
