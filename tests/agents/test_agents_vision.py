@@ -127,6 +127,7 @@ def test_sampled_answers_end_early(vlm_server) -> None:
             "model": MODEL,
             "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
             "max_tokens": 256,
+            "seed": i,  # sampled as the agents sample, but the same draws every run
         }
         resp = httpx.post(vlm_server.url + "/v1/chat/completions", json=body, timeout=120)
         assert resp.status_code == 200, resp.text[:800]
