@@ -12,11 +12,13 @@ time per image comes from its `/metrics` (`llm_server_vision_encode_seconds_tota
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -87,17 +89,40 @@ def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+async def _load(
+    url: str, prompts, c: int, requests: int, max_tokens: int, count, model: str | None
+) -> load.LoadResult:
+    """load.run_load's streams, with `model` in each body (mlx_vlm.server requires it; ours
+    serves the one model it loaded)."""
+    gate = asyncio.Semaphore(c)
+    records = [load.RequestRecord(i, prompts[i % len(prompts)].id) for i in range(requests)]
+    async with httpx.AsyncClient(trust_env=False, timeout=load.REQUEST_TIMEOUT_S) as client:
+        t0 = time.perf_counter()
+
+        async def one(rec: load.RequestRecord) -> None:
+            body = load.chat_body(prompts[rec.index % len(prompts)].messages, max_tokens)
+            if model is not None:
+                body["model"] = model
+            async with gate:
+                await load._stream_one(client, url, body, rec, t0, count)
+
+        await asyncio.gather(*(one(r) for r in records))
+    wall = max(r.end_s for r in records) - min(r.start_s for r in records)
+    return load.LoadResult(c, max_tokens, wall, records)
+
+
 def _one(s: Settings, kind: str, c: int, prompts, count) -> dict:
     spec = servers.ServerSpec(kind, s.model, c, max_queued=max(s.requests, c))
     log = s.out / "logs" / f"vision-{kind}-c{c}.log"
+    model = str(s.model) if kind == "mlx_vlm" else None
     with servers.running(spec, log) as srv:
         # warm-up: c image requests at once (loads, compiles shapes, runs the tower once)
-        warm = load.run_load(srv.url, prompts, c, c, s.max_tokens, count)
+        warm = asyncio.run(_load(srv.url, prompts, c, c, s.max_tokens, count, model))
         failed = [r.error for r in warm.records if not r.ok]
         if failed:
-            raise RuntimeError(f"{kind} warm-up failed: {failed[0]}")
+            raise RuntimeError(f"{kind} warm-up failed: {failed[0][:160]}")
         before = tower_seconds(srv.url) if kind == "ours" else None
-        result = load.run_load(srv.url, prompts, c, s.requests, s.max_tokens, count)
+        result = asyncio.run(_load(srv.url, prompts, c, s.requests, s.max_tokens, count, model))
         after = tower_seconds(srv.url) if kind == "ours" else None
     ok = [r for r in result.records if r.ok]
     tokens = sum(r.completion_tokens for r in ok)
