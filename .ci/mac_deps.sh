@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A Mac install, resolved here: the project's dependencies (runtime, dev and eval extras) must
+# A Mac install, resolved here: the project's dependencies (runtime; dev, eval, vision extras) must
 # resolve for macOS 14 arm64 on every supported Python from wheels only (two pure-Python sdists
 # allowed), at the newest versions and at the lowest the floors allow; and each runtime floor in
 # pyproject.toml must itself be installable there (a floor with no wheel is a stale floor).
@@ -21,7 +21,7 @@ fi
 export MACOSX_DEPLOYMENT_TARGET=14.0 # mlx's wheels start at macosx_14_0_arm64
 base=(--python-platform aarch64-apple-darwin --only-binary :all: --prerelease disallow
 	--quiet --no-header --no-annotate)
-extras=(--extra dev --extra eval)
+extras=(--extra dev --extra eval --extra vision)
 for sdist in "${SDISTS[@]}"; do extras+=(--no-binary "$sdist"); done
 
 resolve() { # VERSION NAME ARGS...: compile into $tmp/NAME.txt or print why not and fail
