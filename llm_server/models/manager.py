@@ -76,6 +76,7 @@ class ModelManager:
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="llm-model-loader")
         self._lock = asyncio.Lock()  # one load (with its evictions) at a time
         self._wanting_room = False  # the load holding the lock waits for a model to go idle
+        self._loading: ModelSlot | None = None  # the slot whose load holds the lock
         self._freed = asyncio.Event()  # set when a model goes idle or an unload starts
         self._closing = False  # close() began: a load waiting for room gives up
         self._seq = itertools.count(1)
@@ -116,8 +117,11 @@ class ModelManager:
             slot.waiting += 1
             try:
                 await asyncio.shield(self._transition(slot))
-            finally:
+            except BaseException:  # this request leaves without the model (an error, a drop)
                 slot.waiting -= 1
+                self._maybe_evict(slot)
+                raise
+            slot.waiting -= 1  # and takes it below, before any other coroutine runs
         slot.active += 1
         slot.expires = None
         return slot
@@ -139,16 +143,26 @@ class ModelManager:
             slot.expires = time.monotonic() + ttl
             if ttl == 0 and slot.idle() and slot.status is Status.LOADED:
                 self._start_unload(slot)
+        self._maybe_evict(slot)
+
+    def _maybe_evict(self, slot: ModelSlot) -> None:
+        """`slot` may have gone idle: a load waiting for room evicts it before a new request
+        takes it."""
         evictable = slot.idle() and slot.status is Status.LOADED and not slot.entry.pinned
-        if self._wanting_room and evictable:  # a waiting load takes it before a new request
+        if self._wanting_room and evictable:
             log.info("%s went idle: evicting it for the load waiting for room", slot.entry.id)
             self._start_unload(slot)
 
     # -- loading and unloading -------------------------------------------------------
 
     def _transition(self, slot: ModelSlot) -> asyncio.Task:
-        """The load (or the unload, then a load) in progress for `slot`, started if none."""
-        if slot.task is None:
+        """The load (or the unload, then a load) in progress for `slot`, started if none.
+
+        A finished task counts as none: its done callback (which clears `slot.task`) runs a
+        loop turn after it finishes, and a request arriving in between must get a pending task
+        to await; awaiting the finished one returns without yielding, so acquire() would spin
+        on the event loop forever with the callback never run (the load queue's stall)."""
+        if slot.task is None or slot.task.done():
             slot.task = asyncio.ensure_future(self._load(slot))
             slot.task.add_done_callback(lambda t: _finished(slot, t))
         return slot.task
@@ -176,12 +190,20 @@ class ModelManager:
 
     async def _load(self, slot: ModelSlot) -> None:
         slot.status = Status.LOADING  # queued behind other loads, or loading
-        async with self._lock:
+        started = time.monotonic()
+        deadline = started + self.config.load_wait  # queueing and waiting for room, together
+        try:
+            await self._take_loader(slot, deadline)
+        except BaseException:
+            slot.status = Status.UNLOADED
+            raise
+        try:
             entry = slot.entry
             slot.error = None
-            started = time.monotonic()
+            self._loading = slot
+            started = time.monotonic()  # the load itself, for the log
             try:
-                service = await self._load_locked(slot)
+                service = await self._load_locked(slot, deadline)
             except BaseException as exc:
                 slot.status, slot.size, slot.service = Status.UNLOADED, None, None
                 if isinstance(exc, (ModelError, CheckpointError)):
@@ -205,8 +227,28 @@ class ModelManager:
             )
             for listener in self._listeners:
                 listener(entry.id, service)
+        finally:
+            self._loading = None
+            self._lock.release()
 
-    async def _load_locked(self, slot: ModelSlot) -> ModelService:
+    async def _take_loader(self, slot: ModelSlot, deadline: float) -> None:
+        """Take the loader (one load at a time) by `deadline` (monotonic seconds), else
+        InsufficientMemory: a load queued behind one that waits for room waits no longer in
+        all than --load-wait."""
+        if not self._lock.locked():
+            await self._lock.acquire()
+            return
+        try:
+            await asyncio.wait_for(self._lock.acquire(), max(deadline - time.monotonic(), 0))
+        except TimeoutError:
+            ahead = self._loading.entry.id if self._loading is not None else "another model"
+            raise InsufficientMemory(
+                f"model {slot.entry.id!r} waited {self.config.load_wait:g}s behind the load "
+                f"of {ahead!r} (one load at a time, waiting for room while the loaded models "
+                "serve requests); retry later"
+            ) from None
+
+    async def _load_locked(self, slot: ModelSlot, deadline: float) -> ModelService:
         loop = asyncio.get_running_loop()
         path = await loop.run_in_executor(self._loader, self._resolve, slot.entry.source)
         slot.path = path
@@ -220,7 +262,7 @@ class ModelManager:
             ) from exc
         if size.total > self.config.budget:
             raise ModelTooLarge(slot.entry.id, size, self.config.budget)
-        await self._make_room(slot, size)
+        await self._make_room(slot, size, deadline)
         slot.size = size  # counted from here on
         return await loop.run_in_executor(self._loader, self._start, slot.entry, path)
 
@@ -234,11 +276,10 @@ class ModelManager:
             raise
         return service
 
-    async def _make_room(self, slot: ModelSlot, size: ModelSize) -> None:
+    async def _make_room(self, slot: ModelSlot, size: ModelSize, deadline: float) -> None:
         """Unload least recently used, idle, unpinned models until `size` fits the budget;
-        while every other model serves requests, wait (up to `load_wait` seconds) for the
-        first to go idle, and evict it (`release`)."""
-        deadline = time.monotonic() + self.config.load_wait
+        while every other model serves requests, wait (until `deadline`, monotonic seconds)
+        for the first to go idle, and evict it (`release`)."""
         pinned = sum(s.counted for s in self.slots.values() if s is not slot and s.entry.pinned)
         if pinned + size.total > self.config.budget:
             raise InsufficientMemory(
