@@ -53,7 +53,7 @@ def test_past_the_wait_a_503_names_the_numbers(tiny_models, entries):
         assert full.status_code == 503 and full.headers["Retry-After"] == "5"
         error = full.json()["error"]
         assert error["code"] == "insufficient_memory"
-        size = estimate_size(tiny_models["beta"], 1, None).total
+        size = estimate_size(tiny_models["beta"], 1, None).needed
         used = srv.manager.used()
         assert error["message"] == (
             f"model 'beta' needs {format_bytes(size)} but {format_bytes(used)} of the "
@@ -72,8 +72,8 @@ def test_a_model_that_never_fits_beside_the_pinned_ones_is_refused_at_once(tiny_
         ModelEntry(id="alpha", source=str(tiny_models["alpha"]), pinned=True),
         ModelEntry(id="beta", source=str(tiny_models["beta"])),
     ]
-    alpha = estimate_size(tiny_models["alpha"], 1, None).total
-    budget = alpha + estimate_size(tiny_models["beta"], 1, None).total - 1
+    alpha = estimate_size(tiny_models["alpha"], 1, None).needed
+    budget = alpha + estimate_size(tiny_models["beta"], 1, None).needed - 1
     with ManagedServer(entries, budget=budget) as srv:
         _until(lambda: srv.manager.slots["alpha"].status is Status.LOADED)
         started = time.monotonic()
@@ -89,17 +89,17 @@ def test_a_model_that_never_fits_beside_the_pinned_ones_is_refused_at_once(tiny_
 
 def test_two_loads_racing_under_a_budget_for_one_never_both_hold_it(tiny_models, entries):
     entries = entries[:2]
-    sizes = [estimate_size(tiny_models[e.id], 1, None).total for e in entries]
+    sizes = [estimate_size(tiny_models[e.id], 1, None).needed for e in entries]
     budget = sum(sizes) - 1  # either fits, never both
     with ManagedServer(entries, budget=budget) as srv:
         make = srv.manager._factory
         gate = threading.Event()
         seen: list[list[str]] = []  # at each load's start: the models holding memory
 
-        def slow(entry, path):  # each load lingers so the other request arrives meanwhile
+        def slow(entry, path, *more):  # each load lingers so the other request arrives meanwhile
             seen.append([s.entry.id for s in srv.manager.slots.values() if s.service])
             gate.wait(0.5)
-            return make(entry, path)
+            return make(entry, path, *more)
 
         srv.manager._factory = slow
         with concurrent.futures.ThreadPoolExecutor(4) as pool:

@@ -15,6 +15,7 @@ from llm_server.api.shared.request_log import note_finish
 from llm_server.api.shared.state import MODEL_ID_KEY, AppState, scoped_service
 from llm_server.decoding import FinishReason, LogitsConstraint, SamplingParams
 from llm_server.distributed import group_lost
+from llm_server.engines.kv.budget import REFUSED, RETRY_AFTER_S
 from llm_server.scheduler import FinishEvent, QueueFull, SchedulerClosed
 from llm_server.service import GenerationHandle, ModelService
 
@@ -179,12 +180,23 @@ def admit_all(
             f"'n' asks for {total} generations but this server holds at most "
             f"{service.capacity} at once (running and queued)",
         )
+    check_memory(service, prompts, params)
     ids = [p for p in prompts for _ in range(n)]
     per_choice = [choice_params(params, j) for _ in prompts for j in range(n)]
     try:
         return service.start_generations(ids, per_choice, constraints, keep_tokens, prediction)
     except (QueueFull, SchedulerClosed) as exc:
         raise scheduler_errors(exc) from None
+
+
+def check_memory(service: ModelService, prompts: list[list[int]], params: SamplingParams) -> None:
+    """400 for a prompt whose KV at its requested length could never fit the memory budget:
+    refused before any token, never attempted."""
+    longest = max((len(p) for p in prompts), default=0)
+    positions = min(longest + params.max_tokens, service.context_length)
+    refusal = service.memory_refusal(positions)
+    if refusal is not None:
+        raise APIError(400, refusal, param="max_tokens", code="memory_budget_exceeded")
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
@@ -211,9 +223,18 @@ def settle(request: Request, finishes: list[FinishEvent | None]) -> Response | N
     lost = [f.error for f in finishes if f.reason == FinishReason.ERROR and group_lost(f.error)]
     if lost:  # a rank of a sharded model died: the server is going away (503, then exit)
         raise APIError(503, str(lost[0]), code="group_lost")
+    refused = [f.error for f in finishes if f.reason == FinishReason.ERROR and budget_refused(f)]
+    if refused:  # the KV could not grow within the memory budget now: retry later
+        retry = {"Retry-After": str(RETRY_AFTER_S)}
+        raise APIError(503, str(refused[0]), code="insufficient_memory", headers=retry)
     if any(f.reason == FinishReason.ERROR for f in finishes):
         raise APIError(500, "the model failed while generating this request", code="engine_error")
     return None
+
+
+def budget_refused(fin: FinishEvent) -> bool:
+    """Whether a failed generation's error is the memory budget's refusal to grow its KV."""
+    return bool(fin.error) and fin.error.startswith(REFUSED)
 
 
 def record_finish(request: Request, fin: FinishEvent) -> None:

@@ -12,9 +12,12 @@ mask. Sliding-window layers keep every position too: their window is a per-row m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+
+from llm_server.engines.kv.budget import BudgetRefused
 
 GROW = 256  # positions added to every row's capacity at a time, at least...
 HEADROOM = 4  # ...and at least a 1/HEADROOM of what it holds: each growth copies the store into
@@ -45,6 +48,9 @@ class RowStore:
         self.keys: list[mx.array | None] = [None] * num_layers
         self.values: list[mx.array | None] = [None] * num_layers
         self.capacity = 0
+        # asked for the bytes of new arrays before any are made (engines/kv/budget.py: False
+        # refuses the growth); None: no budget
+        self.budget: Callable[[int], bool] | None = None
 
     def ensure(self, positions: int) -> None:
         """Grow every layer so each row can hold `positions` entries (lazy, step-wise)."""
@@ -87,10 +93,18 @@ class RowStore:
 
     def _pad(self, pad: list[tuple[int, int]]) -> None:
         """Grow every allocated layer's keys and values by `pad` (zeros)."""
+        held = self.nbytes()
+        if held and self.budget is not None:  # the new arrays, while the old are still held
+            rows, cap = self.rows + pad[0][1], self.capacity + pad[2][1]
+            self._ask(held * rows * cap // (self.rows * self.capacity))
         for i in range(self.num_layers):
             if self.keys[i] is not None:  # shapes are learnt at the first write
                 self.keys[i] = mx.pad(self.keys[i], pad)
                 self.values[i] = mx.pad(self.values[i], pad)
+
+    def _ask(self, nbytes: int) -> None:
+        if not self.budget(nbytes):
+            raise BudgetRefused(f"the KV store's growth by {nbytes} bytes was refused")
 
     def arrays(self) -> list[mx.array]:
         """Every allocated key/value array (layers without KV, e.g. recurrent ones, have none)."""
@@ -133,6 +147,8 @@ class RowStore:
     def allocate(self, layer: int, heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype) -> None:
         """A layer's keys and values (zeros), before its first write: their shapes are
         otherwise learnt from the first keys written."""
+        if self.budget is not None:
+            self._ask(self.rows * heads * self.capacity * (k_dim + v_dim) * dtype.size)
         self.keys[layer] = mx.zeros((self.rows, heads, self.capacity, k_dim), dtype)
         self.values[layer] = mx.zeros((self.rows, heads, self.capacity, v_dim), dtype)
 
