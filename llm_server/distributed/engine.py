@@ -143,6 +143,9 @@ class LockstepEngine:
     def kv_room(self) -> int | None:
         return self._engine.kv_room()
 
+    def budget_bytes(self) -> int | None:
+        return self._engine.budget_bytes()
+
     def idle_due(self) -> float | None:
         return self._engine.idle_due()  # None when sharded: no rank trims (kv_keep_alive 0)
 

@@ -91,6 +91,10 @@ class Engine(Protocol):
         """Bytes of KV the memory budget could ever give this model (None: no budget)."""
         ...
 
+    def budget_bytes(self) -> int | None:
+        """The memory budget this engine draws on (None: none)."""
+        ...
+
     def idle_due(self) -> float | None:
         """Seconds until the idle KV memory is given back (`trim_idle`; None: none held)."""
         ...

@@ -226,7 +226,9 @@ def settle(request: Request, finishes: list[FinishEvent | None]) -> Response | N
     refused = [f.error for f in finishes if f.reason == FinishReason.ERROR and budget_refused(f)]
     if refused:  # the KV could not grow within the memory budget now: retry later
         retry = {"Retry-After": str(RETRY_AFTER_S)}
-        raise APIError(503, str(refused[0]), code="insufficient_memory", headers=retry)
+        message = str(refused[0])
+        message = message[message.index(REFUSED) :]  # without the engine's "forward failed"
+        raise APIError(503, message, code="insufficient_memory", headers=retry)
     if any(f.reason == FinishReason.ERROR for f in finishes):
         raise APIError(500, "the model failed while generating this request", code="engine_error")
     return None
@@ -234,7 +236,7 @@ def settle(request: Request, finishes: list[FinishEvent | None]) -> Response | N
 
 def budget_refused(fin: FinishEvent) -> bool:
     """Whether a failed generation's error is the memory budget's refusal to grow its KV."""
-    return bool(fin.error) and fin.error.startswith(REFUSED)
+    return bool(fin.error) and REFUSED in fin.error
 
 
 def record_finish(request: Request, fin: FinishEvent) -> None:

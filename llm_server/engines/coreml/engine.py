@@ -242,6 +242,9 @@ class CoreMLEngine:
     def kv_room(self) -> int | None:
         return None
 
+    def budget_bytes(self) -> int | None:
+        return None
+
     def kept_tokens(self) -> int:
         return 0
 

@@ -98,11 +98,14 @@ class MemoryBudget:
         held = account.held().total if account is not None else 0
         return max(held, floor)
 
+    def ids(self) -> list[str]:
+        """The models counted now (loaded or loading)."""
+        with self._lock:
+            return sorted(set(self._accounts) | set(self._reserved))
+
     def used(self) -> int:
         """Bytes counted now over every model."""
-        with self._lock:
-            ids = set(self._accounts) | set(self._reserved)
-        return sum(self.counted(i) for i in ids)
+        return sum(self.counted(i) for i in self.ids())
 
     def pinned_elsewhere(self, model_id: str) -> int:
         """Bytes pinned models other than `model_id` hold (never evicted to make room)."""
@@ -157,9 +160,7 @@ class Account:
     def refused(self, what: str, nbytes: int) -> BudgetRefused:
         """The error for a growth of `nbytes` that did not fit (names the numbers)."""
         budget = self.budget
-        held = ", ".join(
-            f"{mid} {format_bytes(h.total)}" for mid, h in sorted(budget.held().items())
-        )
+        held = ", ".join(f"{mid} {format_bytes(budget.counted(mid))}" for mid in budget.ids())
         return BudgetRefused(
             f"{REFUSED} {what} of model {self.model_id!r} needs {format_bytes(nbytes)} "
             f"({nbytes} bytes) more but {format_bytes(budget.used())} of the "

@@ -27,12 +27,12 @@ and are evicted with it.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
+from llm_server.engines.kv.budget import Account
 from llm_server.engines.kv.state import Checkpoint, checkpoint_bytes
 
 MIN_BYTES = 64 << 20  # the default bound is at least this
@@ -169,7 +169,7 @@ class PrefixCache:
         self.disk = None  # a prefix_disk.DiskTier: evicted entries go there, hits come back
         # asked for an entry's bytes before it is copied in (engines/kv/budget.py: False
         # evicts entries by priority, then skips the entry); None: only `max_bytes` bounds it
-        self.budget: Callable[[int], bool] | None = None
+        self.budget: Account | None = None
 
     @property
     def enabled(self) -> bool:
@@ -364,7 +364,7 @@ class PrefixCache:
         return before - self.bytes
 
     def _granted(self, nbytes: int) -> bool:
-        return self.budget is None or self.budget(nbytes)
+        return self.budget is None or self.budget.reserve(nbytes, evict=False, own_cache=False)
 
     def _add(
         self,

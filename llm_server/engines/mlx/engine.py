@@ -344,14 +344,9 @@ class MLXEngine:
         account = self._account
         if account is None:
             return
-
-        def grow(nbytes: int) -> bool:
-            if not account.reserve(nbytes):
-                raise account.refused("the KV store's growth", nbytes)
-            return True
-
-        self.row_table.store.budget = grow
-        self.prefix_cache.budget = lambda nbytes: account.reserve(nbytes, False, False)
+        store = self.row_table.store
+        store.budget, store.position_bytes = account, self.kv_bytes_for(1) - self.kv_bytes_for(0)
+        self.prefix_cache.budget = account
         account.measure = self.held_bytes
         account.shrink = self.prefix_cache.shrink
 
@@ -378,6 +373,9 @@ class MLXEngine:
         """Bytes of KV and prefix cache the memory budget could ever give this model (None:
         no budget)."""
         return None if self._account is None else self._account.room()
+
+    def budget_bytes(self) -> int | None:
+        return None if self._account is None else self._account.budget.limit
 
     def weight_bytes(self) -> int:
         from mlx.utils import tree_flatten
