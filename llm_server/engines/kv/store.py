@@ -109,6 +109,7 @@ class RowStore:
     def _granted(self, positions: int, capacity: int) -> int:
         """The capacity to grow to: `capacity`, else (refused) less headroom, halved down to
         exactly `positions`; BudgetRefused when even that does not fit."""
+        positions = min(positions, capacity)  # (capacity is cut at max_positions)
         while capacity > positions:
             if self._ask(self.rows, capacity, refuse=False):
                 return capacity
