@@ -358,8 +358,8 @@ class ModelManager:
     async def _unload(self, slot: ModelSlot) -> None:
         held = [slot.service] if slot.service is not None else []
         slot.service = None
+        self.budget.close(slot.entry.id)  # before the collection: it refers to the engine
         await asyncio.to_thread(_close_and_release, held)
-        self.budget.close(slot.entry.id)
         slot.status, slot.size, slot.expires = Status.UNLOADED, None, None
         log.info("unloaded %s (%s in use)", slot.entry.id, format_bytes(self.used()))
 

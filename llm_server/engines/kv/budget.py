@@ -70,10 +70,13 @@ class MemoryBudget:
             return account
 
     def close(self, model_id: str) -> None:
-        """`model_id` unloaded: it holds nothing any more."""
+        """`model_id` unloaded: it holds nothing any more (and its account lets go of the
+        engine, whose arrays are then freed with it)."""
         with self._lock:
-            self._accounts.pop(model_id, None)
+            account = self._accounts.pop(model_id, None)
             self._reserved.pop(model_id, None)
+        if account is not None:
+            account.measure = account.shrink = None
 
     def reserve_floor(self, model_id: str, nbytes: int) -> None:
         """Count at least `nbytes` for `model_id` from now on (a load's needed bytes)."""
