@@ -5,6 +5,9 @@ the bytes held by kind; loads count each model at its weights and first row."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -133,3 +136,15 @@ def test_reserve_counts_a_growth_within_the_floor_as_held_already():
     assert not account.reserve(350, own_cache=False) and shrunk == [50]
     assert isinstance(account.refused("x", 1), BudgetRefused)
     assert isinstance(account, Account)
+
+
+def test_an_unloaded_model_leaves_nothing_alive(tiny_models):
+    # the budget account once kept an evicted engine (and all its arrays) alive
+    entries = [ModelEntry(id="alpha", source=str(tiny_models["alpha"]))]
+    with ManagedServer(entries) as srv:
+        assert _ask(srv.url, "alpha", "the cat").status_code == 200
+        engine = weakref.ref(srv.manager.slots["alpha"].service.engine)
+        assert httpx.post(f"{srv.url}/v1/models/alpha/unload", timeout=60).status_code == 200
+        gc.collect()
+        assert engine() is None
+        assert srv.manager.used() == 0 and srv.manager.budget.held() == {}
