@@ -75,24 +75,33 @@ def estimate_size(
     prefix_cache_bytes: int | None = None,
     score_rows: int = SCORE_ROWS,
     budget: int | None = None,
+    on_cpu: bool | None = None,
 ) -> ModelSize:
     """What the model at `path` holds once loaded with these settings (before loading it):
     `dtype` None is the engine's default (engines/mlx/dtypes.py: on Metal the checkpoint's own
     half dtype); `score_rows`: the engine's scoring rows (none on a model served serially);
     `budget`: with `context_length` unset, the context is what `rows` rows can hold in the
-    budget beside the weights (at most the model's own)."""
+    budget beside the weights (at most the model's own); `on_cpu`: size it as the CPU serves it
+    (quantized layers dequantized unless `keep_quantized`) or as Metal does (the checkpoint's
+    dtype, quantized layers kept); None: as this machine does."""
     if path.suffix == ".mlpackage" or any(path.glob("*.mlpackage")):
         files = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         return ModelSize(files, 0, 0)
     full = json.loads((path / "config.json").read_text())
     config = full.get("text_config", full)  # a VLM's language model
+    if on_cpu is None:
+        import mlx.core as mx
+
+        on_cpu = mx.default_device() == mx.cpu
     if dtype is None:
         from llm_server.engines.mlx.dtypes import default_dtype
 
-        dtype = default_dtype(path)
+        dtype = default_dtype(path, on_cpu)
     width = _DTYPE_BYTES.get(dtype, 4)
     bits = (config.get("quantization") or {}).get("bits")
-    weights = _weight_bytes(path, width, None if keep_quantized else bits)
+    # the CPU kernel set dequantizes (quantized.prepare); Metal serves quantized layers as is
+    dequantize = on_cpu and not keep_quantized
+    weights = _weight_bytes(path, width, bits if dequantize else None)
     if prefix_cache_bytes is None:  # the engine's own default bound (engines/kv/prefix_cache.py)
         prefix_cache_bytes = default_bound(kv_token_bytes(config, width))
     max_pos = int(config.get("max_position_embeddings") or 2048)  # as the engine reads it
