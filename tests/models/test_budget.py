@@ -148,3 +148,32 @@ def test_an_unloaded_model_leaves_nothing_alive(tiny_models):
         gc.collect()
         assert engine() is None
         assert srv.manager.used() == 0 and srv.manager.budget.held() == {}
+
+
+def test_one_model_under_max_memory_fits_its_context_and_reports_held_bytes(
+    tiny_models, long_model, make_service
+):
+    weights = estimate_size(long_model, 1, None).weights
+    svc = make_service(long_model, max_memory=weights + 3000 * POSITION)
+    engine = svc.engine
+    assert engine.context_length == 2816  # what one row holds beside the weights, in 256s
+    assert engine.budget_bytes() == weights + 3000 * POSITION
+    assert engine.held_bytes().weights == engine.weight_bytes() == weights
+    assert svc.memory_refusal(2900) is None and svc.memory_refusal(3001) is not None
+    with pytest.raises(BudgetRefused, match="memory budget: the weights of model"):
+        make_service(tiny_models["alpha"], max_memory=1000)
+
+
+def test_one_model_server_refuses_what_never_fits_and_reports_memory(long_model, live_server):
+    weights = estimate_size(long_model, 1, None).weights
+    budget = weights + 3000 * POSITION
+    srv = live_server(long_model, max_memory=budget, context_length=8192)
+    refused = _ask(srv.url, "long", _prompt(long_model, 2990), max_tokens=20)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["code"] == "memory_budget_exceeded"
+    assert _ask(srv.url, "long", "the cat").status_code == 200
+    memory = httpx.get(f"{srv.url}/health", timeout=30).json()["memory"]
+    assert memory["budget"] == budget and memory["held"]["weights"] == weights
+    assert memory["held"]["kv"] > 0 and memory["held"]["total"] <= budget
+    metrics = httpx.get(f"{srv.url}/metrics", timeout=30).text
+    assert 'llm_server_held_bytes{kind="weights"}' in metrics

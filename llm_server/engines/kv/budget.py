@@ -131,10 +131,11 @@ class Account:
     def held(self) -> HeldBytes:
         return self.measure() if self.measure is not None else HeldBytes()
 
-    def room(self) -> int:
+    def room(self, weights: int | None = None) -> int:
         """Bytes of KV and prefix cache this model could ever hold: the budget less its
-        weights and what pinned models hold (idle models and caches can be evicted)."""
-        weights = self.held().weights
+        `weights` (None: as measured) and what pinned models hold (idle models and caches can
+        be evicted)."""
+        weights = self.held().weights if weights is None else weights
         return self.budget.limit - weights - self.budget.pinned_elsewhere(self.model_id)
 
     def reserve(self, nbytes: int, evict: bool = True, own_cache: bool = True) -> bool:

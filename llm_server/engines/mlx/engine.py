@@ -121,7 +121,7 @@ class MLXEngine:
         mx.clear_cache()  # the buffers freed while stacking
         self._weights = self.weight_bytes()  # counted by the memory budget (held_bytes)
         self._account = settings.budget  # engines/kv/budget.py Account (None: no budget)
-        if self._account is not None and self._account.room() < 0:
+        if self._account is not None and self._account.room(self._weights) < 0:
             raise self._account.refused("the weights", self._weights)
         # the set's attention/SwiGLU in mlx-lm's modules (linux_cpu: and, where mlx-lm's forward
         # runs the layers with a plain head, its 1-2 row products on both cores)
@@ -351,8 +351,18 @@ class MLXEngine:
         account.shrink = self.prefix_cache.shrink
 
     def held_bytes(self) -> HeldBytes:
-        """Bytes held now: weights, KV (store rows and states), prefix cache entries."""
-        return HeldBytes(self._weights, self.kv_bytes(), self.prefix_cache.bytes)
+        """Bytes held now: weights, KV (store rows and states, or a serial model's mlx-lm
+        caches at their capacity), prefix cache entries. Safe from any thread: it only reads
+        the arrays' sizes (no MLX op is built)."""
+        table = self.row_table
+        if table.serial_cache is None:
+            kv = sum(a.nbytes for a in table.store.arrays() + table.states.arrays())
+        else:
+            from mlx.utils import tree_flatten
+
+            leaves = tree_flatten([vars(c) for c in table.serial_cache])
+            kv = sum(a.nbytes for _, a in leaves if isinstance(a, mx.array))
+        return HeldBytes(self._weights, kv, self.prefix_cache.bytes)
 
     def kv_bytes_for(self, positions: int) -> int:
         """Bytes one row holds at `positions` (keys and values of the layers that keep them,
