@@ -6,6 +6,7 @@ the bytes held by kind; loads count each model at its weights and first row."""
 from __future__ import annotations
 
 import gc
+import json
 import weakref
 
 import httpx
@@ -95,6 +96,12 @@ def test_a_growth_with_no_room_while_the_others_serve_is_a_503_then_evicts_an_id
         assert error["message"].startswith("memory budget: the KV store's growth of model 'long'")
         assert f"of the {format_bytes(budget)} budget is held" in error["message"]
         assert srv.manager.used() <= budget
+        body = {"model": "long", "prompt": long_prompt, "max_tokens": 4, "stream": True}
+        stream = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
+        assert stream.status_code == 200  # a stream's headers go before the prefill
+        events = [json.loads(line[6:]) for line in stream.text.splitlines() if line[6:7] == "{"]
+        assert events[-1]["error"]["code"] == "insufficient_memory"
+        assert events[-1]["error"]["message"].startswith("memory budget: the KV store's growth")
         srv.call(_let_go(srv.manager, held[0]))  # alpha idle: evicted for the growth
         assert _ask(srv.url, "long", long_prompt).status_code == 200
         assert _statuses(srv.url) == {"alpha": "unloaded", "gamma": "loaded", "long": "loaded"}

@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from llm_server.api.shared import recent
-from llm_server.api.shared.errors import APIError, invalid
+from llm_server.api.shared.errors import APIError, error_body, invalid
 from llm_server.api.shared.request_log import note_finish
 from llm_server.api.shared.state import MODEL_ID_KEY, AppState, scoped_service
 from llm_server.decoding import FinishReason, LogitsConstraint, SamplingParams
@@ -232,6 +232,15 @@ def settle(request: Request, finishes: list[FinishEvent | None]) -> Response | N
     if any(f.reason == FinishReason.ERROR for f in finishes):
         raise APIError(500, "the model failed while generating this request", code="engine_error")
     return None
+
+
+def stream_failure(fin: FinishEvent) -> dict:
+    """The error body a stream ends with when its generation failed: the memory budget's
+    refusal (503 `insufficient_memory`, its numbers) or the engine's failure (500)."""
+    if budget_refused(fin):
+        message = fin.error[fin.error.index(REFUSED) :]
+        return error_body(503, message, code="insufficient_memory")
+    return error_body(500, "the model failed while generating this request")
 
 
 def budget_refused(fin: FinishEvent) -> bool:
