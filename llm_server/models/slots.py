@@ -63,7 +63,7 @@ class ModelSlot:
             "aliases": list(self.entry.aliases),
             "pinned": self.entry.pinned,
             "cached": self.entry.cached,
-            "size_bytes": size.total if size else None,
+            "size_bytes": self.counted if size else None,  # what the budget counts now
             "last_used": int(self.last_used) if self.last_used else None,
             "active_requests": self.active,
             "error": self.error,
