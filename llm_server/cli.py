@@ -68,9 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-memory",
         type=_size,
         metavar="SIZE",
-        help="with --models: bytes the loaded models may hold together (weights + KV rows + "
-        "prefix caches), e.g. 12G; least recently used idle models unload to make room "
-        "(default: 3/4 of physical memory)",
+        help="bytes the model (with --models: the loaded models together) may hold: weights, "
+        "KV rows and prefix caches as allocated, e.g. 12G; every KV growth asks it first "
+        "(least recently used idle models unload, then prefix-cache entries go, to make "
+        "room), and a model's default context is what its rows hold within it (default: 3/4 "
+        "of physical memory with --models, none with --model)",
     )
     p.add_argument(
         "--idle-unload",
@@ -473,10 +475,8 @@ def validate_args(args: argparse.Namespace) -> None:
                 "llm-server: --models serves a registry; it does not combine with --model, "
                 "--replay, --distributed or --hosts"
             )
-    elif args.max_memory is not None or args.idle_unload is not None or args.load_wait is not None:
-        raise SystemExit(
-            "llm-server: --max-memory, --idle-unload and --load-wait need --models FILE"
-        )
+    elif args.idle_unload is not None or args.load_wait is not None:
+        raise SystemExit("llm-server: --idle-unload and --load-wait need --models FILE")
     if args.load_wait is not None and args.load_wait < 0:
         raise SystemExit("llm-server: --load-wait must be 0 or more seconds")
     replay_only = args.replay_concurrent or args.replay_check or args.replay_report

@@ -39,6 +39,8 @@ def make_service(
     if not service_config.model_id:
         service_config = dataclasses.replace(service_config, model_id=model_path.name)
     chosen = pick_backend(model_path, settings.backend)
+    if settings.max_memory is not None and settings.engine.budget is None:
+        settings = with_budget(settings, model_path, service_config.model_id)
     engine_settings = settings.engine  # with the warm prompts' ids once they are tokenized
 
     def factory() -> Engine:
@@ -68,6 +70,31 @@ def make_service(
 
         attach(service)  # a hung step fails its requests from the watchdog
     return service
+
+
+def with_budget(settings: ServerSettings, model_path: Path, model_id: str) -> ServerSettings:
+    """One model under --max-memory: its budget account, and (no --context-length) the
+    context its rows hold within the budget beside its weights."""
+    from llm_server.engines.kv.budget import MemoryBudget
+    from llm_server.models.memory import estimate_size
+
+    engine = settings.engine
+    account = MemoryBudget(settings.max_memory).account(model_id)
+    context = engine.context_length
+    if context is None and model_path.suffix != ".mlpackage":
+        size = estimate_size(
+            model_path,
+            engine.rows,
+            None,
+            engine.dtype,
+            engine.keep_quantized,
+            engine.prefix_cache_bytes,
+            engine.score_rows,
+            settings.max_memory,
+        )
+        context = size.context or None
+        log.info("%s: context %s positions within the memory budget", model_id, context)
+    return settings.replace(budget=account, context_length=context)
 
 
 def _http_server(http: HTTPSettings, state: AppState, request_log):

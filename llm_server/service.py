@@ -19,6 +19,7 @@ import numpy as np
 
 from llm_server.decoding import Decoder, LogitsConstraint, SamplingParams
 from llm_server.engines.contract import Engine
+from llm_server.engines.kv.budget import format_bytes
 from llm_server.engines.plan import EmbeddingSpan
 from llm_server.fingerprint import system_fingerprint
 from llm_server.generation_config import load_sampling_defaults
@@ -209,6 +210,24 @@ class ModelService:
         return self.start_generations(
             [prompt], [params], [constraint], keep_tokens, embeddings=[embeddings]
         )[0]
+
+    def memory_refusal(self, positions: int) -> str | None:
+        """Why a row of `positions` (a prompt and its max_tokens) could never fit the memory
+        budget, whatever is evicted (None: it could, or there is no budget)."""
+        engine = self.engine
+        room = None if engine is None else engine.kv_room()
+        if room is None:
+            return None
+        need = engine.kv_bytes_for(positions)
+        if need <= room:
+            return None
+        return (
+            f"this request's KV at {positions} positions (its prompt and max_tokens) needs "
+            f"{format_bytes(need)} ({need} bytes) but model {self.config.model_id!r} can hold "
+            f"at most {format_bytes(max(room, 0))} ({max(room, 0)} bytes) of KV within the "
+            "memory budget beside its weights and the pinned models; shorten the prompt or "
+            "max_tokens, or raise --max-memory"
+        )
 
     def start_generations(
         self,

@@ -66,6 +66,9 @@ class ServerSettings:
     # items of a --warm-prompts file (warm_prompts.py): tokenized by the service, then
     # prefilled by the engine at load (EngineSettings.warm_tokens)
     warm_prompts: tuple[Any, ...] = ()
+    # --max-memory with one model: the bytes it may hold (engines/kv/budget.py; None: no
+    # budget). The many-models daemon's budget is its manager's
+    max_memory: int | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerSettings:
@@ -120,6 +123,7 @@ class ServerSettings:
             distributed=args.distributed or "",
             distributed_timeout=args.distributed_timeout,
             warm_prompts=tuple(args.warm_prompts or ()),
+            max_memory=None if args.models or args.models_from_cache else args.max_memory,
         )
 
     def replace(self, **fields: Any) -> ServerSettings:

@@ -16,6 +16,7 @@ from llm_server.api.shared.images import input_modalities, load_images
 from llm_server.api.shared.schemas import parse_messages
 from llm_server.api.shared.state import AppState
 from llm_server.api.shared.tool_fields import parse_template_kwargs, parse_tools
+from llm_server.models.memory import rss_bytes
 from llm_server.native.blas import active_blas, float32_precision
 
 
@@ -74,6 +75,11 @@ async def health(request: Request) -> Response:
         cache = svc.prefix_cache_stats()
         if cache is not None:
             body["prefix_cache"] = dataclasses.asdict(cache)  # memory and disk tiers
+        body["memory"] = {  # what --max-memory counts (budget None: none given)
+            "budget": svc.engine.budget_bytes(),
+            "held": svc.engine.held_bytes().as_dict(),
+            "rss": rss_bytes(),
+        }
     return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
 

@@ -32,7 +32,19 @@ def list_managed(manager: ModelManager) -> Response:
 
 
 def memory(manager: ModelManager) -> dict:
-    return {"budget": manager.config.budget, "used": manager.used(), "rss": rss_bytes()}
+    """The budget, what it counts now (`used`: each loaded model at least its floor), and
+    the bytes held by kind over every loaded model (as allocated)."""
+    held = manager.budget.held()
+    kinds = {
+        kind: sum(h.as_dict()[kind] for h in held.values())
+        for kind in ("weights", "kv", "prefix_cache", "total")
+    }
+    return {
+        "budget": manager.config.budget,
+        "used": manager.used(),
+        "held": kinds,
+        "rss": rss_bytes(),
+    }
 
 
 async def model_action(request: Request) -> Response:
@@ -76,6 +88,7 @@ def managed_health(state: AppState, manager: ModelManager) -> Response:
                     "queue_length": stats.queued,
                     "context_length": svc.context_length,
                     "last_error": stats.last_error,
+                    "held": svc.engine.held_bytes().as_dict(),
                 }
             )
             cache = svc.prefix_cache_stats()

@@ -1,61 +1,70 @@
-"""Resident memory through a sequence of loads and unloads under a budget that holds two copies
-of a model: `python -m llm_server.benchmark.model_memory [MODEL]` (default: the embedded model)."""
+"""Held bytes against resident memory: two copies of a model under a budget of 1500M, then a
+third that evicts the least recently used, each answering a prompt over real HTTP:
+`python -m llm_server.benchmark.model_memory [MODEL] [BUDGET]` (default: the embedded model,
+1500M). Prints, after each step, the process's RSS growth since the start and the bytes the
+budget counts as held (what /health reports), and their ratio."""
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from pathlib import Path
 
-from llm_server.models.manager import ManagerConfig, ModelManager
-from llm_server.models.memory import estimate_size, format_bytes, rss_bytes
+import httpx
+
+from llm_server.models.memory import format_bytes, rss_bytes
 from llm_server.models.registry import ModelEntry
 
-
-def _mlx_active() -> int:
-    import mlx.core as mx
-
-    return mx.get_active_memory()
+PROMPT = "Write a long story about a lighthouse keeper and the sea. " * 40  # ~480 tokens
 
 
-async def measure(source: Path) -> list[tuple[str, int, int, int]]:
-    """(step, RSS, MLX arrays, budgeted bytes) after each step: load A, load B, unload A,
-    load C."""
-    from llm_server.server import make_service
-    from llm_server.settings import ServerSettings
+def _ask(url: str, model: str) -> int:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 32, "temperature": 0}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=600).status_code
 
-    size = estimate_size(source, 1, None)
-    budget = 2 * size.total + size.total // 2  # holds two, not three
+
+def measure(source: Path, budget: int) -> list[tuple[str, int, int, int, str]]:
+    """(step, RSS growth, held bytes, bytes counted, models loaded) after each step: ask A,
+    ask B, ask C (evicts A), ask A again (evicts B)."""
+    from llm_server.testing.managed import ManagedServer
+
     entries = [ModelEntry(id=name, source=str(source)) for name in ("A", "B", "C")]
-    manager = ModelManager(
-        entries,
-        ManagerConfig(budget=budget),
-        lambda e, p: make_service(ServerSettings().replace(model_id=e.id), p),
-        lambda e, p: estimate_size(p, 1, None),
-        Path,
-    )
-    rows = [("start", rss_bytes(), _mlx_active(), manager.used())]
-    for verb, name in (("load", "A"), ("load", "B"), ("unload", "A"), ("load", "C")):
-        await (manager.load(name) if verb == "load" else manager.unload(name))
-        rows.append((f"{verb} {name}", rss_bytes(), _mlx_active(), manager.used()))
-    await manager.close()
-    print(
-        f"model {source}: {format_bytes(size.total)} budgeted each; budget {format_bytes(budget)}"
-    )
+    start = rss_bytes()
+    rows = []
+    with ManagedServer(entries, budget=budget) as srv:
+        for name in ("A", "B", "C", "A"):
+            code = _ask(srv.url, name)
+            memory = httpx.get(f"{srv.url}/health", timeout=30).json()["memory"]
+            loaded = ",".join(m for m, s in srv.manager.slots.items() if s.service is not None)
+            import mlx.core as mx
+
+            step = (
+                f"ask {name}: {code} (MLX active {format_bytes(mx.get_active_memory())}, "
+                f"cache {format_bytes(mx.get_cache_memory())})"
+            )
+            rows.append(
+                (step, rss_bytes() - start, memory["held"]["total"], memory["used"], loaded)
+            )
     return rows
 
 
 def main() -> None:
+    from llm_server.cli import _size
+
     if len(sys.argv) > 1:
         source = Path(sys.argv[1])
     else:
         from llm_server.default_model import default_model_path
 
         source = default_model_path()
-    for step, rss, arrays, used in asyncio.run(measure(source)):
+    budget = _size(sys.argv[2]) if len(sys.argv) > 2 else _size("1500M")
+    print(f"model {source}, budget {format_bytes(budget)}")
+    print("| step | loaded | RSS growth (MB) | held (MB) | held / RSS growth | counted (MB) |")
+    print("|---|---|---|---|---|---|")
+    mb = 1 << 20
+    for step, grown, held, used, loaded in measure(source, budget):
         print(
-            f"{step:10} RSS {format_bytes(rss):>8}  MLX arrays {format_bytes(arrays):>8}  "
-            f"budgeted {format_bytes(used):>8}"
+            f"| {step} | {loaded} | {grown / mb:.1f} | {held / mb:.1f} | {held / grown:.3f} | "
+            f"{used / mb:.1f} |"
         )
 
 

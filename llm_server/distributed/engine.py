@@ -25,6 +25,7 @@ from llm_server.engines.contract import (
     EngineError,
     ScoreChunkResult,
 )
+from llm_server.engines.kv.budget import HeldBytes
 from llm_server.engines.plan import StepPlan, StepResult
 
 if TYPE_CHECKING:
@@ -132,6 +133,18 @@ class LockstepEngine:
 
     def kept_tokens(self) -> int:
         return self._engine.kept_tokens()
+
+    def held_bytes(self) -> HeldBytes:
+        return self._engine.held_bytes()  # rank 0's
+
+    def kv_bytes_for(self, positions: int) -> int:
+        return self._engine.kv_bytes_for(positions)
+
+    def kv_room(self) -> int | None:
+        return self._engine.kv_room()
+
+    def budget_bytes(self) -> int | None:
+        return self._engine.budget_bytes()
 
     def idle_due(self) -> float | None:
         return self._engine.idle_due()  # None when sharded: no rank trims (kv_keep_alive 0)

@@ -14,6 +14,7 @@ import numpy as np
 from llm_server.engines.plan import EmbeddingSpan, ScoreChunkResult, StepPlan, StepResult
 
 if TYPE_CHECKING:
+    from llm_server.engines.kv.budget import HeldBytes
     from llm_server.engines.kv.prefix_cache import PrefixCache
 
 # The scoring session advances this many positions per forward (C3).
@@ -76,6 +77,22 @@ class Engine(Protocol):
 
     def kept_tokens(self) -> int:
         """Positions of released rows' histories held only in their rows (PrefixCacheStats)."""
+        ...
+
+    def held_bytes(self) -> HeldBytes:
+        """Bytes held now by kind (weights, KV, prefix cache): what the memory budget counts."""
+        ...
+
+    def kv_bytes_for(self, positions: int) -> int:
+        """Bytes one row holds at `positions` (a prompt's KV, before it is admitted)."""
+        ...
+
+    def kv_room(self) -> int | None:
+        """Bytes of KV the memory budget could ever give this model (None: no budget)."""
+        ...
+
+    def budget_bytes(self) -> int | None:
+        """The memory budget this engine draws on (None: none)."""
         ...
 
     def idle_due(self) -> float | None:

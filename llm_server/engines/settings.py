@@ -64,6 +64,9 @@ class EngineSettings:
     # prompts (token ids) prefilled at load and released: the first request that opens with
     # one is a prefix cache hit (--warm-prompts, tokenized by the service)
     warm_tokens: tuple[tuple[int, ...], ...] = ()
+    # the memory budget's account this engine draws on (engines/kv/budget.py `Account`: every
+    # KV growth and prefix-cache entry asks it first; None: no budget)
+    budget: Any = None
 
     def __post_init__(self) -> None:
         if self.rows < 1:

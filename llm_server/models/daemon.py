@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from llm_server.engines.kv.budget import Account
 from llm_server.model_source import resolve_model_source
 from llm_server.models.manager import ManagerConfig, ModelManager
 from llm_server.models.memory import ModelSize, default_budget, estimate_size
@@ -35,6 +36,16 @@ def entry_settings(settings: ServerSettings, entry: ModelEntry) -> ServerSetting
     if root is not None:
         given["prefix_cache_dir"] = Path(root) / model_folder(entry.id)
     return settings.replace(**given, model_id=entry.id, aliases=entry.aliases, group=None)
+
+
+def load_settings(
+    settings: ServerSettings, entry: ModelEntry, size: ModelSize, account: Account
+) -> ServerSettings:
+    """The entry's settings for its load: its budget account, and (no `context_length` of
+    its own) the context its rows hold within the budget (the estimate's)."""
+    own = entry_settings(settings, entry)
+    context = own.engine.context_length or size.context or None
+    return own.replace(budget=account, context_length=context)
 
 
 def model_folder(model_id: str) -> str:
@@ -74,8 +85,10 @@ def build_manager(
     `load_wait`: seconds a load waits for a model to go idle (None: ManagerConfig's)."""
     settings = share_disk(settings, len(entries))
 
-    def factory(entry: ModelEntry, path: Path) -> ModelService:
-        return make_service(entry_settings(settings, entry), path)
+    budget = max_memory if max_memory is not None else default_budget()
+
+    def factory(entry: ModelEntry, path: Path, size: ModelSize, account: Account) -> ModelService:
+        return make_service(load_settings(settings, entry, size, account), path)
 
     def estimate(entry: ModelEntry, path: Path) -> ModelSize:
         engine = entry_settings(settings, entry).engine
@@ -87,9 +100,9 @@ def build_manager(
             engine.keep_quantized,
             engine.prefix_cache_bytes,
             engine.score_rows,
+            budget,
         )
 
-    budget = max_memory if max_memory is not None else default_budget()
     config = ManagerConfig(
         budget=budget,
         idle_unload=idle_unload,

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from llm_server.engines.kv.budget import Account, MemoryBudget
 from llm_server.models.checkpoint import CheckpointError, check_checkpoint
 from llm_server.models.memory import ModelSize, format_bytes
 from llm_server.models.registry import ModelEntry
@@ -45,15 +46,16 @@ CLOSE_TIMEOUT_S = 30.0
 
 @dataclass(frozen=True)
 class ManagerConfig:
-    budget: int  # bytes all loaded models may hold together (ModelSize.total summed)
+    budget: int  # bytes all loaded models may hold together (what they hold, measured)
     idle_unload: float | None = None  # seconds idle before an unpinned model unloads
     max_waiting: int = 16  # requests that may wait for one model's load before 429
     # seconds a load waits for a loaded model to go idle (then evicts it) before 503
     load_wait: float = DEFAULT_LOAD_WAIT_S
 
 
-# (entry, resolved path) -> a started service (its engine loads on its scheduler thread)
-ServiceFactory = Callable[[ModelEntry, Path], ModelService]
+# (entry, resolved path, its estimate, its budget account) -> a started service (its engine
+# loads on its scheduler thread, at the estimate's context unless the entry sets one)
+ServiceFactory = Callable[[ModelEntry, Path, ModelSize, Account], ModelService]
 SizeEstimator = Callable[[ModelEntry, Path], ModelSize]
 
 
@@ -68,7 +70,9 @@ class ModelManager:
         estimate: SizeEstimator,
         resolve: Callable[[str], Path],
     ) -> None:
-        self.slots = {e.id: ModelSlot(e) for e in entries}
+        self.budget = MemoryBudget(config.budget)  # what every model holds, measured
+        self.budget.evict_idle = self._evict_idle_from_thread
+        self.slots = {e.id: ModelSlot(e, budget=self.budget) for e in entries}
         self._names = {name: e.id for e in entries for name in e.names}
         self.default_id = entries[0].id
         self.config = config
@@ -76,11 +80,13 @@ class ModelManager:
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="llm-model-loader")
         self._lock = asyncio.Lock()  # one load (with its evictions) at a time
         self._wanting_room = False  # the load holding the lock waits for a model to go idle
+        self._loading: ModelSlot | None = None  # the slot whose load holds the lock
         self._freed = asyncio.Event()  # set when a model goes idle or an unload starts
         self._closing = False  # close() began: a load waiting for room gives up
         self._seq = itertools.count(1)
         self._listeners: list[Callable[[str, ModelService], None]] = []
         self._reaper: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop start() ran on
 
     # -- looking up ------------------------------------------------------------------
 
@@ -95,7 +101,9 @@ class ModelManager:
         return self.slots[model_id]
 
     def used(self) -> int:
-        return sum(s.counted for s in self.slots.values())
+        """Bytes counted against the budget now: what loaded models hold (each at least its
+        weights and first row), and what a load under way needs."""
+        return self.budget.used()
 
     def on_loaded(self, listener: Callable[[str, ModelService], None]) -> None:
         """Call `listener(model_id, service)` whenever a model finishes loading."""
@@ -116,8 +124,11 @@ class ModelManager:
             slot.waiting += 1
             try:
                 await asyncio.shield(self._transition(slot))
-            finally:
+            except BaseException:  # this request leaves without the model (an error, a drop)
                 slot.waiting -= 1
+                self._maybe_evict(slot)
+                raise
+            slot.waiting -= 1  # and takes it below, before any other coroutine runs
         slot.active += 1
         slot.expires = None
         return slot
@@ -139,16 +150,26 @@ class ModelManager:
             slot.expires = time.monotonic() + ttl
             if ttl == 0 and slot.idle() and slot.status is Status.LOADED:
                 self._start_unload(slot)
+        self._maybe_evict(slot)
+
+    def _maybe_evict(self, slot: ModelSlot) -> None:
+        """`slot` may have gone idle: a load waiting for room evicts it before a new request
+        takes it."""
         evictable = slot.idle() and slot.status is Status.LOADED and not slot.entry.pinned
-        if self._wanting_room and evictable:  # a waiting load takes it before a new request
+        if self._wanting_room and evictable:
             log.info("%s went idle: evicting it for the load waiting for room", slot.entry.id)
             self._start_unload(slot)
 
     # -- loading and unloading -------------------------------------------------------
 
     def _transition(self, slot: ModelSlot) -> asyncio.Task:
-        """The load (or the unload, then a load) in progress for `slot`, started if none."""
-        if slot.task is None:
+        """The load (or the unload, then a load) in progress for `slot`, started if none.
+
+        A finished task counts as none: its done callback (which clears `slot.task`) runs a
+        loop turn after it finishes, and a request arriving in between must get a pending task
+        to await; awaiting the finished one returns without yielding, so acquire() would spin
+        on the event loop forever with the callback never run (the load queue's stall)."""
+        if slot.task is None or slot.task.done():
             slot.task = asyncio.ensure_future(self._load(slot))
             slot.task.add_done_callback(lambda t: _finished(slot, t))
         return slot.task
@@ -176,14 +197,23 @@ class ModelManager:
 
     async def _load(self, slot: ModelSlot) -> None:
         slot.status = Status.LOADING  # queued behind other loads, or loading
-        async with self._lock:
+        started = time.monotonic()
+        deadline = started + self.config.load_wait  # queueing and waiting for room, together
+        try:
+            await self._take_loader(slot, deadline)
+        except BaseException:
+            slot.status = Status.UNLOADED
+            raise
+        try:
             entry = slot.entry
             slot.error = None
-            started = time.monotonic()
+            self._loading = slot
+            started = time.monotonic()  # the load itself, for the log
             try:
-                service = await self._load_locked(slot)
+                service = await self._load_locked(slot, deadline)
             except BaseException as exc:
                 slot.status, slot.size, slot.service = Status.UNLOADED, None, None
+                self.budget.close(slot.entry.id)
                 if isinstance(exc, (ModelError, CheckpointError)):
                     slot.error = str(exc)  # says what is wrong already
                 else:
@@ -205,8 +235,28 @@ class ModelManager:
             )
             for listener in self._listeners:
                 listener(entry.id, service)
+        finally:
+            self._loading = None
+            self._lock.release()
 
-    async def _load_locked(self, slot: ModelSlot) -> ModelService:
+    async def _take_loader(self, slot: ModelSlot, deadline: float) -> None:
+        """Take the loader (one load at a time) by `deadline` (monotonic seconds), else
+        InsufficientMemory: a load queued behind one that waits for room waits no longer in
+        all than --load-wait."""
+        if not self._lock.locked():
+            await self._lock.acquire()
+            return
+        try:
+            await asyncio.wait_for(self._lock.acquire(), max(deadline - time.monotonic(), 0))
+        except TimeoutError:
+            ahead = self._loading.entry.id if self._loading is not None else "another model"
+            raise InsufficientMemory(
+                f"model {slot.entry.id!r} waited {self.config.load_wait:g}s behind the load "
+                f"of {ahead!r} (one load at a time, waiting for room while the loaded models "
+                "serve requests); retry later"
+            ) from None
+
+    async def _load_locked(self, slot: ModelSlot, deadline: float) -> ModelService:
         loop = asyncio.get_running_loop()
         path = await loop.run_in_executor(self._loader, self._resolve, slot.entry.source)
         slot.path = path
@@ -218,15 +268,21 @@ class ModelManager:
             raise ModelLoadFailed(
                 f"model {slot.entry.id!r} failed to load: cannot read its files ({_reason(exc)})"
             ) from exc
-        if size.total > self.config.budget:
+        if size.needed > self.config.budget:
             raise ModelTooLarge(slot.entry.id, size, self.config.budget)
-        await self._make_room(slot, size)
-        slot.size = size  # counted from here on
-        return await loop.run_in_executor(self._loader, self._start, slot.entry, path)
+        await self._make_room(slot, size, deadline)
+        slot.size = size
+        self.budget.reserve_floor(slot.entry.id, size.needed)  # counted from here on
+        account = self.budget.account(slot.entry.id, slot.entry.pinned)
+        return await loop.run_in_executor(
+            self._loader, self._start, slot.entry, path, size, account
+        )
 
-    def _start(self, entry: ModelEntry, path: Path) -> ModelService:
+    def _start(
+        self, entry: ModelEntry, path: Path, size: ModelSize, account: Account
+    ) -> ModelService:
         """On the loader thread: a started service with its engine loaded."""
-        service = self._factory(entry, path)
+        service = self._factory(entry, path, size, account)
         try:
             service.wait_ready()
         except BaseException:
@@ -234,19 +290,18 @@ class ModelManager:
             raise
         return service
 
-    async def _make_room(self, slot: ModelSlot, size: ModelSize) -> None:
+    async def _make_room(self, slot: ModelSlot, size: ModelSize, deadline: float) -> None:
         """Unload least recently used, idle, unpinned models until `size` fits the budget;
-        while every other model serves requests, wait (up to `load_wait` seconds) for the
-        first to go idle, and evict it (`release`)."""
-        deadline = time.monotonic() + self.config.load_wait
+        while every other model serves requests, wait (until `deadline`, monotonic seconds)
+        for the first to go idle, and evict it (`release`)."""
         pinned = sum(s.counted for s in self.slots.values() if s is not slot and s.entry.pinned)
-        if pinned + size.total > self.config.budget:
+        if pinned + size.needed > self.config.budget:
             raise InsufficientMemory(
-                f"model {slot.entry.id!r} needs {format_bytes(size.total)} but pinned models "
+                f"model {slot.entry.id!r} needs {format_bytes(size.needed)} but pinned models "
                 f"hold {format_bytes(pinned)} of the {format_bytes(self.config.budget)} "
                 "budget; unpin a model or raise --max-memory"
             )
-        while self.used() + size.total > self.config.budget:
+        while self.used() + size.needed > self.config.budget:
             self._freed.clear()
             victims = [
                 s
@@ -287,7 +342,7 @@ class ModelManager:
             f"{s.entry.id} {format_bytes(s.counted)}, {s.active} requests" for s in busy
         )
         raise InsufficientMemory(
-            f"model {slot.entry.id!r} needs {format_bytes(size.total)} but "
+            f"model {slot.entry.id!r} needs {format_bytes(size.needed)} but "
             f"{format_bytes(self.used())} of the {format_bytes(self.config.budget)} budget is "
             f"held by models that are pinned or serving ({held}), and none went idle in "
             f"{self.config.load_wait:g}s; retry later"
@@ -303,14 +358,55 @@ class ModelManager:
     async def _unload(self, slot: ModelSlot) -> None:
         held = [slot.service] if slot.service is not None else []
         slot.service = None
+        self.budget.close(slot.entry.id)  # before the collection: it refers to the engine
         await asyncio.to_thread(_close_and_release, held)
         slot.status, slot.size, slot.expires = Status.UNLOADED, None, None
         log.info("unloaded %s (%s in use)", slot.entry.id, format_bytes(self.used()))
+
+    # -- room for a model's KV (asked from its engine thread) ---------------------------
+
+    def _evict_idle_from_thread(self, nbytes: int, asker: str) -> int:
+        """Unload idle unpinned models other than `asker` until `nbytes` are freed (least
+        recently used first); bytes freed. Runs the unloads on the loop and waits for them
+        (a model's scheduler thread asks, when its KV store must grow)."""
+        loop = self._loop
+        if loop is None or loop.is_closed() or self._closing:
+            return 0
+        with contextlib.suppress(RuntimeError):
+            if asyncio.get_running_loop() is loop:
+                return 0  # never block the loop on itself
+        future = asyncio.run_coroutine_threadsafe(self._evict_idle(nbytes, asker), loop)
+        try:
+            return future.result(CLOSE_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - no room made: the growth is refused instead
+            future.cancel()
+            return 0
+
+    async def _evict_idle(self, nbytes: int, asker: str) -> int:
+        freed = 0
+        while freed < nbytes:
+            victims = [
+                s
+                for s in self.slots.values()
+                if s.entry.id != asker
+                and s.status is Status.LOADED
+                and s.idle()
+                and not s.entry.pinned
+            ]
+            if not victims:
+                break
+            victim = min(victims, key=lambda s: s.used_seq)
+            held = self.budget.counted(victim.entry.id)
+            log.info("evicting %s (idle, least recently used) for %s's KV", victim.entry.id, asker)
+            await self._start_unload(victim)
+            freed += held
+        return freed
 
     # -- background ------------------------------------------------------------------
 
     def start(self) -> None:
         """Load the pinned models and start the idle reaper (on the running loop)."""
+        self._loop = asyncio.get_running_loop()
         for slot in self.slots.values():
             if slot.entry.pinned:
                 self._transition(slot)

@@ -8,12 +8,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from llm_server.engines.kv.budget import format_bytes as format_bytes  # re-exported
 from llm_server.engines.kv.prefix_cache import default_bound, kv_token_bytes
 from llm_server.engines.settings import SCORE_ROWS
 from llm_server.models.checkpoint import DTYPE_BYTES, read_header
 
 DEFAULT_BUDGET_FRACTION = 0.75  # of physical memory, when --max-memory is not given
 SERIAL_STEP = 256  # positions mlx-lm's KVCache grows by (a serial model's caches)
+FLOOR_POSITIONS = 2048  # a loaded model's first row can always reach this many positions
+CONTEXT_STEP = 256  # a default context cut to fit the budget is a multiple of this
 # mlx-lm families whose forward evaluates arrays (`.tolist()` in an MoE router, `mx.eval`):
 # a lazy forward would allocate their weights, so they are counted from config.json instead
 EVALUATING_FAMILIES = frozenset({"dbrx", "muse_spark"})
@@ -23,15 +26,24 @@ _FLOATS = ("F64", "F32", "F16", "BF16")
 
 @dataclass(frozen=True)
 class ModelSize:
-    """Bytes a loaded model may hold; `total` is what the budget counts."""
+    """Bytes a model holds once loaded: `needed` is what a load must find room for (the
+    weights and one row's first positions); `total` is the most it could hold (every row at
+    the full context, the prefix cache at its bound), which the budget never reserves: KV and
+    prefix-cache growth ask it as they happen (engines/kv/budget.py)."""
 
     weights: int
-    kv: int  # the serving rows' keys and values at the full context
+    kv: int  # the serving and scoring rows' keys and values at `context`
     prefix_cache: int  # the prefix cache's bound
+    context: int = 0  # positions per row: the model's own, or what a row can hold in the budget
+    floor: int = 0  # one row's KV at min(context, FLOOR_POSITIONS): reserved while loaded
 
     @property
     def total(self) -> int:
         return self.weights + self.kv + self.prefix_cache
+
+    @property
+    def needed(self) -> int:
+        return self.weights + self.floor
 
 
 def physical_memory() -> int:
@@ -54,13 +66,6 @@ def rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS
 
 
-def format_bytes(n: int) -> str:
-    for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f}{unit}"
-    return f"{n}B"
-
-
 def estimate_size(
     path: Path,
     rows: int,
@@ -69,35 +74,62 @@ def estimate_size(
     keep_quantized: bool = False,
     prefix_cache_bytes: int | None = None,
     score_rows: int = SCORE_ROWS,
+    budget: int | None = None,
+    on_cpu: bool | None = None,
 ) -> ModelSize:
     """What the model at `path` holds once loaded with these settings (before loading it):
     `dtype` None is the engine's default (engines/mlx/dtypes.py: on Metal the checkpoint's own
-    half dtype); `score_rows`: the engine's scoring rows (none on a model served serially)."""
+    half dtype); `score_rows`: the engine's scoring rows (none on a model served serially);
+    `budget`: with `context_length` unset, the context is what `rows` rows can hold in the
+    budget beside the weights (at most the model's own); `on_cpu`: size it as the CPU serves it
+    (quantized layers dequantized unless `keep_quantized`) or as Metal does (the checkpoint's
+    dtype, quantized layers kept); None: as this machine does."""
     if path.suffix == ".mlpackage" or any(path.glob("*.mlpackage")):
         files = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         return ModelSize(files, 0, 0)
     full = json.loads((path / "config.json").read_text())
     config = full.get("text_config", full)  # a VLM's language model
+    if on_cpu is None:
+        import mlx.core as mx
+
+        on_cpu = mx.default_device() == mx.cpu
     if dtype is None:
         from llm_server.engines.mlx.dtypes import default_dtype
 
-        dtype = default_dtype(path)
+        dtype = default_dtype(path, on_cpu)
     width = _DTYPE_BYTES.get(dtype, 4)
     bits = (config.get("quantization") or {}).get("bits")
-    weights = _weight_bytes(path, width, None if keep_quantized else bits)
+    # the CPU kernel set dequantizes (quantized.prepare); Metal serves quantized layers as is
+    dequantize = on_cpu and not keep_quantized
+    weights = _weight_bytes(path, width, bits if dequantize else None)
     if prefix_cache_bytes is None:  # the engine's own default bound (engines/kv/prefix_cache.py)
         prefix_cache_bytes = default_bound(kv_token_bytes(config, width))
     max_pos = int(config.get("max_position_embeddings") or 2048)  # as the engine reads it
-    context = min(context_length or max_pos, max_pos)
     held = row_bytes(full, width)
     if held is None:  # mlx-lm cannot build it: every layer counted as full attention
         held = RowBytes(kv_token_bytes(config, width), 0, scoring=True, serial=False)
+    if held.serial:
+        rows = 1
+    if context_length is not None:
+        context = min(context_length, max_pos)
+    else:
+        context = budget_context(held, rows, max_pos, None if budget is None else budget - weights)
     if held.serial:  # one request at a time in mlx-lm's caches, grown 256 positions at a time
-        rows, context = 1, -(-context // SERIAL_STEP) * SERIAL_STEP
+        context = -(-context // SERIAL_STEP) * SERIAL_STEP
     if not held.scoring:
         score_rows = 0
     kv = (held.position * context + held.state) * (rows + score_rows)
-    return ModelSize(weights, kv, prefix_cache_bytes)
+    floor = held.position * min(context, FLOOR_POSITIONS) + held.state
+    return ModelSize(weights, kv, prefix_cache_bytes, context, floor)
+
+
+def budget_context(held: RowBytes, rows: int, max_pos: int, room: int | None) -> int:
+    """The default context: the model's own `max_pos`, cut to what `rows` rows hold in `room`
+    bytes (a multiple of CONTEXT_STEP, at least one step; None: no budget)."""
+    if room is None or held.position == 0:
+        return max_pos
+    fits = (room // rows - held.state) // held.position
+    return max(min(max_pos, fits // CONTEXT_STEP * CONTEXT_STEP), min(CONTEXT_STEP, max_pos))
 
 
 @dataclass(frozen=True)

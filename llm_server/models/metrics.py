@@ -47,6 +47,8 @@ class ModelsCollector(Collector):
             families["busy"].add_metric([model_id], stats.rows_busy if stats else 0)
             families["queued"].add_metric([model_id], stats.queued if stats else 0)
         yield from families.values()
+        held = {mid: h.as_dict() for mid, h in self.manager.budget.held().items()}
+        yield held_bytes_family(held)
         yield GaugeMetricFamily(
             "llm_server_memory_budget_bytes",
             "the models' memory budget",
@@ -58,3 +60,19 @@ class ModelsCollector(Collector):
             value=self.manager.used(),
         )
         yield GaugeMetricFamily("llm_server_resident_bytes", "process RSS", value=rss_bytes())
+
+
+def held_bytes_family(held: dict[str, dict[str, int]]) -> GaugeMetricFamily:
+    """`llm_server_held_bytes{kind}` (with a `model` label when `held` is keyed by model
+    ids): the bytes the memory budget counts, as allocated."""
+    labelled = any(held)
+    labels = ["model", "kind"] if labelled else ["kind"]
+    family = GaugeMetricFamily(
+        "llm_server_held_bytes",
+        "bytes held now by kind (weights, kv, prefix_cache, total): what the budget counts",
+        labels=labels,
+    )
+    for model_id, kinds in held.items():
+        for kind, value in kinds.items():
+            family.add_metric([model_id, kind] if labelled else [kind], value)
+    return family

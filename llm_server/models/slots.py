@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llm_server.engines.kv.budget import MemoryBudget
 from llm_server.models.memory import ModelSize, format_bytes
 from llm_server.models.registry import ModelEntry
 from llm_server.service import ModelService
@@ -37,13 +38,14 @@ class ModelSlot:
     error: str | None = None  # why the latest load failed
     task: asyncio.Task | None = field(default=None, repr=False)  # the load or unload running
     loaded_at: float | None = None
+    budget: MemoryBudget | None = field(default=None, repr=False)  # the manager's
 
     @property
     def counted(self) -> int:
-        """Bytes this slot holds against the budget now."""
-        if self.status is Status.UNLOADED or self.size is None:
+        """Bytes this slot holds against the budget now (measured; at least its floor)."""
+        if self.status is Status.UNLOADED or self.size is None or self.budget is None:
             return 0
-        return self.size.total
+        return self.budget.counted(self.entry.id)
 
     def idle(self) -> bool:
         return self.active == 0 and self.waiting == 0
@@ -61,18 +63,35 @@ class ModelSlot:
             "aliases": list(self.entry.aliases),
             "pinned": self.entry.pinned,
             "cached": self.entry.cached,
-            "size_bytes": size.total if size else None,
+            "size_bytes": self.counted if size else None,  # what the budget counts now
             "last_used": int(self.last_used) if self.last_used else None,
             "active_requests": self.active,
             "error": self.error,
         }
         if size is not None:
-            out["memory"] = {
+            out["context_length"] = self._context()
+            out["memory"] = {  # the most it could hold (nothing reserves it)
                 "weights": size.weights,
                 "kv": size.kv,
                 "prefix_cache": size.prefix_cache,
+                "needed": size.needed,
             }
+            out["held"] = self.held()
         return out
+
+    def held(self) -> dict[str, int] | None:
+        """Bytes the loaded model holds now by kind (None: no engine yet)."""
+        service = self.service
+        if service is None or not service.ready:
+            return None
+        return service.engine.held_bytes().as_dict()
+
+    def _context(self) -> int | None:
+        """Positions per row: the loaded engine's, else the estimate's default."""
+        service = self.service
+        if service is not None and service.ready:
+            return service.engine.context_length
+        return self.size.context or None if self.size is not None else None
 
 
 class ModelError(Exception):
@@ -96,11 +115,10 @@ class ModelTooLarge(ModelError):
 
     def __init__(self, model: str, size: ModelSize, budget: int) -> None:
         super().__init__(
-            f"model {model!r} needs {format_bytes(size.total)} ({size.total} bytes: weights "
-            f"{format_bytes(size.weights)}, KV rows {format_bytes(size.kv)}, prefix cache "
-            f"{format_bytes(size.prefix_cache)}) but the memory budget is "
-            f"{format_bytes(budget)} ({budget} bytes); raise --max-memory or lower its "
-            "context_length / concurrent_requests"
+            f"model {model!r} needs {format_bytes(size.needed)} ({size.needed} bytes: weights "
+            f"{format_bytes(size.weights)}, its first row's KV {format_bytes(size.floor)}) but "
+            f"the memory budget is {format_bytes(budget)} ({budget} bytes); raise "
+            "--max-memory or lower its context_length"
         )
 
 

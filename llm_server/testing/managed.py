@@ -10,8 +10,9 @@ from pathlib import Path
 import uvicorn
 
 from llm_server.api.app import AppState, create_app
+from llm_server.engines.kv.budget import Account
 from llm_server.listen import tcp_socket
-from llm_server.models.daemon import entry_settings, manage, share_disk
+from llm_server.models.daemon import load_settings, manage, share_disk
 from llm_server.models.manager import ManagerConfig, ModelManager
 from llm_server.models.memory import ModelSize, estimate_size
 from llm_server.models.registry import ModelEntry
@@ -29,15 +30,16 @@ def tiny_factory(concurrent: int = 1, max_queued: int = 16, models: int = 1, **f
     settings = ServerSettings().replace(rows=concurrent, max_queued=max_queued, **fields)
     settings = share_disk(settings, models)
 
-    def make(entry: ModelEntry, path: Path) -> ModelService:
-        return make_service(entry_settings(settings, entry), path)
+    def make(entry: ModelEntry, path: Path, size: ModelSize, account: Account) -> ModelService:
+        return make_service(load_settings(settings, entry, size, account), path)
 
     return make
 
 
-def tiny_estimate(concurrent: int = 1):
+def tiny_estimate(concurrent: int = 1, budget: int | None = None):
     def estimate(entry: ModelEntry, path: Path) -> ModelSize:
-        return estimate_size(path, entry.concurrent_requests or concurrent, entry.context_length)
+        rows = entry.concurrent_requests or concurrent
+        return estimate_size(path, rows, entry.context_length, budget=budget)
 
     return estimate
 
@@ -62,7 +64,8 @@ class ManagedServer:
             budget=budget, idle_unload=idle_unload, max_waiting=max_queued, load_wait=load_wait
         )
         factory = tiny_factory(concurrent, max_queued, len(entries), **(settings or {}))
-        self.manager = ModelManager(entries, config, factory, tiny_estimate(concurrent), Path)
+        estimate = tiny_estimate(concurrent, budget)
+        self.manager = ModelManager(entries, config, factory, estimate, Path)
         self.state = AppState(None, self.manager.default_id, manager=self.manager)
         self.app = create_app(self.state, **app_options)
         manage(self.state, self.app)

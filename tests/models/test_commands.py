@@ -151,10 +151,9 @@ def test_models_flag_errors_are_one_line(tmp_path):
     )
     both = _cli(_env(tmp_path), "--models", str(bad), "--model", "x")
     assert "does not combine with --model" in both.stderr
-    alone = _cli(_env(tmp_path), "--max-memory", "1G")
-    need = "llm-server: --max-memory, --idle-unload and --load-wait need --models FILE\n"
-    assert alone.stderr == need
-    assert _cli(_env(tmp_path), "--load-wait", "5").stderr == need
+    need = "llm-server: --idle-unload and --load-wait need --models FILE\n"
+    assert _cli(_env(tmp_path), "--idle-unload", "5").stderr == need
+    assert _cli(_env(tmp_path), "--load-wait", "5").stderr == need  # --max-memory alone serves
     negative = _cli(_env(tmp_path), "--models", str(bad), "--load-wait", "-1")
     assert negative.stderr == "llm-server: --load-wait must be 0 or more seconds\n"
 

@@ -20,9 +20,9 @@ def test_requests_waiting_for_a_load_are_bounded(entries):
         gate = threading.Event()
         make = srv.manager._factory
 
-        def held(entry, path):  # the load of beta waits for the test to let it go
+        def held(entry, path, *more):  # the load of beta waits for the test to let it go
             gate.wait(60)
-            return make(entry, path)
+            return make(entry, path, *more)
 
         srv.manager._factory = held
         slot = srv.manager.slots["beta"]

@@ -102,7 +102,7 @@ def test_a_broken_model_fails_before_evicting_and_the_others_serve_on(tiny_model
         ModelEntry(id="alpha", source=str(tiny_models["alpha"])),
         ModelEntry(id="broken", source=str(broken)),
     ]
-    budget = estimate_size(tiny_models["alpha"], 1, None).total  # room for alpha alone
+    budget = estimate_size(tiny_models["alpha"], 1, None).needed  # room for alpha alone
     with ManagedServer(entries, budget=budget) as srv:
         good = _complete(srv.url, "alpha").json()["choices"]
         failed = _complete(srv.url, "broken")

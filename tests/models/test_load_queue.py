@@ -4,6 +4,7 @@ to go idle, which is then evicted (as Ollama queues), instead of a 503; past --l
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import random
 import threading
@@ -52,7 +53,7 @@ def test_past_the_wait_a_503_names_the_numbers(tiny_models, entries):
         assert full.status_code == 503 and full.headers["Retry-After"] == "5"
         error = full.json()["error"]
         assert error["code"] == "insufficient_memory"
-        size = estimate_size(tiny_models["beta"], 1, None).total
+        size = estimate_size(tiny_models["beta"], 1, None).needed
         used = srv.manager.used()
         assert error["message"] == (
             f"model 'beta' needs {format_bytes(size)} but {format_bytes(used)} of the "
@@ -71,8 +72,8 @@ def test_a_model_that_never_fits_beside_the_pinned_ones_is_refused_at_once(tiny_
         ModelEntry(id="alpha", source=str(tiny_models["alpha"]), pinned=True),
         ModelEntry(id="beta", source=str(tiny_models["beta"])),
     ]
-    alpha = estimate_size(tiny_models["alpha"], 1, None).total
-    budget = alpha + estimate_size(tiny_models["beta"], 1, None).total - 1
+    alpha = estimate_size(tiny_models["alpha"], 1, None).needed
+    budget = alpha + estimate_size(tiny_models["beta"], 1, None).needed - 1
     with ManagedServer(entries, budget=budget) as srv:
         _until(lambda: srv.manager.slots["alpha"].status is Status.LOADED)
         started = time.monotonic()
@@ -88,17 +89,17 @@ def test_a_model_that_never_fits_beside_the_pinned_ones_is_refused_at_once(tiny_
 
 def test_two_loads_racing_under_a_budget_for_one_never_both_hold_it(tiny_models, entries):
     entries = entries[:2]
-    sizes = [estimate_size(tiny_models[e.id], 1, None).total for e in entries]
+    sizes = [estimate_size(tiny_models[e.id], 1, None).needed for e in entries]
     budget = sum(sizes) - 1  # either fits, never both
     with ManagedServer(entries, budget=budget) as srv:
         make = srv.manager._factory
         gate = threading.Event()
         seen: list[list[str]] = []  # at each load's start: the models holding memory
 
-        def slow(entry, path):  # each load lingers so the other request arrives meanwhile
+        def slow(entry, path, *more):  # each load lingers so the other request arrives meanwhile
             seen.append([s.entry.id for s in srv.manager.slots.values() if s.service])
             gate.wait(0.5)
-            return make(entry, path)
+            return make(entry, path, *more)
 
         srv.manager._factory = slow
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -107,6 +108,72 @@ def test_two_loads_racing_under_a_budget_for_one_never_both_hold_it(tiny_models,
         assert all(held == [] for held in seen), seen  # the other was unloaded first
         assert srv.manager.used() <= budget
         assert sorted(_statuses(srv.url).values()) == ["loaded", "unloaded"]
+
+
+async def _request_as_the_unload_finishes(manager, name: str):
+    """Unload `name` and have a request for it run in the loop turn between the unload's end
+    and its task's done callback (where, under load, a client's request can land)."""
+    go = asyncio.Event()
+    unload = manager._unload
+
+    async def unload_then_wake(slot):
+        await unload(slot)
+        go.set()  # the request's next step is queued before the task's done callback
+
+    async def request():
+        await go.wait()
+        return await manager.acquire(name)
+
+    manager._unload = unload_then_wake
+    try:
+        arriving = asyncio.ensure_future(request())
+        await manager.unload(name)
+        return await arriving
+    finally:
+        manager._unload = unload
+
+
+def test_a_request_arriving_as_its_model_finishes_unloading_loads_it_again(tiny_models, entries):
+    # the CI stall: acquire() awaited the finished unload task (which returns without
+    # yielding), saw the model still unloaded, and spun on the event loop forever
+    with ManagedServer(entries, budget=_budget_for_two(tiny_models)) as srv:
+        assert _complete(srv.url, "alpha").status_code == 200
+        pending = asyncio.run_coroutine_threadsafe(
+            _request_as_the_unload_finishes(srv.manager, "alpha"), srv.loop
+        )
+        slot = pending.result(30)
+        assert slot.status is Status.LOADED and slot.active == 1
+        srv.call(_let_go(srv.manager, slot))
+        assert _complete(srv.url, "alpha").status_code == 200
+
+
+def test_a_load_queued_behind_one_waiting_for_room_waits_no_longer_than_load_wait(
+    tiny_models, entries
+):
+    # a fourth entry (alpha's files under another id) queues behind beta's load, which waits
+    # for room; its wait counts from its arrival, not from when it gets the loader
+    entries = [*entries, ModelEntry(id="delta", source=str(tiny_models["alpha"]))]
+    load_wait = 2.0
+    with ManagedServer(entries, budget=_budget_for_two(tiny_models), load_wait=load_wait) as srv:
+        held = [srv.call(_hold(srv.manager, name)) for name in ("alpha", "gamma")]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(_complete, srv.url, "beta")
+            _until(lambda: srv.manager._wanting_room)
+            started = time.monotonic()
+            second = pool.submit(_complete, srv.url, "delta")
+            queued = second.result(60)
+            waited = time.monotonic() - started
+            assert first.result(60).status_code == 503
+        assert queued.status_code == 503 and queued.headers["Retry-After"] == "5"
+        assert waited < load_wait + 1.0, waited  # was beta's wait plus its own, ~2x
+        error = queued.json()["error"]
+        assert error["code"] == "insufficient_memory"
+        # its deadline passes behind beta's load or (beta's ended first) waiting for room
+        assert error["message"].startswith("model 'delta' "), error
+        assert "2s" in error["message"] and error["message"].endswith("retry later")
+        for slot in held:
+            srv.call(_let_go(srv.manager, slot))
+        assert _complete(srv.url, "delta").status_code == 200
 
 
 def test_clients_switching_among_three_models_with_room_for_two_all_get_200s(tiny_models, entries):

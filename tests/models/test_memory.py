@@ -15,7 +15,7 @@ from .test_on_demand import _complete, _statuses, wait_status
 
 
 def _budget_for_two(tiny_models) -> int:
-    sizes = [estimate_size(p, 1, None).total for p in tiny_models.values()]
+    sizes = [estimate_size(p, 1, None).needed for p in tiny_models.values()]
     assert 2 * max(sizes) < 3 * min(sizes)  # a budget exists that holds two, never three
     return 2 * max(sizes)
 
@@ -60,19 +60,19 @@ def test_pinned_model_is_never_evicted(tiny_models):
 
 
 def test_a_model_too_big_for_the_budget_is_refused_with_sizes(tiny_models, entries):
-    size = estimate_size(tiny_models["beta"], 1, None)
-    budget = size.total - 1
+    budget = estimate_size(tiny_models["beta"], 1, None).weights  # no room for one row
+    size = estimate_size(tiny_models["beta"], 1, None, budget=budget)  # as the daemon's
+    assert size.context == 256 and size.needed > budget  # the shortest context, still over
     with ManagedServer(entries, budget=budget) as srv:
         response = _complete(srv.url, "beta")
         assert response.status_code == 500
         error = response.json()["error"]
         assert error["code"] == "model_too_large"
         assert error["message"] == (
-            f"model 'beta' needs {format_bytes(size.total)} ({size.total} bytes: weights "
-            f"{format_bytes(size.weights)}, KV rows {format_bytes(size.kv)}, prefix cache "
-            f"{format_bytes(size.prefix_cache)}) but the memory budget is "
-            f"{format_bytes(budget)} ({budget} bytes); raise --max-memory or lower its "
-            "context_length / concurrent_requests"
+            f"model 'beta' needs {format_bytes(size.needed)} ({size.needed} bytes: weights "
+            f"{format_bytes(size.weights)}, its first row's KV {format_bytes(size.floor)}) but "
+            f"the memory budget is {format_bytes(budget)} ({budget} bytes); raise "
+            "--max-memory or lower its context_length"
         )
         assert _statuses(srv.url)["beta"] == "unloaded"
 

@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from llm_server.api.chat.plan import ChatPlan
 from llm_server.api.chat.run import assemble, start_chat
 from llm_server.api.openai.logprobs import chat_logprobs
-from llm_server.api.shared.errors import error_body, invalid
+from llm_server.api.shared.errors import invalid
 from llm_server.api.shared.handling import (
     check_model,
     get_service,
@@ -20,6 +20,7 @@ from llm_server.api.shared.handling import (
     record_finish,
     served_id,
     settle,
+    stream_failure,
     usage,
 )
 from llm_server.api.shared.images import with_images
@@ -149,7 +150,7 @@ async def _chat_stream(
             return
         record_finish(request, ev)
         if ev.reason == FinishReason.ERROR:
-            yield sse(error_body(500, "the model failed while generating this request"))
+            yield sse(stream_failure(ev))
             break
         finishes[i] = ev
         for delta in answer.finish(cut=ev.reason == FinishReason.LENGTH):

@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from llm_server.api.openai.chat_completions import SSE_HEADERS
 from llm_server.api.openai.logprobs import completion_logprobs, scored_choice
-from llm_server.api.shared.errors import APIError, error_body, invalid
+from llm_server.api.shared.errors import APIError, invalid
 from llm_server.api.shared.handling import (
     admit_all,
     check_model,
@@ -23,6 +23,7 @@ from llm_server.api.shared.handling import (
     scheduler_errors,
     served_id,
     settle,
+    stream_failure,
     usage,
 )
 from llm_server.api.shared.schemas import CompletionRequest, parse_completion
@@ -160,7 +161,7 @@ async def _stream(
             return
         record_finish(request, ev)
         if ev.reason == FinishReason.ERROR:
-            yield sse(error_body(500, "the model failed while generating this request"))
+            yield sse(stream_failure(ev))
             return
         if i % req.n == 0:  # each prompt counts once, whatever n is
             firsts.append(ev)

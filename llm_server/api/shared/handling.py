@@ -10,12 +10,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from llm_server.api.shared import recent
-from llm_server.api.shared.errors import APIError, invalid
+from llm_server.api.shared.errors import APIError, error_body, invalid
 from llm_server.api.shared.request_log import note_finish
 from llm_server.api.shared.state import MODEL_ID_KEY, AppState, scoped_service
 from llm_server.decoding import FinishReason, LogitsConstraint, SamplingParams
 from llm_server.distributed import group_lost
 from llm_server.engines.contract import EmbeddingInputUnsupported
+from llm_server.engines.kv.budget import REFUSED, RETRY_AFTER_S
 from llm_server.engines.plan import EmbeddingSpan
 from llm_server.scheduler import FinishEvent, QueueFull, SchedulerClosed
 from llm_server.service import GenerationHandle, ModelService
@@ -183,6 +184,7 @@ def admit_all(
             f"'n' asks for {total} generations but this server holds at most "
             f"{service.capacity} at once (running and queued)",
         )
+    check_memory(service, prompts, params)
     ids = [p for p in prompts for _ in range(n)]
     per_choice = [choice_params(params, j) for _ in prompts for j in range(n)]
     try:
@@ -194,6 +196,16 @@ def admit_all(
         raise scheduler_errors(exc) from None
     except EmbeddingInputUnsupported as exc:  # images for a forward that cannot take their rows
         raise invalid("messages", str(exc)) from None
+
+
+def check_memory(service: ModelService, prompts: list[list[int]], params: SamplingParams) -> None:
+    """400 for a prompt whose KV at its requested length could never fit the memory budget:
+    refused before any token, never attempted."""
+    longest = max((len(p) for p in prompts), default=0)
+    positions = min(longest + params.max_tokens, service.context_length)
+    refusal = service.memory_refusal(positions)
+    if refusal is not None:
+        raise APIError(400, refusal, param="max_tokens", code="memory_budget_exceeded")
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
@@ -220,9 +232,29 @@ def settle(request: Request, finishes: list[FinishEvent | None]) -> Response | N
     lost = [f.error for f in finishes if f.reason == FinishReason.ERROR and group_lost(f.error)]
     if lost:  # a rank of a sharded model died: the server is going away (503, then exit)
         raise APIError(503, str(lost[0]), code="group_lost")
+    refused = [f.error for f in finishes if f.reason == FinishReason.ERROR and budget_refused(f)]
+    if refused:  # the KV could not grow within the memory budget now: retry later
+        retry = {"Retry-After": str(RETRY_AFTER_S)}
+        message = str(refused[0])
+        message = message[message.index(REFUSED) :]  # without the engine's "forward failed"
+        raise APIError(503, message, code="insufficient_memory", headers=retry)
     if any(f.reason == FinishReason.ERROR for f in finishes):
         raise APIError(500, "the model failed while generating this request", code="engine_error")
     return None
+
+
+def stream_failure(fin: FinishEvent) -> dict:
+    """The error body a stream ends with when its generation failed: the memory budget's
+    refusal (503 `insufficient_memory`, its numbers) or the engine's failure (500)."""
+    if budget_refused(fin):
+        message = fin.error[fin.error.index(REFUSED) :]
+        return error_body(503, message, code="insufficient_memory")
+    return error_body(500, "the model failed while generating this request")
+
+
+def budget_refused(fin: FinishEvent) -> bool:
+    """Whether a failed generation's error is the memory budget's refusal to grow its KV."""
+    return bool(fin.error) and REFUSED in fin.error
 
 
 def record_finish(request: Request, fin: FinishEvent) -> None:

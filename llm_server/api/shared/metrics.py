@@ -12,6 +12,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llm_server.batch.runner import BatchRunner
+from llm_server.models.metrics import held_bytes_family
 from llm_server.service import ModelService
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -70,6 +71,8 @@ class _SchedulerCollector(Collector):
             )
         for name, (doc, value) in values.items():
             yield GaugeMetricFamily(name, doc, value=value)
+        if stats is not None:
+            yield held_bytes_family({"": svc.engine.held_bytes().as_dict()})
         if cache is not None:
             yield from _prefix_counters(cache)
         vision = svc.vision if stats else None

@@ -30,6 +30,7 @@ from llm_server.engines.contract import (
     ScoreChunkResult,
 )
 from llm_server.engines.forward.score_reduce import log_softmax, reduce_logprobs
+from llm_server.engines.kv.budget import HeldBytes
 from llm_server.engines.plan import StepPlan, StepResult
 
 MASK_HIDDEN = -30000.0  # additive mask value for hidden columns (fp16-representable)
@@ -231,6 +232,18 @@ class CoreMLEngine:
 
     def preferred_row(self, tokens: list[int], rows: list[int]) -> int | None:
         return None  # no row keeps a history to reuse
+
+    def held_bytes(self) -> HeldBytes:
+        return HeldBytes()  # Core ML holds its state itself: nothing counted here
+
+    def kv_bytes_for(self, positions: int) -> int:
+        return 0
+
+    def kv_room(self) -> int | None:
+        return None
+
+    def budget_bytes(self) -> int | None:
+        return None
 
     def kept_tokens(self) -> int:
         return 0

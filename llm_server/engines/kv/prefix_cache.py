@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from llm_server.engines.kv.budget import Account
 from llm_server.engines.kv.state import Checkpoint, checkpoint_bytes
 
 MIN_BYTES = 64 << 20  # the default bound is at least this
@@ -166,6 +167,9 @@ class PrefixCache:
         self.hit_tokens = 0
         self.misses = 0
         self.disk = None  # a prefix_disk.DiskTier: evicted entries go there, hits come back
+        # asked for an entry's bytes before it is copied in (engines/kv/budget.py: False
+        # evicts entries by priority, then skips the entry); None: only `max_bytes` bounds it
+        self.budget: Account | None = None
 
     @property
     def enabled(self) -> bool:
@@ -267,8 +271,10 @@ class PrefixCache:
                 near, near_len = entry, shared
         parent = self._trunk(near, near_len) if near_len >= TRUNK_TOKENS else None
         start = len(parent.tokens) if parent is not None else 0
-        keys = [mx.array(k[:, start:]) for k in keys]
-        values = [mx.array(v[:, start:]) for v in values]
+        keys, values = [k[:, start:] for k in keys], [v[:, start:] for v in values]
+        if self.budget is not None and not self._make_room(self._nbytes(keys, values), parent):
+            return  # no room for the copy within the memory budget
+        keys, values = [mx.array(k) for k in keys], [mx.array(v) for v in values]
         mx.eval(keys, values)  # own copies: the row may be overwritten right after
         if parent is not None:  # the trunk's positions' checkpoints are the trunk's
             self._add_marks(parent, {p: m for p, m in marks.items() if p <= start})
@@ -335,7 +341,7 @@ class PrefixCache:
     def _make_room(self, nbytes: int, keep: PrefixEntry | None = None) -> bool:
         """Evict by priority until `nbytes` more fit (never `keep` or a trunk with children);
         False when they cannot."""
-        while self.bytes + nbytes > self.max_bytes:
+        while self.bytes + nbytes > self.max_bytes or not self._granted(nbytes):
             leaves = [i for i, e in self._entries.items() if not e.children and e is not keep]
             if not leaves:
                 return False
@@ -343,6 +349,22 @@ class PrefixCache:
             self._clock = max(self._clock, self._entries[victim].priority)
             self._drop(victim, spill=True)
         return True
+
+    def shrink(self, nbytes: int) -> int:
+        """Evict entries by priority (to the disk tier, if any) until `nbytes` are freed or
+        none is left: the memory budget makes room for a KV growth. Returns bytes freed."""
+        before = self.bytes
+        while before - self.bytes < nbytes:
+            leaves = [i for i, e in self._entries.items() if not e.children]
+            if not leaves:
+                break
+            victim = min(leaves, key=lambda i: (self._entries[i].priority, i))
+            self._clock = max(self._clock, self._entries[victim].priority)
+            self._drop(victim, spill=True)
+        return before - self.bytes
+
+    def _granted(self, nbytes: int) -> bool:
+        return self.budget is None or self.budget.reserve(nbytes, evict=False, own_cache=False)
 
     def _add(
         self,

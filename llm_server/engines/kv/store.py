@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from llm_server.engines.kv.budget import Account, BudgetRefused
+
 GROW = 256  # positions added to every row's capacity at a time, at least...
 HEADROOM = 4  # ...and at least a 1/HEADROOM of what it holds: each growth copies the store into
 # fresh memory (177 MB at 3.7k positions of a SmolLM2 row), so a long conversation or answer
@@ -45,6 +47,11 @@ class RowStore:
         self.keys: list[mx.array | None] = [None] * num_layers
         self.values: list[mx.array | None] = [None] * num_layers
         self.capacity = 0
+        # the memory budget (engines/kv/budget.py), asked for a growth's new arrays before
+        # they are made, while the old ones are still held (None: no budget); and the bytes
+        # a row's position takes over the layers, until the first write tells
+        self.budget: Account | None = None
+        self.position_bytes = 0
 
     def ensure(self, positions: int) -> None:
         """Grow every layer so each row can hold `positions` entries (lazy, step-wise)."""
@@ -54,6 +61,7 @@ class RowStore:
         new_cap = min(self.max_positions, -(-wanted // GROW) * GROW)
         if new_cap == self.capacity:  # at max_positions already: a pad by 0 would copy it all
             return
+        new_cap = self._granted(positions, new_cap)
         self._pad([(0, 0), (0, 0), (0, new_cap - self.capacity), (0, 0)])
         self.capacity = new_cap
 
@@ -69,7 +77,12 @@ class RowStore:
         if positions + GROW <= self.capacity:
             return
         extra = positions // HEADROOM if positions > 4 * GROW else 0
-        self.ensure(positions + extra)
+        try:
+            self.ensure(positions + extra)
+        except BudgetRefused:  # the quarter more is a nicety the memory budget cannot give
+            if not extra:
+                raise
+            self.ensure(positions)
 
     def ensure_rows(self, rows: int) -> None:
         """Make rows 0..rows-1 addressable: serving rows up to the next power of two (a copy of
@@ -82,6 +95,7 @@ class RowStore:
             new_rows = self.total_rows
         else:
             new_rows = min(self.first_rows, 1 << (rows - 1).bit_length())
+        self._ask(new_rows, self.capacity)
         self._pad([(0, new_rows - self.rows), (0, 0), (0, 0), (0, 0)])
         self.rows = new_rows
 
@@ -91,6 +105,28 @@ class RowStore:
             if self.keys[i] is not None:  # shapes are learnt at the first write
                 self.keys[i] = mx.pad(self.keys[i], pad)
                 self.values[i] = mx.pad(self.values[i], pad)
+
+    def _granted(self, positions: int, capacity: int) -> int:
+        """The capacity to grow to: `capacity`, else (refused) less headroom, halved down to
+        exactly `positions`; BudgetRefused when even that does not fit."""
+        positions = min(positions, capacity)  # (capacity is cut at max_positions)
+        while capacity > positions:
+            if self._ask(self.rows, capacity, refuse=False):
+                return capacity
+            capacity = positions + (capacity - positions) // 2
+        self._ask(self.rows, positions)
+        return positions
+
+    def _ask(self, rows: int, capacity: int, refuse: bool = True) -> bool:
+        """Whether the budget grants the store at `rows` x `capacity` (BudgetRefused if not,
+        with `refuse`)."""
+        per = sum(a.shape[1] * a.shape[3] * a.itemsize for a in self.arrays())
+        nbytes = (per or self.position_bytes) * rows * capacity
+        if self.budget is None or not nbytes or self.budget.reserve(nbytes):
+            return True
+        if refuse:
+            raise self.budget.refused("the KV store's growth", nbytes)
+        return False
 
     def arrays(self) -> list[mx.array]:
         """Every allocated key/value array (layers without KV, e.g. recurrent ones, have none)."""

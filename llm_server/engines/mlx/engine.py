@@ -29,6 +29,7 @@ from llm_server.engines.contract import EngineError
 from llm_server.engines.forward.fused import FusedForward
 from llm_server.engines.forward.kernels import resolve as resolve_kernels
 from llm_server.engines.forward.model import ModelForward
+from llm_server.engines.kv.budget import HeldBytes
 from llm_server.engines.kv.prefix_cache import PrefixCache, default_bound, kv_token_bytes
 from llm_server.engines.kv.prefix_disk import (
     DiskTier,
@@ -122,6 +123,10 @@ class MLXEngine:
         self.fused = self._build_fused(settings.fused_decode and not sharded, settings)
         mx.eval(self.model.parameters())
         mx.clear_cache()  # the buffers freed while stacking
+        self._weights = self.weight_bytes()  # counted by the memory budget (held_bytes)
+        self._account = settings.budget  # engines/kv/budget.py Account (None: no budget)
+        if self._account is not None and self._account.room(self._weights) < 0:
+            raise self._account.refused("the weights", self._weights)
         # the set's attention/SwiGLU in mlx-lm's modules (linux_cpu: and, where mlx-lm's forward
         # runs the layers with a plain head, its 1-2 row products on both cores)
         ks.functions.prepare_mlx_lm(self.model, self.fused is None and self._plain_head)
@@ -185,6 +190,7 @@ class MLXEngine:
             serial_cache=(lambda: make_cache(self.model)) if serial else None,
             keep_alive=self._keep_alive,
         )
+        self._attach_budget()
         self.forward = ModelForward(
             self.model,
             self.layout,
@@ -335,6 +341,55 @@ class MLXEngine:
     def kv_bytes(self) -> int:
         """Bytes held by the decode rows: KV store and recurrent states (or mlx-lm's caches)."""
         return sum(a.nbytes for a in self.row_table.held())
+
+    def _attach_budget(self) -> None:
+        """Have every growth of the KV store and every prefix-cache entry ask the memory
+        budget first; the budget measures this engine's arrays (`held_bytes`)."""
+        account = self._account
+        if account is None:
+            return
+        store = self.row_table.store
+        store.budget, store.position_bytes = account, self.kv_bytes_for(1) - self.kv_bytes_for(0)
+        self.prefix_cache.budget = account
+        account.measure = self.held_bytes
+        account.shrink = self.prefix_cache.shrink
+
+    def held_bytes(self) -> HeldBytes:
+        """Bytes held now: weights, KV (store rows and states, or a serial model's mlx-lm
+        caches at their capacity), prefix cache entries. Safe from any thread: it only reads
+        the arrays' sizes (no MLX op is built)."""
+        table = self.row_table
+        if table.serial_cache is None:
+            kv = sum(a.nbytes for a in table.store.arrays() + table.states.arrays())
+        else:
+            from mlx.utils import tree_flatten
+
+            leaves = tree_flatten([vars(c) for c in table.serial_cache])
+            kv = sum(a.nbytes for _, a in leaves if isinstance(a, mx.array))
+        return HeldBytes(self._weights, kv, self.prefix_cache.bytes)
+
+    def kv_bytes_for(self, positions: int) -> int:
+        """Bytes one row holds at `positions` (keys and values of the layers that keep them,
+        plus a recurrent model's constant state)."""
+        store = self.row_table.store
+        per = sum(a.shape[1] * a.shape[3] * a.itemsize for a in store.arrays())
+        if not per:  # nothing written yet: from the config, the layers that keep KV
+            kv_layers = sum(1 for leaf in self.layout.leaves if leaf.kind == KV)
+            text = {**self.config, **self.config.get("text_config", {})}
+            per = kv_token_bytes(text, _DTYPES[self.dtype].size) * kv_layers
+            per //= max(int(text.get("num_hidden_layers") or 1), 1)
+        state = sum(a.nbytes for a in self.row_table.states.arrays()) // max(
+            self.row_table.states.rows, 1
+        )
+        return positions * per + state
+
+    def kv_room(self) -> int | None:
+        """Bytes of KV and prefix cache the memory budget could ever give this model (None:
+        no budget)."""
+        return None if self._account is None else self._account.room()
+
+    def budget_bytes(self) -> int | None:
+        return None if self._account is None else self._account.budget.limit
 
     def weight_bytes(self) -> int:
         from mlx.utils import tree_flatten
