@@ -102,6 +102,21 @@ def test_a_growth_with_no_room_while_the_others_serve_is_a_503_then_evicts_an_id
         events = [json.loads(line[6:]) for line in stream.text.splitlines() if line[6:7] == "{"]
         assert events[-1]["error"]["code"] == "insufficient_memory"
         assert events[-1]["error"]["message"].startswith("memory budget: the KV store's growth")
+        # the Messages and Responses streams end with the same refusal in their own shapes
+        turn = [{"role": "user", "content": long_prompt}]
+        body = {"model": "long", "messages": turn, "max_tokens": 4, "stream": True}
+        stream = httpx.post(f"{srv.url}/v1/messages", json=body, timeout=120)
+        events = [json.loads(line[6:]) for line in stream.text.splitlines() if line[6:7] == "{"]
+        assert events[-1]["type"] == "error"
+        assert events[-1]["error"]["type"] == "overloaded_error"
+        assert events[-1]["error"]["message"].startswith("memory budget: the KV store's growth")
+        body = {"model": "long", "input": turn, "max_output_tokens": 4, "stream": True}
+        stream = httpx.post(f"{srv.url}/v1/responses", json=body, timeout=120)
+        events = [json.loads(line[6:]) for line in stream.text.splitlines() if line[6:7] == "{"]
+        failed = events[-1]["response"]
+        assert events[-1]["type"] == "response.failed"
+        assert failed["error"]["code"] == "insufficient_memory"
+        assert failed["error"]["message"].startswith("memory budget: the KV store's growth")
         srv.call(_let_go(srv.manager, held[0]))  # alpha idle: evicted for the growth
         assert _ask(srv.url, "long", long_prompt).status_code == 200
         assert _statuses(srv.url) == {"alpha": "unloaded", "gamma": "loaded", "long": "loaded"}

@@ -37,7 +37,14 @@ from llm_server.api.shared.errors import (
     invalid,
     note_refusal,
 )
-from llm_server.api.shared.handling import check_model, get_service, read_json, served_id, settle
+from llm_server.api.shared.handling import (
+    check_model,
+    failure_message,
+    get_service,
+    read_json,
+    served_id,
+    settle,
+)
 from llm_server.api.shared.images import with_images
 from llm_server.api.shared.streaming import collect_many
 from llm_server.decoding import FinishReason
@@ -216,9 +223,8 @@ async def _stream(
             for event in blocks.feed(delta):
                 yield _event(event)
             continue
-        if delta.event.reason == FinishReason.ERROR:
-            body = anthropic_error_body(500, "the model failed while generating this message")
-            yield _event(body)
+        if delta.event.reason == FinishReason.ERROR:  # 503 overloaded: the budget refused
+            yield _event(anthropic_error_body(*failure_message(delta.event, "message")))
             return
         for event in blocks.finish(delta.answer.called):
             yield _event(event)

@@ -252,6 +252,14 @@ def stream_failure(fin: FinishEvent) -> dict:
     return error_body(500, "the model failed while generating this request")
 
 
+def failure_message(fin: FinishEvent, what: str) -> tuple[int, str]:
+    """(status, message) of a failed generation, for the streams of every API: the memory
+    budget's refusal (503, its numbers) or the engine's failure (500, `what` failed)."""
+    if budget_refused(fin):
+        return 503, fin.error[fin.error.index(REFUSED) :]
+    return 500, f"the model failed while generating this {what}"
+
+
 def budget_refused(fin: FinishEvent) -> bool:
     """Whether a failed generation's error is the memory budget's refusal to grow its KV."""
     return bool(fin.error) and REFUSED in fin.error

@@ -25,7 +25,14 @@ from llm_server.api.openai.responses.input import (
 from llm_server.api.openai.responses.output import CALL_ITEMS, OutputItems
 from llm_server.api.openai.responses.store import ResponseStore
 from llm_server.api.shared.errors import APIError, invalid
-from llm_server.api.shared.handling import check_model, get_service, read_json, served_id, settle
+from llm_server.api.shared.handling import (
+    check_model,
+    failure_message,
+    get_service,
+    read_json,
+    served_id,
+    settle,
+)
 from llm_server.api.shared.images import with_images
 from llm_server.api.shared.streaming import Collected, collect_many
 from llm_server.decoding import FinishReason
@@ -187,10 +194,9 @@ async def _stream(
             continue
         if delta.event.reason == FinishReason.ERROR:
             failed = {**pending, "status": "failed", "output": items.items}
-            failed["error"] = {
-                "code": "server_error",
-                "message": "the model failed while generating this response",
-            }
+            status, message = failure_message(delta.event, "response")
+            code = "insufficient_memory" if status == 503 else "server_error"
+            failed["error"] = {"code": code, "message": message}
             yield emit({"type": "response.failed", "response": failed})
             return
         status = _status(delta.event)
