@@ -29,6 +29,7 @@ from llm_server.benchmark.settings import Settings
 
 IMAGES = 8  # distinct images; requests cycle over them
 SIDE = 448  # pixels per side of each generated image
+WARM_FIRST = 1000  # the warm-up's images: never among the load's
 COLORS = [(220, 40, 40), (40, 160, 60), (40, 80, 220), (230, 200, 40), (150, 60, 200), (30, 30, 30)]
 QUESTIONS = [
     "What shapes are in this picture, and what colors are they?",
@@ -57,10 +58,11 @@ def image_png(index: int) -> bytes:
     return buf.getvalue()
 
 
-def vision_prompts(count: int = IMAGES) -> list[load.Prompt]:
-    """`count` chat prompts, each one user turn with an image part then a question."""
+def vision_prompts(count: int = IMAGES, first: int = 0) -> list[load.Prompt]:
+    """`count` chat prompts, each one user turn with an image part then a question (images
+    `first`, `first + 1`, ...)."""
     out = []
-    for i in range(count):
+    for i in range(first, first + count):
         url = "data:image/png;base64," + base64.b64encode(image_png(i)).decode()
         content = [
             {"type": "image_url", "image_url": {"url": url}},
@@ -116,8 +118,10 @@ def _one(s: Settings, kind: str, c: int, prompts, count) -> dict:
     log = s.out / "logs" / f"vision-{kind}-c{c}.log"
     model = str(s.model) if kind == "mlx_vlm" else None
     with servers.running(spec, log) as srv:
-        # warm-up: c image requests at once (loads, compiles shapes, runs the tower once)
-        warm = asyncio.run(_load(srv.url, prompts, c, c, s.max_tokens, count, model))
+        # warm-up: c requests at once with images outside the set (loads, compiles shapes,
+        # runs the tower), so every image of the load goes through the tower once there
+        warm_prompts = vision_prompts(c, first=WARM_FIRST)
+        warm = asyncio.run(_load(srv.url, warm_prompts, c, c, s.max_tokens, count, model))
         failed = [r.error for r in warm.records if not r.ok]
         if failed:
             raise RuntimeError(f"{kind} warm-up failed: {failed[0][:160]}")
