@@ -22,8 +22,12 @@ class VisionUnavailable(RuntimeError):
 
 def load_vision(path: Path, tokenizer: Tokenizer) -> VisionRenderer | None:
     """The renderer of a vision-language checkpoint at `path`; None for a text model;
-    VisionUnavailable (with what to do) for a VLM whose images cannot be served."""
-    config = json.loads((Path(path) / "config.json").read_text())
+    VisionUnavailable (with what to do) for a VLM whose images cannot be served. A folder
+    without config.json (a Core ML model's, a GGUF conversion's tokenizer folder) is text."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except FileNotFoundError:
+        return None
     model_type = config.get("model_type")
     if model_type in POSITIONS_3D and "vision_config" in config:
         raise VisionUnavailable(

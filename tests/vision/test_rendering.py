@@ -108,6 +108,8 @@ def test_a_text_model_has_no_vision_and_other_vlms_images_are_refused_in_words(
     tiny_model_path, tmp_path
 ):
     assert load_vision(tiny_model_path, Tokenizer(tiny_model_path)) is None
+    # a folder without config.json (a Core ML model's tokenizer folder) is text too
+    assert load_vision(tmp_path, Tokenizer(tiny_model_path)) is None
     config = json.loads((tiny_model_path / "config.json").read_text())
     qwen = {"model_type": "qwen2_5_vl", "text_config": config, "vision_config": {"depth": 1}}
     folder = tmp_path / "qwen"
