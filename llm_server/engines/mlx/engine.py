@@ -29,7 +29,8 @@ from llm_server.engines.contract import EngineError
 from llm_server.engines.forward.fused import FusedForward
 from llm_server.engines.forward.kernels import resolve as resolve_kernels
 from llm_server.engines.forward.model import ModelForward
-from llm_server.engines.kv.prefix_cache import PrefixCache, default_bound, kv_token_bytes
+from llm_server.engines.kv.format import KVFormat
+from llm_server.engines.kv.prefix_cache import PrefixCache, default_bound
 from llm_server.engines.kv.prefix_disk import (
     DiskTier,
     checkpoint_digest,
@@ -42,7 +43,7 @@ from llm_server.engines.kv.store import RowStore
 from llm_server.engines.mlx import quantized
 from llm_server.engines.mlx.bare_checkpoint import model_classes
 from llm_server.engines.mlx.decode import DecodePipeline, DecodeStep
-from llm_server.engines.mlx.dtypes import default_dtype
+from llm_server.engines.mlx.dtypes import checkpoint_dtype, default_dtype
 from llm_server.engines.mlx.executor import StepExecutor
 from llm_server.engines.mlx.layout import (
     GROUPED_SCORE_MODULES,
@@ -51,6 +52,7 @@ from llm_server.engines.mlx.layout import (
     cache_layout,
     check_model_type,
     inner_name,
+    kv_heads,
     make_cache,
     model_family,
 )
@@ -92,6 +94,7 @@ class MLXEngine:
             rows = 1  # an export with one row or no attn_mask (the scheduler warns, S1)
         self.kernels = ks = resolve_kernels(settings.kernels)
         self.dtype = settings.dtype or default_dtype(path)  # engines/mlx/dtypes.py
+        self.kv_format = _kv_format(settings, self.dtype, path)
         config = json.loads((path / "config.json").read_text())
         check_model_type(config)
         text = {**config, **config.get("text_config", {})}  # multimodal configs nest the LM's
@@ -128,11 +131,14 @@ class MLXEngine:
         self.vocab_size = int(text["vocab_size"])
         self.hidden_size = int(text.get("hidden_size") or 0)  # an embedding span's width
         self.num_layers = len(self.layout.leaves)  # caches of the model's cache list
+        # per store slot (kv heads, k_dim, v_dim), None for a state: what the KV format
+        # encodes and what a position costs (None: a model mlx-lm's caches do not show)
+        self._kv_heads = None if sharded or self.serial_reason else kv_heads(self.model)
         # the prefix cache evicts by bytes, from the config: every rank of a sharded model
         # counts the same (the heads split evenly, a pipeline stage counts the whole model's)
         bound = settings.prefix_cache_bytes
         if bound is None:
-            bound = default_bound(kv_token_bytes(text, _DTYPES[self.dtype].size))
+            bound = default_bound(_config_token_bytes(text, self.kv_format))
         self._prefix_cache_bytes = bound
         self._score_rows = 0 if sharded else settings.score_rows
         self._keep_alive = 0.0 if sharded else settings.kv_keep_alive  # (no rank trims)
@@ -144,6 +150,9 @@ class MLXEngine:
                 self._compose(1)
             else:
                 self._compose(rows)  # forget the check's rows (prefix cache included)
+        per_token = self.kv_token_bytes()
+        if per_token is not None:
+            log.info("KV: %d bytes per token (%s)", per_token, self.kv_format.name)
         self._resume(settings)
 
     def _compose(self, rows: int) -> None:
@@ -168,8 +177,14 @@ class MLXEngine:
         self.score_rows = self._score_rows if all_positions else 0
         total = self.rows + self.score_rows  # store rows: the serving rows, then scoring rows
         states = [(i, c.size) for i, c in enumerate(self.layout.leaves) if c.kind != KV]
+        store = RowStore(
+            self.num_layers, total, self.context_length, first_rows=self.rows,
+            kv_format=self.kv_format,
+        )  # fmt: skip
+        if self._kv_heads is not None:
+            store.dims = [None if h is None else h[1:] for h in self._kv_heads]
         self.row_table = RowTable(
-            RowStore(self.num_layers, total, self.context_length, first_rows=self.rows),
+            store,
             StateStore([i for i, _ in states], total, [n for _, n in states]),
             PrefixCache(
                 0 if serial else self._prefix_cache_bytes,
@@ -229,7 +244,9 @@ class MLXEngine:
             folder = Path(settings.prefix_cache_dir)
             bound = settings.prefix_cache_disk_bytes
             bound = default_disk_bytes(folder) if bound is None else bound
-            cache.attach_disk(DiskTier(folder, bound, self.kv_fingerprint(), cache.min_tokens))
+            kv = "" if self.kv_format.identity else self.kv_format.name
+            tier = DiskTier(folder, bound, self.kv_fingerprint(), cache.min_tokens, kv)
+            cache.attach_disk(tier)
             resumed = self.row_table.resume()
             if resumed:
                 log.info("resumed %d conversation(s) from %s into the KV store", resumed, folder)
@@ -251,6 +268,7 @@ class MLXEngine:
             fused=self.fused is not None,
             quantized=self.quantized,
             state_layout=self.state_layout(),
+            kv_format="" if self.kv_format.identity else self.kv_format.name,
         )
 
     def state_layout(self) -> str:
@@ -266,6 +284,10 @@ class MLXEngine:
         if not fusable or self.serial_reason is not None:
             return None
         fused = FusedForward.build(self.model, self.context_length, self.kernels)
+        if fused is not None and not self.kv_format.identity:
+            # the set's native attention (linux_cpu's decode ops) reads float32 stores only:
+            # another format attends through MLX ops over the decoded KV, chosen here
+            fused.use_table(fused.table, native=False)
         compiled = settings.compiled_decode
         if compiled is None:
             compiled = self.kernels.compiled_decode
@@ -327,6 +349,14 @@ class MLXEngine:
         if not self.speculative:
             raise EngineError(f"{self.model_type}: a row cannot be rewound")
         self.executor.rewind(row, cursor)
+
+    def kv_token_bytes(self) -> int | None:
+        """KV bytes one position of one row takes in every layer, in the store's format
+        (None: not known, e.g. a model served through mlx-lm's own caches)."""
+        if self._kv_heads is None:
+            return None
+        heads = [h for h in self._kv_heads if h is not None]
+        return self.row_table.store.bytes_per_token(heads)
 
     def kv_bytes(self) -> int:
         """Bytes held by the decode rows: KV store and recurrent states (or mlx-lm's caches)."""
@@ -405,6 +435,24 @@ class MLXEngine:
     def all_position_logits(self, tokens: np.ndarray) -> np.ndarray:
         """Logits [N, q, vocab] of a padded batch on a fresh scoring cache (tests, tools)."""
         return all_position_logits(self.model, tokens)
+
+
+def _kv_format(settings: EngineSettings, dtype: str, path: Path) -> KVFormat:
+    """The KV store's format: as asked, else on the CPU the compute dtype, on Metal the
+    checkpoint's half dtype (else the compute dtype)."""
+    kv_dtype = settings.kv_dtype
+    if kv_dtype is None and settings.kv_bits is None and mx.default_device() != mx.cpu:
+        kv_dtype = checkpoint_dtype(path)
+    return KVFormat.of(dtype, kv_dtype, settings.kv_bits, settings.kv_group_size)
+
+
+def _config_token_bytes(text: dict, fmt: KVFormat) -> int:
+    """KV bytes a position takes in every layer, from the config, in the KV format
+    (prefix_cache.kv_token_bytes, counted per head vector: a quantized one's scales)."""
+    heads = int(text.get("num_attention_heads") or 1)
+    kv = int(text.get("num_key_value_heads") or heads)
+    head_dim = int(text.get("head_dim") or int(text.get("hidden_size") or 0) // heads)
+    return int(text.get("num_hidden_layers") or 0) * 2 * kv * fmt.bytes_per_vector(head_dim)
 
 
 def _shard(model, settings: EngineSettings, text: dict, model_type: str):
