@@ -93,7 +93,9 @@ class EngineSettings:
         if not self.kv_keep_alive >= 0:  # (NaN too)
             raise ValueError(f"kv_keep_alive must be >= 0 seconds, got {self.kv_keep_alive}")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+            raise ValueError(
+                f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}"
+            )
         if self.kv_bits is not None and self.kv_bits not in KV_BITS:
             raise ValueError(f"kv_bits must be one of {KV_BITS}, got {self.kv_bits}")
         if self.kv_bits is not None and self.kv_dtype is not None:

@@ -144,7 +144,10 @@ class RowStore:
     def _init_stored(self, layer: int, keys: mx.array, values: mx.array) -> None:
         """A layer's arrays shaped after stored keys/values [heads, n, width] (a prefix)."""
         fmt = self.format
-        k_dim, v_dim = self.dims[layer] or (fmt.dim_of(keys.shape[-1]), fmt.dim_of(values.shape[-1]))
+        k_dim, v_dim = self.dims[layer] or (
+            fmt.dim_of(keys.shape[-1]),
+            fmt.dim_of(values.shape[-1]),
+        )
         self.allocate(layer, keys.shape[0], k_dim, v_dim, keys.dtype)
 
     def allocate(self, layer: int, heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype) -> None:
