@@ -87,6 +87,7 @@ def build_manager(
             engine.keep_quantized,
             engine.prefix_cache_bytes,
             engine.score_rows,
+            (engine.kv_dtype, engine.kv_bits, engine.kv_group_size),
         )
 
     budget = max_memory if max_memory is not None else default_budget()
