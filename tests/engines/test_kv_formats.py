@@ -206,3 +206,52 @@ def test_disk_tier_keeps_formats_apart(checkpoint, tmp_path):
     assert other.stats()["disk_entries"] == 0 and other.corrupt == 1
     with pytest.raises(CorruptEntry):
         other._check_format({"kv": "int8/g32"})
+
+
+def test_health_reports_the_format_and_the_fingerprint_names_it(checkpoint):
+    """Served with --kv-bits 8: /health gives the format and a position's bytes, and
+    system_fingerprint differs from float32 KV's (S9: another format, other outputs)."""
+    import httpx
+
+    from llm_server.testing.live import serving
+
+    path = checkpoint("qwen3")
+    fingerprints = {}
+    for name, kw in (("float32", {}), ("int8", FORMATS["int8"])):
+        with serving(path, concurrent=2, **kw) as server:
+            health = httpx.get(server.url + "/health").json()
+            fingerprints[name] = health["system_fingerprint"]
+            per = 2 * 2 * 2 * (40 if name == "int8" else 64)
+            assert health["kv"] == {
+                "format": {"int8": "int8/g32"}.get(name, name),
+                "bytes_per_token": per,
+            }
+    assert fingerprints["float32"] != fingerprints["int8"]
+
+
+@pytest.mark.parametrize("fmt", ["float16", "int8"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_next"])
+def test_scheduler_serves_each_format_as_the_engine_alone(fmt, family, checkpoint, prompts):
+    """Through the real BatchScheduler (pipelined where the model allows), staggered requests
+    that share steps and mix prompt chunks with decode rows answer what each prompt decoded
+    alone on an engine of the same format answers (== serial)."""
+    from llm_server.tokenizer import Tokenizer
+    from tests.scheduler.helpers import make_request, start_scheduler
+
+    path, kw = checkpoint(family), FORMATS[fmt]
+    one = MLXEngine(path, EngineSettings(rows=1, prefix_cache_bytes=0, **kw))
+    solo = [_alone(one, p, NEW) for p in prompts]
+    tok = Tokenizer(path)
+    sched = start_scheduler(path, 4, pipeline=True, **kw)
+    try:
+        outs = []
+        for p in prompts:
+            req, out = make_request(tok, p, NEW, ignore_eos=True)
+            sched.submit(req)
+            outs.append(out)
+            out.wait_first_token()
+        assert all(o.done.wait(60) for o in outs)
+        assert sched.max_rows_busy > 1
+        assert [o.tokens for o in outs] == solo
+    finally:
+        sched.close(10)

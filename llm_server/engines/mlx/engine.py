@@ -318,6 +318,10 @@ class MLXEngine:
     def kernels_name(self) -> str:
         return self.kernels.name
 
+    @property
+    def kv_format_name(self) -> str:
+        return self.kv_format.name
+
     def group_status(self) -> None:
         return None  # not split over ranks (LockstepEngine reports a group's)
 
