@@ -35,6 +35,7 @@ class FakeEngine:
     @staticmethod
     def kv_token_bytes() -> None:
         return None
+
     no_embeddings = "the fake engine does not compute embeddings"
 
     def __init__(

@@ -174,6 +174,7 @@ class CoreMLEngine:
     @staticmethod
     def kv_token_bytes() -> None:
         return None
+
     no_embeddings = (
         "the coreml engine does not compute embeddings; serve the model with the MLX engine"
     )
