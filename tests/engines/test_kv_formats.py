@@ -255,3 +255,12 @@ def test_scheduler_serves_each_format_as_the_engine_alone(fmt, family, checkpoin
         assert [o.tokens for o in outs] == solo
     finally:
         sched.close(10)
+
+
+def test_a_serial_model_keeps_its_kv_in_the_compute_dtype(checkpoint, caplog):
+    """A model served on mlx-lm's own caches (llama4) cannot take the format: it says so and
+    reports the compute dtype, never a format it does not hold."""
+    engine = MLXEngine(checkpoint("llama4"), EngineSettings(rows=2, **FORMATS["int8"]))
+    assert engine.serial_reason is not None
+    assert engine.kv_format_name == "float32" and engine.kv_format.identity
+    assert any("KV in float32, not int8/g32" in r.getMessage() for r in caplog.records)

@@ -156,6 +156,12 @@ class MLXEngine:
                 self._compose(rows)  # forget the check's rows (prefix cache included)
         else:
             self._compose(rows)
+        if self.serial_reason is not None and not self.kv_format.identity:
+            log.warning(
+                "%s is served on mlx-lm's own caches: KV in %s, not %s",
+                self.model_type, self.dtype, self.kv_format.name,
+            )  # fmt: skip
+            self.kv_format = KVFormat(self.dtype, self.dtype)
         per_token = self.kv_token_bytes()
         if per_token is not None:
             log.info("KV: %d bytes per token (%s)", per_token, self.kv_format.name)
