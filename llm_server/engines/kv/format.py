@@ -89,6 +89,14 @@ class KVFormat:
         """Bytes one head's keys (or values) of `dim` values take at one position."""
         return self.width(dim) * self.storage.size
 
+    def config_token_bytes(self, config: dict) -> int:
+        """KV bytes a position takes in every layer, from a config.json (as
+        prefix_cache.kv_token_bytes, counted per head vector: a quantized one's scales)."""
+        heads = int(config.get("num_attention_heads") or 1)
+        kv = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or int(config.get("hidden_size") or 0) // heads)
+        return int(config.get("num_hidden_layers") or 0) * 2 * kv * self.bytes_per_vector(head_dim)
+
     def encode(self, x: mx.array) -> mx.array:
         """x [..., dim] in the compute dtype -> stored [..., width(dim)]."""
         if not self.bits:

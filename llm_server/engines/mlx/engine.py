@@ -138,34 +138,36 @@ class MLXEngine:
         # counts the same (the heads split evenly, a pipeline stage counts the whole model's)
         bound = settings.prefix_cache_bytes
         if bound is None:
-            bound = default_bound(_config_token_bytes(text, self.kv_format))
+            bound = default_bound(self.kv_format.config_token_bytes(text))
         self._prefix_cache_bytes = bound
         self._score_rows = 0 if sharded else settings.score_rows
         self._keep_alive = 0.0 if sharded else settings.kv_keep_alive  # (no rank trims)
+        self._compose_checked(rows)
+        per_token = self.kv_token_bytes()
+        if per_token is not None:
+            log.info("KV: %d bytes per token (%s)", per_token, self.kv_format.name)
+        self._resume(settings)
+
+    def _compose_checked(self, rows: int) -> None:
+        """`_compose`, after checking an architecture the tests do not cover against mlx-lm's
+        own forward (on failure: one row, `serial_reason` says why). The check runs with the
+        KV as computed: a format's rounding is not the row forward's fault. A model served on
+        mlx-lm's own caches keeps its KV in the compute dtype, whatever format was asked."""
         if self.serial_reason is None and model_family(self.model) not in VERIFIED_FAMILIES:
-            # an architecture the tests do not cover, checked against mlx-lm's own forward
-            # with the KV as computed (the format's rounding is not the row forward's fault)
             asked, self.kv_format = self.kv_format, KVFormat(self.dtype, self.dtype)
             self._compose(rows)
             problem = row_forward_problem(self)
             self.kv_format = asked
             if problem is not None:
                 self.serial_reason = f"{self.model_type}: {problem}"
-                self._compose(1)
-            else:
-                self._compose(rows)  # forget the check's rows (prefix cache included)
-        else:
-            self._compose(rows)
+                rows = 1
         if self.serial_reason is not None and not self.kv_format.identity:
             log.warning(
                 "%s is served on mlx-lm's own caches: KV in %s, not %s",
                 self.model_type, self.dtype, self.kv_format.name,
             )  # fmt: skip
             self.kv_format = KVFormat(self.dtype, self.dtype)
-        per_token = self.kv_token_bytes()
-        if per_token is not None:
-            log.info("KV: %d bytes per token (%s)", per_token, self.kv_format.name)
-        self._resume(settings)
+        self._compose(rows)  # (after a check: its rows and prefix cache forgotten)
 
     def _compose(self, rows: int) -> None:
         """Empty rows (`rows` of them, 1 when serving serially), the prefix cache, and the
@@ -460,15 +462,6 @@ def _kv_format(settings: EngineSettings, dtype: str, path: Path) -> KVFormat:
     if kv_dtype is None and settings.kv_bits is None and mx.default_device() != mx.cpu:
         kv_dtype = checkpoint_dtype(path)
     return KVFormat.of(dtype, kv_dtype, settings.kv_bits, settings.kv_group_size)
-
-
-def _config_token_bytes(text: dict, fmt: KVFormat) -> int:
-    """KV bytes a position takes in every layer, from the config, in the KV format
-    (prefix_cache.kv_token_bytes, counted per head vector: a quantized one's scales)."""
-    heads = int(text.get("num_attention_heads") or 1)
-    kv = int(text.get("num_key_value_heads") or heads)
-    head_dim = int(text.get("head_dim") or int(text.get("hidden_size") or 0) // heads)
-    return int(text.get("num_hidden_layers") or 0) * 2 * kv * fmt.bytes_per_vector(head_dim)
 
 
 def _shard(model, settings: EngineSettings, text: dict, model_type: str):
