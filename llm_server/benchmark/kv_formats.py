@@ -12,12 +12,19 @@ server does and prints one JSON object:
 - `rate`: decode tokens/s at each concurrency (rows of `--history`-token prompts, the median
   of `--steps` batched steps), the formats taking turns round by round so a busy host slows
   them alike.
+
+`--memory N` instead measures memory: per format, in a fresh process each, one row prefilled
+with N positions and decoded 8 steps: the KV held, the RSS growth after it (MLX's cache
+cleared), MLX's peak and the process's peak RSS (MB).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -139,6 +146,49 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def _rss_mb() -> int:
+    with open("/proc/self/statm") as f:
+        return (int(f.read().split()[1]) * resource.getpagesize()) >> 20
+
+
+def _memory_here(model: str | None, fmt: str, positions: int) -> dict:
+    """One format's memory at `positions` of one row (run in its own process)."""
+    import mlx.core as mx
+
+    from llm_server.default_model import default_model_path
+    from llm_server.engines.mlx.engine import MLXEngine
+    from llm_server.engines.settings import EngineSettings
+
+    path = Path(model) if model else default_model_path()
+    engine = MLXEngine(path, EngineSettings(rows=1, prefix_cache_bytes=0, **FORMATS[fmt]))
+    mx.clear_cache()
+    base = _rss_mb()
+    ids = np.random.default_rng(0).integers(3, 40000, positions).tolist()
+    token = int(np.argmax(engine.prefill(0, ids)))
+    for _ in range(8):
+        token = int(np.argmax(engine.decode([0], [token])[0]))
+    held = engine.kv_bytes() >> 20
+    mx.clear_cache()
+    return {
+        "format": engine.kv_format_name,
+        "kv_held_mb": held,
+        "rss_growth_mb": _rss_mb() - base,
+        "mlx_peak_mb": mx.get_peak_memory() >> 20,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10,  # KiB on Linux
+    }
+
+
+def memory(model: str | None, positions: int) -> list[dict]:
+    """`_memory_here` for every format, each in a fresh process (peaks are per process)."""
+    out = []
+    for fmt in FORMATS:
+        argv = [sys.executable, "-m", "llm_server.benchmark.kv_formats", "--memory-one", fmt]
+        argv += ["--memory", str(positions)] + (["--model", model] if model else [])
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=True)
+        out.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2)")
@@ -151,7 +201,15 @@ def main() -> None:
         "--rounds", type=int, default=3, help="turns of every format at every concurrency"
     )
     p.add_argument("--greedy-tokens", type=int, default=64, help="tokens of each greedy answer")
-    print(json.dumps(run(p.parse_args()), indent=1))
+    p.add_argument("--memory", type=int, metavar="N", help="measure memory at N positions instead")
+    p.add_argument("--memory-one", choices=sorted(FORMATS), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.memory_one:
+        print(json.dumps(_memory_here(args.model, args.memory_one, args.memory)))
+    elif args.memory:
+        print(json.dumps(memory(args.model, args.memory), indent=1))
+    else:
+        print(json.dumps(run(args), indent=1))
 
 
 if __name__ == "__main__":
