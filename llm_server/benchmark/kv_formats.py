@@ -69,7 +69,7 @@ def _step_s(engine, rows: int, history: int, steps: int, seed: int) -> float:
     """Median seconds of a batched decode step of `rows` rows over `history`-token prompts."""
     rng = np.random.default_rng(seed)
     for row in range(rows):
-        engine.prefill(row, rng.integers(3, 1000, history).tolist())
+        engine.prefill(row, rng.integers(3, min(1000, engine.vocab_size), history).tolist())
     all_rows, tokens = list(range(rows)), list(range(5, 5 + rows))
     for _ in range(3):  # warm-up: first shapes, allocations, compiled graphs
         tokens = engine.decode(all_rows, tokens).argmax(-1).tolist()
@@ -163,7 +163,7 @@ def _memory_here(model: str | None, fmt: str, positions: int) -> dict:
     engine = MLXEngine(path, EngineSettings(rows=1, prefix_cache_bytes=0, **FORMATS[fmt]))
     mx.clear_cache()
     base = _rss_mb()
-    ids = np.random.default_rng(0).integers(3, 40000, positions).tolist()
+    ids = np.random.default_rng(0).integers(3, engine.vocab_size, positions).tolist()
     token = int(np.argmax(engine.prefill(0, ids)))
     for _ in range(8):
         token = int(np.argmax(engine.decode([0], [token])[0]))
