@@ -177,6 +177,28 @@ def build_parser() -> argparse.ArgumentParser:
         "bfloat16/float16, half the memory of float32)",
     )
     p.add_argument(
+        "--kv-dtype",
+        default=None,
+        choices=["float32", "float16", "bfloat16"],
+        help="the KV store's dtype (default: the compute dtype on the CPU, float32; on Metal "
+        "the checkpoint's own bfloat16/float16); float16 halves the KV memory of float32",
+    )
+    p.add_argument(
+        "--kv-bits",
+        type=int,
+        default=None,
+        choices=[8, 4],
+        help="quantize the KV store to 8 or 4 bits (mlx-lm's quantized KV cache), a quarter "
+        "or an eighth of float32's KV memory plus the groups' scales; not with --kv-dtype",
+    )
+    p.add_argument(
+        "--kv-group-size",
+        type=int,
+        default=None,
+        choices=[32, 64, 128],
+        help="values per quantization group of --kv-bits (default 64)",
+    )
+    p.add_argument(
         "--backend",
         default="auto",
         choices=["auto", "mlx", "coreml"],

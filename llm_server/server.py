@@ -91,6 +91,7 @@ def with_budget(settings: ServerSettings, model_path: Path, model_id: str) -> Se
             engine.prefix_cache_bytes,
             engine.score_rows,
             settings.max_memory,
+            kv_format=(engine.kv_dtype, engine.kv_bits, engine.kv_group_size),
         )
         context = size.context or None
         log.info("%s: context %s positions within the memory budget", model_id, context)

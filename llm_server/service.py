@@ -178,8 +178,11 @@ class ModelService:
         engine = self.scheduler.wait_ready(timeout)
         self.engine = engine
         self.batching = self.scheduler.max_concurrent > 1
+        # a KV format other than the compute dtype changes outputs: it is in the descriptor (S9)
+        kv = engine.kv_format_name
+        dtype = engine.dtype if kv in (None, engine.dtype) else f"{engine.dtype};kv={kv}"
         self.fingerprint = system_fingerprint(
-            self.config.model_id, engine.name, engine.dtype, self.scheduler.max_concurrent
+            self.config.model_id, engine.name, dtype, self.scheduler.max_concurrent
         )
 
     @property

@@ -85,6 +85,9 @@ class ServerSettings:
                 kv_keep_alive=args.kv_keep_alive,
                 prefix_cache_dir=args.prefix_cache_dir,
                 prefix_cache_disk_bytes=args.prefix_cache_disk_bytes,
+                kv_dtype=args.kv_dtype,
+                kv_bits=args.kv_bits,
+                kv_group_size=args.kv_group_size,
             ),
             service=ServiceConfig(
                 model_id=args.model_id or "",

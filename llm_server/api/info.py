@@ -52,6 +52,11 @@ async def health(request: Request) -> Response:
                 "dtype": svc.engine.dtype,
                 # the engine's kernel set (engines/forward/kernels.py): linux_cpu or generic
                 "kernels": svc.engine.kernels_name,
+                # the KV store's format (--kv-dtype, --kv-bits) and one position's bytes
+                "kv": {
+                    "format": svc.engine.kv_format_name,
+                    "bytes_per_token": svc.engine.kv_token_bytes(),
+                },
                 "batching": svc.batching,
                 "concurrent_requests": stats.rows,
                 "rows_busy": stats.rows_busy,

@@ -122,6 +122,13 @@ class LockstepEngine:
     def kernels_name(self) -> str | None:
         return self._engine.kernels_name
 
+    @property
+    def kv_format_name(self) -> str | None:
+        return self._engine.kv_format_name
+
+    def kv_token_bytes(self) -> int | None:
+        return self._engine.kv_token_bytes()
+
     def cursor(self, row: int) -> int:
         return self._engine.cursor(row)
 

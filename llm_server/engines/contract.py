@@ -67,8 +67,16 @@ class Engine(Protocol):
     prefix_cache: PrefixCache | None
     # the kernel set the forwards run on (engines/forward/kernels.py; None: the engine has none)
     kernels_name: str | None
+    # how the KV store holds keys and values (engines/kv/format.py: "float32", "float16",
+    # "int8/g64"...; None: the engine has no row store of its own)
+    kv_format_name: str | None
     # why embed_begin/embed_chunk/embed_end are not served (None: they are); an HTTP 400
     no_embeddings: str | None
+
+    def kv_token_bytes(self) -> int | None:
+        """KV bytes one position of one row takes in every layer, in the store's format
+        (None: not known)."""
+        ...
 
     def preferred_row(self, tokens: list[int], rows: list[int]) -> int | None:
         """The free row of `rows` to open `tokens` on (the one still holding the longest

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llm_server.engines.kv.format import GROUP_SIZES, KV_BITS, KV_DTYPES
+
 DTYPES = ("float32", "float16", "bfloat16")
 PARALLEL = ("tensor", "pipeline")
 SCORE_ROWS = 8  # scoring rows of the store: scoring prompts open at once (see score_rows)
@@ -67,6 +69,14 @@ class EngineSettings:
     # the memory budget's account this engine draws on (engines/kv/budget.py `Account`: every
     # KV growth and prefix-cache entry asks it first; None: no budget)
     budget: Any = None
+    # the KV store's format (engines/kv/format.py). kv_dtype: float32, float16 or bfloat16
+    # (None: the compute dtype on the CPU, float32 there; on Metal the checkpoint's half
+    # dtype); kv_bits: 8 or 4, quantized as mlx-lm's QuantizedKVCache in groups of
+    # kv_group_size values (None: 64), exclusive with kv_dtype. Recurrent layers' states stay
+    # in the compute dtype
+    kv_dtype: str | None = None
+    kv_bits: int | None = None
+    kv_group_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.rows < 1:
@@ -85,6 +95,19 @@ class EngineSettings:
             raise ValueError(f"score_rows must be >= 0, got {self.score_rows}")
         if not self.kv_keep_alive >= 0:  # (NaN too)
             raise ValueError(f"kv_keep_alive must be >= 0 seconds, got {self.kv_keep_alive}")
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise ValueError(
+                f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}"
+            )
+        if self.kv_bits is not None and self.kv_bits not in KV_BITS:
+            raise ValueError(f"kv_bits must be one of {KV_BITS}, got {self.kv_bits}")
+        if self.kv_bits is not None and self.kv_dtype is not None:
+            raise ValueError("kv_bits and kv_dtype are exclusive: quantized KV has no float dtype")
+        group = self.kv_group_size
+        if group is not None and group not in GROUP_SIZES:
+            raise ValueError(f"kv_group_size must be one of {GROUP_SIZES}, got {group}")
+        if group is not None and self.kv_bits is None:
+            raise ValueError("kv_group_size applies to quantized KV only (kv_bits)")
         disk = self.prefix_cache_disk_bytes
         if disk is not None and disk < 0:
             raise ValueError(f"prefix_cache_disk_bytes must be >= 0, got {disk}")

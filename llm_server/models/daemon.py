@@ -100,7 +100,8 @@ def build_manager(
             engine.keep_quantized,
             engine.prefix_cache_bytes,
             engine.score_rows,
-            budget,
+            budget=budget,
+            kv_format=(engine.kv_dtype, engine.kv_bits, engine.kv_group_size),
         )
 
     config = ManagerConfig(

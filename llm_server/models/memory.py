@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llm_server.engines.kv.budget import format_bytes as format_bytes  # re-exported
+from llm_server.engines.kv.format import bytes_per_element
 from llm_server.engines.kv.prefix_cache import default_bound, kv_token_bytes
 from llm_server.engines.settings import SCORE_ROWS
 from llm_server.models.checkpoint import DTYPE_BYTES, read_header
@@ -76,6 +77,7 @@ def estimate_size(
     score_rows: int = SCORE_ROWS,
     budget: int | None = None,
     on_cpu: bool | None = None,
+    kv_format: tuple[str | None, int | None, int | None] = (None, None, None),
 ) -> ModelSize:
     """What the model at `path` holds once loaded with these settings (before loading it):
     `dtype` None is the engine's default (engines/mlx/dtypes.py: on Metal the checkpoint's own
@@ -83,7 +85,9 @@ def estimate_size(
     `budget`: with `context_length` unset, the context is what `rows` rows can hold in the
     budget beside the weights (at most the model's own); `on_cpu`: size it as the CPU serves it
     (quantized layers dequantized unless `keep_quantized`) or as Metal does (the checkpoint's
-    dtype, quantized layers kept); None: as this machine does."""
+    dtype, quantized layers kept); None: as this machine does.
+    `kv_format`: the KV store's (kv_dtype, kv_bits, kv_group_size) as EngineSettings has them
+    (None, None, None: the compute dtype). Recurrent states count in the compute dtype."""
     if path.suffix == ".mlpackage" or any(path.glob("*.mlpackage")):
         files = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         return ModelSize(files, 0, 0)
@@ -102,12 +106,13 @@ def estimate_size(
     # the CPU kernel set dequantizes (quantized.prepare); Metal serves quantized layers as is
     dequantize = on_cpu and not keep_quantized
     weights = _weight_bytes(path, width, bits if dequantize else None)
+    kv_width = bytes_per_element(width, *kv_format)  # bytes a key or value element takes
     if prefix_cache_bytes is None:  # the engine's own default bound (engines/kv/prefix_cache.py)
-        prefix_cache_bytes = default_bound(kv_token_bytes(config, width))
+        prefix_cache_bytes = default_bound(int(kv_token_bytes(config, kv_width)))
     max_pos = int(config.get("max_position_embeddings") or 2048)  # as the engine reads it
-    held = row_bytes(full, width)
+    held = row_bytes(full, width, kv_width)
     if held is None:  # mlx-lm cannot build it: every layer counted as full attention
-        held = RowBytes(kv_token_bytes(config, width), 0, scoring=True, serial=False)
+        held = RowBytes(int(kv_token_bytes(config, kv_width)), 0, scoring=True, serial=False)
     if held.serial:
         rows = 1
     if context_length is not None:
@@ -143,8 +148,9 @@ class RowBytes:
     serial: bool  # caches the row store cannot hold: served one at a time (layout.py)
 
 
-def row_bytes(config: dict, width: int) -> RowBytes | None:
-    """One row's bytes for the model `config` describes, `width` bytes a value, read from the
+def row_bytes(config: dict, width: int, kv_width: float | None = None) -> RowBytes | None:
+    """One row's bytes for the model `config` describes, `width` bytes a value (`kv_width` a
+    key or value element: the KV format's, kv/format.py; None: `width`), read from the
     caches mlx-lm gives it after a one-token forward built lazily (shapes only: no weight is
     allocated, nothing computed): KV-shared layers have no cache of their own, recurrent
     layers an `ArraysCache` of constant size. Sliding-window layers count every position:
@@ -166,7 +172,7 @@ def row_bytes(config: dict, width: int) -> RowBytes | None:
             return None
         caches = make_cache(model)
         model(mx.array([[0]]), cache=caches)  # a graph, never evaluated
-        position, state = _cache_bytes(caches, width)
+        position, state = _cache_bytes(caches, width, width if kv_width is None else kv_width)
         layout = cache_layout(model)
     except Exception:  # noqa: BLE001 - an architecture this cannot read: the config's count
         return None
@@ -176,20 +182,22 @@ def row_bytes(config: dict, width: int) -> RowBytes | None:
     return RowBytes(position, state, scoring=scoring, serial=serial)
 
 
-def _cache_bytes(caches: list, width: int) -> tuple[int, int]:
-    """(bytes a position takes, constant state bytes) in mlx-lm's `caches` for one row."""
+def _cache_bytes(caches: list, width: int, kv_width: float) -> tuple[int, int]:
+    """(bytes a position takes, constant state bytes) in mlx-lm's `caches` for one row (keys
+    and values at `kv_width` bytes an element, states at `width`)."""
     from mlx_lm.models.cache import ArraysCache, CacheList
 
     position = state = 0
     for cache in caches:
         if isinstance(cache, CacheList):
-            more, fixed = _cache_bytes(list(cache.caches), width)
+            more, fixed = _cache_bytes(list(cache.caches), width, kv_width)
             position, state = position + more, state + fixed
         elif isinstance(cache, ArraysCache):
             state += sum(a.size for a in cache.cache if a is not None) * width
         else:  # keys and values [1, kv_heads, positions, head_dim]
             keys, values = cache.keys, cache.values
-            position += (keys.size // keys.shape[2] + values.size // values.shape[2]) * width
+            elements = keys.size // keys.shape[2] + values.size // values.shape[2]
+            position += int(elements * kv_width)
     return position, state
 
 

@@ -45,16 +45,17 @@ def _softmax(scores: mx.array) -> mx.array:
 
 def read(view, width: int) -> tuple[mx.array, mx.array]:
     """The first `width` store positions of a row view's rows (after its update), as
-    `RowView.update_and_fetch` selects them: [B, KV, width, Dh] keys and values."""
+    `RowView.update_and_fetch` selects them: [B, KV, width, Dh] keys and values, decoded
+    from the store's KV format (`store.decode`) to the compute dtype."""
     store, plan, i = view.store, view.plan, view.layer
     keys, values = store.keys[i], store.values[i]
     if plan.all_rows:
-        return keys[:, :, :width], values[:, :, :width]
+        return store.decode(i, keys[:, :, :width], values[:, :, :width])
     if plan.contiguous:
         r0, r1 = plan.rows[0], plan.rows[0] + len(plan.rows)
-        return keys[r0:r1, :, :width], values[r0:r1, :, :width]
+        return store.decode(i, keys[r0:r1, :, :width], values[r0:r1, :, :width])
     rows = mx.array(plan.rows)
-    return keys[rows, :, :width], values[rows, :, :width]
+    return store.decode(i, keys[rows, :, :width], values[rows, :, :width])
 
 
 def attend(

@@ -195,7 +195,9 @@ CASES = [
         "messages",
         ("empty",),
     ),
-    Case("content-a-number", CHAT, user(5), 400, "messages[0].content", ("string", "content parts")),
+    Case(
+        "content-a-number", CHAT, user(5), 400, "messages[0].content", ("string", "content parts")
+    ),
     Case(
         "content-part-audio",
         CHAT,

@@ -30,6 +30,12 @@ class FakeEngine:
     speculative = False  # `run` verifies no drafts
     prefix_cache = None
     kernels_name = None
+    kv_format_name = None
+
+    @staticmethod
+    def kv_token_bytes() -> None:
+        return None
+
     no_embeddings = "the fake engine does not compute embeddings"
 
     def __init__(

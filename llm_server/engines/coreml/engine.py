@@ -170,6 +170,12 @@ class CoreMLEngine:
     has_lm_head = True
     speculative = False  # a Core ML state cannot be rewound
     kernels_name = None  # the compiled package runs its own kernels
+    kv_format_name = None  # the package holds its own KV state
+
+    @staticmethod
+    def kv_token_bytes() -> None:
+        return None
+
     no_embeddings = (
         "the coreml engine does not compute embeddings; serve the model with the MLX engine"
     )

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from llm_server.engines.forward.layers import Group, Rotation, rotate
+from llm_server.engines.kv.format import KVFormat
 
 MAX_GRAPHS = 48  # compiled graphs kept (each is a small tape of ops; weights are shared)
 
@@ -47,6 +48,8 @@ class StepShape:
     # store never holds the step's rows alone, and a gather copied every layer's K and V
     context: Hashable  # the kernel set's forward context (`key`: e.g. products split across
     # two CPU streams, this thread's: see CompiledSteps)
+    # how the store holds keys and values (written encoded, read decoded)
+    kv: KVFormat = KVFormat("float32", "float32")
 
 
 class CompiledSteps:
@@ -77,11 +80,13 @@ class CompiledSteps:
         keys: list[mx.array],
         values: list[mx.array],
         context,
+        kv: KVFormat,
     ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
         """One token per row: ids [B, 1] -> (logits [B, vocab], updated keys, updated values).
 
-        `keys`/`values`: the store's arrays per layer, [store_rows, KV, capacity, Dh];
-        `context`: the kernel set's context of the step (engines/forward/kernels.py: ForwardContext).
+        `keys`/`values`: the store's arrays per layer, [store_rows, KV, capacity, width] in the
+        store's format `kv`; `context`: the kernel set's context of the step
+        (engines/forward/kernels.py: ForwardContext).
         """
         store_rows, _, capacity, _ = keys[0].shape
         span = self.decoder.k.graph_span(max(starts) + 1, capacity)
@@ -89,7 +94,7 @@ class CompiledSteps:
             first_row = 0  # graph for any history and any rows
         else:
             first_row = rows[0] if rows == list(range(rows[0], rows[0] + len(rows))) else -1
-        shape = StepShape(len(rows), capacity, span, store_rows, first_row, context.key)
+        shape = StepShape(len(rows), capacity, span, store_rows, first_row, context.key, kv)
         fn = self._graph(shape, context)
         pos = mx.array(starts, dtype=mx.int32)
         row_ids = mx.array(rows, dtype=mx.int32)
@@ -137,10 +142,20 @@ class GraphAttention:
     whole_layer = None  # (only the decode ops run a whole layer)
 
     def __init__(
-        self, context, keys: list, values: list, mask, rotation: Rotation | None, pos, write, read
+        self,
+        context,
+        keys: list,
+        values: list,
+        mask,
+        rotation: Rotation | None,
+        pos,
+        write,
+        read,
+        kv: KVFormat,
     ) -> None:
         self.k, self.keys, self.values, self.mask = context, keys, values, mask
         self.rotation, self.pos, self.write, self.read = rotation, pos, write, read
+        self.kv = kv  # the store's format: new entries encoded, the read span decoded
         if rotation is not None:  # [B, 1, 1, Dh], gathered once per step
             self.cos2 = rotation.cos2[pos][:, None, None]
             self.sin2 = rotation.sin2[pos][:, None, None]
@@ -157,9 +172,14 @@ class GraphAttention:
             qk = layer.rope(qk, offset=self.pos)
         else:
             qk = rotate(qk, self.cos2, self.sin2)
-        self.keys[i] = self.write(self.keys[i], qk[:, nh:])
+        k, kv = qk[:, nh:], self.kv
+        if not kv.identity:
+            k, v = kv.encode(k), kv.encode(v)
+        self.keys[i] = self.write(self.keys[i], k)
         self.values[i] = self.write(self.values[i], v)
         keys, values = self.read(self.keys[i]), self.read(self.values[i])
+        if not kv.identity:
+            keys, values = kv.decode(keys, hd), kv.decode(values, hd)
         return self.k.attend_graph(layer, qk[:, :nh], keys, values, self.mask)
 
 

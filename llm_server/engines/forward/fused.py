@@ -144,7 +144,7 @@ class FusedForward:
             and all(k is not None for k in store.keys)
         ):
             logits, store.keys, store.values = self.compiled.run(
-                ids, plan.rows, plan.starts, store.keys, store.values, context
+                ids, plan.rows, plan.starts, store.keys, store.values, context, store.format
             )
             return logits
         return self.forward(ids, views, plan.starts, plan.mask, context, last_only=True)

@@ -194,6 +194,7 @@ class MLXAttention:
             pos,
             writer(shape, pos, row_ids),
             reader(shape, row_ids),
+            shape.kv,
         )
 
 

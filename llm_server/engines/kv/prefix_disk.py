@@ -49,7 +49,8 @@ SUFFIX = ".kv"
 # SmolLM2's template's opening tokens alone once read a 3.8k-token file (177 MB, 0.6 s)
 READ_TOKENS = 256
 DEFAULT_DISK_BYTES = 16 << 30  # at most half the free space of the folder's disk at start
-_NP = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  # bf16 as its bits
+# bf16 as its bits; uint32: a quantized KV format's packed words, scales and biases (kv/format.py)
+_NP = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "uint32": np.uint32}
 
 
 def checkpoint_digest(path: Path) -> str:
@@ -73,16 +74,21 @@ def engine_fingerprint(
     quantized: bool,
     mlx_version: str = mx.__version__,
     state_layout: str = "",
+    kv_format: str = "",
 ) -> str:
     """What the KV depends on: the checkpoint (`checkpoint_digest`), the compute dtype, the
     kernel set's name, whether the fused forward computes it, whether quantized layers serve
     it (kept quantized, not dequantized at load) and the MLX version; `state_layout`: what a
-    state checkpoint holds (the recurrent layers and their arrays; "" without any)."""
+    state checkpoint holds (the recurrent layers and their arrays; "" without any);
+    `kv_format`: the KV store's format where it is not the compute dtype (kv/format.py:
+    `KVFormat.name`, "" otherwise), so a float32 file is never read as float16 or int8."""
     desc = fp.descriptor(checkpoint, "mlx", dtype, 0)
     desc += f";kernels={kernels};fused={bool(fused)};quantized={bool(quantized)}"
     desc += f";mlx={mlx_version}"
     if state_layout:
         desc += f";states={state_layout}"
+    if kv_format:
+        desc += f";kv={kv_format}"
     return "kv_" + hashlib.sha256(desc.encode()).hexdigest()[:16]
 
 
@@ -126,8 +132,13 @@ def _dtype_name(a: mx.array) -> str:
 class DiskTier:
     """Prefix cache entries on disk under one fingerprint; thread-safe index, one writer."""
 
-    def __init__(self, root: Path, max_bytes: int, fingerprint: str, min_tokens: int = 4) -> None:
+    def __init__(
+        self, root: Path, max_bytes: int, fingerprint: str, min_tokens: int = 4, kv_format: str = ""
+    ) -> None:
         self.root = Path(root)
+        # the KV format files hold (kv/format.py `KVFormat.name`; "": the compute dtype), in
+        # every header beside the fingerprint that names it
+        self.kv_format = kv_format
         self.dir = self.root / fingerprint
         self.dir.mkdir(parents=True, exist_ok=True)
         self.fingerprint = fingerprint
@@ -170,10 +181,16 @@ class DiskTier:
         header = json.loads(f.read(length))
         if header.get("fingerprint") != self.fingerprint:
             raise CorruptEntry("written by another model, dtype or kernel set")
+        self._check_format(header)
         raw = f.read(width * int(header["tokens"]))
         if len(raw) != width * int(header["tokens"]):
             raise CorruptEntry("truncated")
         return header, np.frombuffer(raw, dtype=f"<i{width}")
+
+    def _check_format(self, header: dict) -> None:
+        if header.get("kv", "") != self.kv_format:
+            held = header.get("kv") or "the compute dtype"
+            raise CorruptEntry(f"KV held as {held}, not {self.kv_format or 'the compute dtype'}")
 
     def _skip(self, path: Path, exc: Exception) -> None:
         self.corrupt += 1
@@ -252,6 +269,7 @@ class DiskTier:
             header = json.loads(bytes(data[len(MAGIC) + 8 : head_end]))
             if header.get("fingerprint") != self.fingerprint or len(data) != header["size"]:
                 raise CorruptEntry("truncated or from another fingerprint")
+            self._check_format(header)
             body = data[head_end:]
             if zlib.crc32(body) != header["crc32"]:
                 raise CorruptEntry("checksum mismatch")
@@ -381,6 +399,7 @@ class DiskTier:
             "fingerprint": self.fingerprint,
             "tokens": len(tokens),
             "dtype": dtype,
+            "kv": self.kv_format,
             "layers": [[list(k.shape), list(v.shape)] for k, v in zip(keys, values, strict=True)],
             "crc32": crc,
             "size": 0,

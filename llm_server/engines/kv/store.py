@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from llm_server.engines.kv.budget import Account, BudgetRefused
+from llm_server.engines.kv.format import KVFormat
 
 GROW = 256  # positions added to every row's capacity at a time, at least...
 HEADROOM = 4  # ...and at least a 1/HEADROOM of what it holds: each growth copies the store into
@@ -37,9 +38,17 @@ class RowStore:
     of SmolLM2 are 94 MB at 256 positions, more than a serving row's 12)."""
 
     def __init__(
-        self, num_layers: int, rows: int, max_positions: int, first_rows: int | None = None
+        self,
+        num_layers: int,
+        rows: int,
+        max_positions: int,
+        first_rows: int | None = None,
+        kv_format: KVFormat | None = None,
     ) -> None:
         self.num_layers = num_layers
+        # how values are held (None: as computed, float32 on the CPU)
+        self.format = KVFormat("float32", "float32") if kv_format is None else kv_format
+        self.dims: list[tuple[int, int] | None] = [None] * num_layers  # (k_dim, v_dim) a layer
         self.total_rows = rows
         self.first_rows = rows if first_rows is None else min(first_rows, rows)
         self.rows = min(self.first_rows, 1)  # rows allocated now (the store's first axis)
@@ -150,9 +159,9 @@ class RowStore:
         for i in range(self.num_layers):
             if keys[i] is None:
                 continue
-            k, v = keys[i][:, :n], values[i][:, :n]
+            k, v = keys[i][:, :n], values[i][:, :n]  # as the store holds them
             if self.keys[i] is None:
-                self._init_layer(i, k[None], v[None])
+                self._init_stored(i, k, v)
             self.keys[i][row, :, :n] = k
             self.values[i][row, :, :n] = v
 
@@ -164,13 +173,46 @@ class RowStore:
         )
 
     def _init_layer(self, layer: int, keys: mx.array, values: mx.array) -> None:
+        """A layer's arrays shaped after its first (decoded) keys and values."""
         self.allocate(layer, keys.shape[1], keys.shape[-1], values.shape[-1], keys.dtype)
+
+    def _init_stored(self, layer: int, keys: mx.array, values: mx.array) -> None:
+        """A layer's arrays shaped after stored keys/values [heads, n, width] (a prefix)."""
+        fmt = self.format
+        k_dim, v_dim = self.dims[layer] or (
+            fmt.dim_of(keys.shape[-1]),
+            fmt.dim_of(values.shape[-1]),
+        )
+        self.allocate(layer, keys.shape[0], k_dim, v_dim, keys.dtype)
 
     def allocate(self, layer: int, heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype) -> None:
         """A layer's keys and values (zeros), before its first write: their shapes are
-        otherwise learnt from the first keys written."""
-        self.keys[layer] = mx.zeros((self.rows, heads, self.capacity, k_dim), dtype)
-        self.values[layer] = mx.zeros((self.rows, heads, self.capacity, v_dim), dtype)
+        otherwise learnt from the first keys written. `dtype`: the compute dtype's (a plain
+        format of the compute dtype); other formats hold their own."""
+        fmt = self.format
+        held = dtype if fmt.identity else fmt.storage
+        self.dims[layer] = (k_dim, v_dim)
+        self.keys[layer] = mx.zeros((self.rows, heads, self.capacity, fmt.width(k_dim)), held)
+        self.values[layer] = mx.zeros((self.rows, heads, self.capacity, fmt.width(v_dim)), held)
+
+    def decode(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Stored keys/values of `layer` (any rows and positions) in the compute dtype."""
+        if self.format.identity:
+            return keys, values
+        k_dim, v_dim = self.dims[layer]
+        return self.format.decode(keys, k_dim), self.format.decode(values, v_dim)
+
+    def encode(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Computed keys/values [..., dim] as the store holds them."""
+        if self.format.identity:
+            return keys, values
+        return self.format.encode(keys), self.format.encode(values)
+
+    def bytes_per_token(self, heads: list[tuple[int, int, int]]) -> int:
+        """KV bytes one position takes in every layer, `heads`: per layer with KV (kv heads,
+        k_dim, v_dim)."""
+        fmt = self.format
+        return sum(h * (fmt.bytes_per_vector(k) + fmt.bytes_per_vector(v)) for h, k, v in heads)
 
 
 @dataclass
@@ -255,6 +297,7 @@ class RowView:
         store, plan, i = self.store, self.plan, self.layer
         if store.keys[i] is None:
             store._init_layer(i, keys, values)
+        keys, values = store.encode(keys, values)
         q = plan.length
         if plan.same_start and plan.contiguous:
             r0, s = plan.rows[0], plan.starts[0]
@@ -269,12 +312,12 @@ class RowView:
                 store.values[i][r : r + 1, :, s : s + q] = values[b : b + 1]
         kl = plan.kv_len
         if plan.all_rows:
-            return store.keys[i][:, :, :kl], store.values[i][:, :, :kl]
+            return store.decode(i, store.keys[i][:, :, :kl], store.values[i][:, :, :kl])
         if plan.contiguous:
             r0, r1 = plan.rows[0], plan.rows[0] + len(plan.rows)
-            return store.keys[i][r0:r1, :, :kl], store.values[i][r0:r1, :, :kl]
+            return store.decode(i, store.keys[i][r0:r1, :, :kl], store.values[i][r0:r1, :, :kl])
         ridx = mx.array(plan.rows)
-        return store.keys[i][ridx, :, :kl], store.values[i][ridx, :, :kl]
+        return store.decode(i, store.keys[i][ridx, :, :kl], store.values[i][ridx, :, :kl])
 
 
 class RowCacheList:

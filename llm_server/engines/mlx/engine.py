@@ -30,6 +30,7 @@ from llm_server.engines.forward.fused import FusedForward
 from llm_server.engines.forward.kernels import resolve as resolve_kernels
 from llm_server.engines.forward.model import ModelForward
 from llm_server.engines.kv.budget import HeldBytes
+from llm_server.engines.kv.format import KVFormat, bytes_per_element
 from llm_server.engines.kv.prefix_cache import PrefixCache, default_bound, kv_token_bytes
 from llm_server.engines.kv.prefix_disk import (
     DiskTier,
@@ -43,7 +44,7 @@ from llm_server.engines.kv.store import RowStore
 from llm_server.engines.mlx import quantized
 from llm_server.engines.mlx.bare_checkpoint import model_classes
 from llm_server.engines.mlx.decode import DecodePipeline, DecodeStep
-from llm_server.engines.mlx.dtypes import default_dtype
+from llm_server.engines.mlx.dtypes import checkpoint_dtype, default_dtype
 from llm_server.engines.mlx.executor import StepExecutor
 from llm_server.engines.mlx.layout import (
     GROUPED_SCORE_MODULES,
@@ -52,6 +53,7 @@ from llm_server.engines.mlx.layout import (
     cache_layout,
     check_model_type,
     inner_name,
+    kv_heads,
     make_cache,
     model_family,
 )
@@ -94,6 +96,8 @@ class MLXEngine:
             rows = 1  # an export with one row or no attn_mask (the scheduler warns, S1)
         self.kernels = ks = resolve_kernels(settings.kernels)
         self.dtype = settings.dtype or default_dtype(path)  # engines/mlx/dtypes.py
+        self.kv_format = _kv_format(settings, self.dtype, path)
+        self._kv_settings = (settings.kv_dtype, settings.kv_bits, settings.kv_group_size)
         config = json.loads((path / "config.json").read_text())
         check_model_type(config)
         # multimodal configs nest the LM's (a VLM's: as its text family reads it)
@@ -137,23 +141,43 @@ class MLXEngine:
         self.vocab_size = int(text["vocab_size"])
         self.hidden_size = int(text.get("hidden_size") or 0)  # an embedding span's width
         self.num_layers = len(self.layout.leaves)  # caches of the model's cache list
+        # per store slot (kv heads, k_dim, v_dim), None for a state: what the KV format
+        # encodes and what a position costs (None: a model mlx-lm's caches do not show)
+        self._kv_heads = None if sharded or self.serial_reason else kv_heads(self.model)
         # the prefix cache evicts by bytes, from the config: every rank of a sharded model
         # counts the same (the heads split evenly, a pipeline stage counts the whole model's)
         bound = settings.prefix_cache_bytes
         if bound is None:
-            bound = default_bound(kv_token_bytes(text, _DTYPES[self.dtype].size))
+            bound = default_bound(self.kv_format.config_token_bytes(text))
         self._prefix_cache_bytes = bound
         self._score_rows = 0 if sharded else settings.score_rows
         self._keep_alive = 0.0 if sharded else settings.kv_keep_alive  # (no rank trims)
-        self._compose(rows)
+        self._compose_checked(rows)
+        per_token = self.kv_token_bytes()
+        if per_token is not None:
+            log.info("KV: %d bytes per token (%s)", per_token, self.kv_format.name)
+        self._resume(settings)
+
+    def _compose_checked(self, rows: int) -> None:
+        """`_compose`, after checking an architecture the tests do not cover against mlx-lm's
+        own forward (on failure: one row, `serial_reason` says why). The check runs with the
+        KV as computed: a format's rounding is not the row forward's fault. A model served on
+        mlx-lm's own caches keeps its KV in the compute dtype, whatever format was asked."""
         if self.serial_reason is None and model_family(self.model) not in VERIFIED_FAMILIES:
-            problem = row_forward_problem(self)  # an architecture the tests do not cover
+            asked, self.kv_format = self.kv_format, KVFormat(self.dtype, self.dtype)
+            self._compose(rows)
+            problem = row_forward_problem(self)
+            self.kv_format = asked
             if problem is not None:
                 self.serial_reason = f"{self.model_type}: {problem}"
-                self._compose(1)
-            else:
-                self._compose(rows)  # forget the check's rows (prefix cache included)
-        self._resume(settings)
+                rows = 1
+        if self.serial_reason is not None and not self.kv_format.identity:
+            log.warning(
+                "%s is served on mlx-lm's own caches: KV in %s, not %s",
+                self.model_type, self.dtype, self.kv_format.name,
+            )  # fmt: skip
+            self.kv_format = KVFormat(self.dtype, self.dtype)
+        self._compose(rows)  # (after a check: its rows and prefix cache forgotten)
 
     def _compose(self, rows: int) -> None:
         """Empty rows (`rows` of them, 1 when serving serially), the prefix cache, and the
@@ -177,8 +201,14 @@ class MLXEngine:
         self.score_rows = self._score_rows if all_positions else 0
         total = self.rows + self.score_rows  # store rows: the serving rows, then scoring rows
         states = [(i, c.size) for i, c in enumerate(self.layout.leaves) if c.kind != KV]
+        store = RowStore(
+            self.num_layers, total, self.context_length, first_rows=self.rows,
+            kv_format=self.kv_format,
+        )  # fmt: skip
+        if self._kv_heads is not None:
+            store.dims = [None if h is None else h[1:] for h in self._kv_heads]
         self.row_table = RowTable(
-            RowStore(self.num_layers, total, self.context_length, first_rows=self.rows),
+            store,
             StateStore([i for i, _ in states], total, [n for _, n in states]),
             PrefixCache(
                 0 if serial else self._prefix_cache_bytes,
@@ -239,7 +269,9 @@ class MLXEngine:
             folder = Path(settings.prefix_cache_dir)
             bound = settings.prefix_cache_disk_bytes
             bound = default_disk_bytes(folder) if bound is None else bound
-            cache.attach_disk(DiskTier(folder, bound, self.kv_fingerprint(), cache.min_tokens))
+            kv = "" if self.kv_format.identity else self.kv_format.name
+            tier = DiskTier(folder, bound, self.kv_fingerprint(), cache.min_tokens, kv)
+            cache.attach_disk(tier)
             resumed = self.row_table.resume()
             if resumed:
                 log.info("resumed %d conversation(s) from %s into the KV store", resumed, folder)
@@ -261,6 +293,7 @@ class MLXEngine:
             fused=self.fused is not None,
             quantized=self.quantized,
             state_layout=self.state_layout(),
+            kv_format="" if self.kv_format.identity else self.kv_format.name,
         )
 
     def state_layout(self) -> str:
@@ -276,6 +309,10 @@ class MLXEngine:
         if not fusable or self.serial_reason is not None:
             return None
         fused = FusedForward.build(self.model, self.context_length, self.kernels)
+        if fused is not None and not self.kv_format.identity:
+            # the set's native attention (linux_cpu's decode ops) reads float32 stores only:
+            # another format attends through MLX ops over the decoded KV, chosen here
+            fused.use_table(fused.table, native=False)
         compiled = settings.compiled_decode
         if compiled is None:
             compiled = self.kernels.compiled_decode
@@ -299,6 +336,10 @@ class MLXEngine:
     @property
     def kernels_name(self) -> str:
         return self.kernels.name
+
+    @property
+    def kv_format_name(self) -> str:
+        return self.kv_format.name
 
     def group_status(self) -> None:
         return None  # not split over ranks (LockstepEngine reports a group's)
@@ -338,6 +379,14 @@ class MLXEngine:
             raise EngineError(f"{self.model_type}: a row cannot be rewound")
         self.executor.rewind(row, cursor)
 
+    def kv_token_bytes(self) -> int | None:
+        """KV bytes one position of one row takes in every layer, in the store's format
+        (None: not known, e.g. a model served through mlx-lm's own caches)."""
+        if self._kv_heads is None:
+            return None
+        heads = [h for h in self._kv_heads if h is not None]
+        return self.row_table.store.bytes_per_token(heads)
+
     def kv_bytes(self) -> int:
         """Bytes held by the decode rows: KV store and recurrent states (or mlx-lm's caches)."""
         return sum(a.nbytes for a in self.row_table.held())
@@ -371,12 +420,12 @@ class MLXEngine:
     def kv_bytes_for(self, positions: int) -> int:
         """Bytes one row holds at `positions` (keys and values of the layers that keep them,
         plus a recurrent model's constant state)."""
-        store = self.row_table.store
-        per = sum(a.shape[1] * a.shape[3] * a.itemsize for a in store.arrays())
-        if not per:  # nothing written yet: from the config, the layers that keep KV
+        per = self.kv_token_bytes()  # in the store's KV format
+        if per is None:  # not known from the layers: from the config, the layers that keep KV
             kv_layers = sum(1 for leaf in self.layout.leaves if leaf.kind == KV)
             text = {**self.config, **self.config.get("text_config", {})}
-            per = kv_token_bytes(text, _DTYPES[self.dtype].size) * kv_layers
+            width = bytes_per_element(_DTYPES[self.dtype].size, *self._kv_settings)
+            per = int(kv_token_bytes(text, width)) * kv_layers
             per //= max(int(text.get("num_hidden_layers") or 1), 1)
         state = sum(a.nbytes for a in self.row_table.states.arrays()) // max(
             self.row_table.states.rows, 1
@@ -464,6 +513,15 @@ class MLXEngine:
     def all_position_logits(self, tokens: np.ndarray) -> np.ndarray:
         """Logits [N, q, vocab] of a padded batch on a fresh scoring cache (tests, tools)."""
         return all_position_logits(self.model, tokens)
+
+
+def _kv_format(settings: EngineSettings, dtype: str, path: Path) -> KVFormat:
+    """The KV store's format: as asked, else on the CPU the compute dtype, on Metal the
+    checkpoint's half dtype (else the compute dtype)."""
+    kv_dtype = settings.kv_dtype
+    if kv_dtype is None and settings.kv_bits is None and mx.default_device() != mx.cpu:
+        kv_dtype = checkpoint_dtype(path)
+    return KVFormat.of(dtype, kv_dtype, settings.kv_bits, settings.kv_group_size)
 
 
 def _shard(model, settings: EngineSettings, text: dict, model_type: str):

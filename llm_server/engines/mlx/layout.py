@@ -109,6 +109,33 @@ def cache_layout(model) -> Layout:
     return Layout(tuple(layers), reason)
 
 
+def kv_heads(model) -> list[tuple[int, int, int] | None] | None:
+    """Per slot of the row store (`Layout.leaves`), (kv heads, k_dim, v_dim) of a layer with
+    keys and values, None for a state: the shapes mlx-lm's own caches take from a one-token
+    forward, built lazily and never evaluated. None when that forward cannot be built."""
+    from mlx_lm.models.cache import ArraysCache, CacheList
+
+    caches = make_cache(model)
+    try:
+        model(mx.array([[0]]), cache=caches)
+    except Exception:  # noqa: BLE001 - an unusual forward: the shapes are learnt at first write
+        return None
+    out: list[tuple[int, int, int] | None] = []
+
+    def add(c) -> None:
+        if isinstance(c, CacheList):
+            for part in c.caches:
+                add(part)
+        elif isinstance(c, ArraysCache) or getattr(c, "keys", None) is None:
+            out.append(None)
+        else:
+            out.append((int(c.keys.shape[1]), int(c.keys.shape[-1]), int(c.values.shape[-1])))
+
+    for c in caches:
+        add(c)
+    return out
+
+
 def row_views(layout: Layout, store, states, plan) -> list:
     """The engine's cache list for one forward: a view of the row store (`RowView`) or of the
     state slots (`RowStateView`) per entry of the model's cache list, a list of those for a
