@@ -516,6 +516,7 @@ class BatchScheduler:
                 with self._cond:
                     del self._running[row]
                     self._free.append(row)
+                    self._freed_at = time.monotonic()  # (its KV may be the room one waits for)
             output = list(req.decoder.tokens)
             req.prompt = [*req.prompt[: req.prompt_tokens], *output]
             req.resumed_tokens = len(output)
