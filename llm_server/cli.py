@@ -16,6 +16,7 @@ from llm_server.engines.settings import KV_KEEP_ALIVE_S
 from llm_server.listen import tcp_socket
 from llm_server.model_source import source_or_exit
 from llm_server.scheduler.batch import (
+    DEFAULT_MEMORY_WAIT_S,
     DEFAULT_PREFILL_TOKENS,
     DEFAULT_SPEC_TOKENS,
     DEFAULT_SPECULATIVE,
@@ -106,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=16,
         metavar="M",
         help="requests that may wait for a row before 429 (default 16)",
+    )
+    p.add_argument(
+        "--memory-wait",
+        type=float,
+        default=DEFAULT_MEMORY_WAIT_S,
+        metavar="SECONDS",
+        help="seconds a request whose prompt's KV the memory budget refuses waits for room "
+        f"before 503 (default {DEFAULT_MEMORY_WAIT_S:g})",
     )
     p.add_argument(
         "--step-tokens",
@@ -471,6 +480,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise SystemExit("llm-server: --concurrent-requests must be at least 1")
     if args.max_queued < 0:
         raise SystemExit("llm-server: --max-queued must be 0 or more")
+    if not args.memory_wait >= 0:
+        raise SystemExit("llm-server: --memory-wait must be 0 or more seconds")
     if args.step_tokens < 0:
         raise SystemExit("llm-server: --step-tokens must be 0 (unlimited) or more")
     if args.prefill_tokens < 0:

@@ -32,6 +32,7 @@ from llm_server.scheduler import (
     TokenEvent,
 )
 from llm_server.scheduler.batch import (
+    DEFAULT_MEMORY_WAIT_S,
     DEFAULT_PREFILL_TOKENS,
     DEFAULT_SPEC_TOKENS,
     DEFAULT_SPECULATIVE,
@@ -72,6 +73,9 @@ class ServiceConfig:
     speculative: str = DEFAULT_SPECULATIVE  # --speculative: "ngram" | "off"
     spec_tokens: int = DEFAULT_SPEC_TOKENS  # --spec-tokens: most draft ids per row and step
     batch_share: bool = False  # --batch-share: batch lines decode beside interactive ones (S11)
+    # seconds a request whose prompt's KV the memory budget refuses waits for room (queued,
+    # holding no row) before its 503 with Retry-After (scheduler/batch.py `_park`)
+    memory_wait: float = DEFAULT_MEMORY_WAIT_S
 
 
 class EmbeddingsUnavailable(RuntimeError):
@@ -134,6 +138,7 @@ class ModelService:
             speculative=config.speculative,
             spec_tokens=config.spec_tokens,
             batch_share=config.batch_share,
+            memory_wait=config.memory_wait,
         )
         # Scoring rides in the step plans on the engine's scoring rows, or (the fallback) runs
         # between steps on its separate session, a pump (C1; Scorer.attach chooses).

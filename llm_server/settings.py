@@ -92,6 +92,7 @@ class ServerSettings:
             service=ServiceConfig(
                 model_id=args.model_id or "",
                 max_queued=args.max_queued,
+                memory_wait=args.memory_wait,
                 default_max_tokens=args.default_max_tokens,
                 constrained_mode=args.constrained_mode,
                 chat_template=args.chat_template,

@@ -174,6 +174,7 @@ def test_prefill_tokens_reaches_the_scheduler_and_a_negative_value_is_refused(ti
     try:
         assert service.scheduler.prefill_tokens == 2048
         assert service.scheduler.step_tokens == args.step_tokens == 128
+        assert service.scheduler.memory_wait == args.memory_wait == 30.0
     finally:
         service.close(30)
     with pytest.raises(SystemExit, match="--prefill-tokens must be 0"):
@@ -216,10 +217,12 @@ def test_the_command_line_is_read_once_into_server_settings(tmp_path):
     argv = ["--concurrent-requests", "3", "--dtype", "float16", "--max-queued", "5"]
     argv += ["--port", "0", "--cors-origin", "http://a", "--prefix-cache-dir", str(tmp_path)]
     argv += ["--compiled-decode", "off", "--tool-parser", "hermes", "--distributed", "ring"]
+    argv += ["--memory-wait", "2.5"]
     settings = ServerSettings.from_args(build_parser().parse_args(argv))
     assert (settings.engine.rows, settings.engine.dtype) == (3, "float16")
     assert settings.engine.compiled_decode is False and settings.engine.prefix_cache_dir == tmp_path
     assert (settings.service.max_queued, settings.service.tool_parser) == (5, "hermes")
+    assert settings.service.memory_wait == 2.5
     assert (settings.http.port, settings.http.cors_origins) == (0, ("http://a",))
     assert settings.distributed == "ring" and settings.engine.group is None
     assert settings.replace(rows=1, port=9, backend="mlx").engine.rows == 1

@@ -156,8 +156,8 @@ class LockstepEngine:
     def idle_due(self) -> float | None:
         return self._engine.idle_due()  # None when sharded: no rank trims (kv_keep_alive 0)
 
-    def trim_idle(self) -> bool:
-        return self._engine.trim_idle()
+    def trim_idle(self, force: bool = False) -> bool:
+        return self._engine.trim_idle(force)
 
     def rewind(self, row: int, cursor: int) -> None:
         raise EngineError("a row of a model sharded over ranks cannot be rewound")

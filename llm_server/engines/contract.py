@@ -107,8 +107,9 @@ class Engine(Protocol):
         """Seconds until the idle KV memory is given back (`trim_idle`; None: none held)."""
         ...
 
-    def trim_idle(self) -> bool:
-        """Give the idle KV memory back once its keep-alive is over (True: it was)."""
+    def trim_idle(self, force: bool = False) -> bool:
+        """Give the idle KV memory back once its keep-alive is over, or now with `force` (a
+        request waits for room in the memory budget); True: it was."""
         ...
 
     def rewind(self, row: int, cursor: int) -> None:

@@ -11,6 +11,13 @@ Once per step boundary (`step()`):
      chunks' log-probabilities go to the scorer (executor.py);
   5. let a pump (embeddings; the session scorer fallback) run one chunk on its session (C1).
 An idle scheduler sleeps on a condition variable, so a lone request starts at once (S7).
+
+A request whose prompt cannot open its row because the memory budget refuses its KV (nothing
+emitted yet) waits for room instead of failing (`_park`): it gives its row back and is queued
+again at its place, passed over by admission until a row of this scheduler is freed or
+MEMORY_RETRY_S pass (another model may have gone idle: the budget evicts it on the retry),
+and fails with the budget's numbers (503, Retry-After) once `memory_wait` seconds have passed
+since its first refusal. A growth refused while a row decodes still fails that request.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from dataclasses import dataclass
 
 from llm_server.decoding import FinishReason
 from llm_server.engines.contract import Engine
+from llm_server.engines.kv.budget import REFUSED
 from llm_server.engines.plan import StepPlan
 from llm_server.scheduler.drafting import drafts, prediction_usage
 from llm_server.scheduler.executor import PlanExecutor
@@ -57,6 +65,10 @@ DEFAULT_SPEC_TOKENS = 8
 # a client's next request usually follows its answer within this, and a line admitted in the
 # gap would only give its row back at once
 BATCH_IDLE_S = 0.2
+# seconds a request refused room for its prompt's KV waits for room before its 503 (the
+# service's `memory_wait`), and between its retries when no row of this scheduler is freed
+DEFAULT_MEMORY_WAIT_S = 30.0
+MEMORY_RETRY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -87,6 +99,7 @@ class BatchScheduler:
         spec_tokens: int = DEFAULT_SPEC_TOKENS,
         prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
         batch_share: bool = False,
+        memory_wait: float = DEFAULT_MEMORY_WAIT_S,
     ) -> None:
         if max_concurrent < 1:
             raise ValueError("max_concurrent must be >= 1")
@@ -96,6 +109,12 @@ class BatchScheduler:
         self.max_concurrent = max_concurrent
         self.max_queued = max_queued
         self.retry_after = retry_after
+        if not memory_wait >= 0:
+            raise ValueError("memory_wait must be >= 0 seconds")
+        # seconds a request refused room for its prompt's KV waits for room (`_park`)
+        self.memory_wait = memory_wait
+        self.memory_waits = 0  # times a request was queued again to wait for room
+        self._freed_at = float("-inf")  # time.monotonic() a row was last freed
         # called after every forward with (seconds, rows in it), on the scheduler thread
         self._step_listeners: list[Callable[[float, int], None]] = [on_step] if on_step else []
         # positions per forward, decode rows included (0: whole prompts, as before issue 17)
@@ -142,6 +161,7 @@ class BatchScheduler:
             self._pipeline,
             self.spec_costs,
             self._step_listeners,
+            self._park,
         )
 
     # -- lifecycle -------------------------------------------------------------------
@@ -369,7 +389,25 @@ class BatchScheduler:
         return step
 
     def _has_work(self) -> bool:
-        return bool(self._queue or self._running or self._leases or self._side_work())
+        return bool(
+            self._running
+            or self._leases
+            or any(not self._waiting(r) for r in self._queue)
+            or self._side_work()
+        )
+
+    def _waiting(self, req: GenerationRequest) -> bool:
+        """`req` waits for room in the memory budget and none may have appeared since it was
+        refused (no row freed, its retry not due; a closing scheduler or a cancel ends it)."""
+        parked = req.memory_parked_at
+        if parked is None or self._closing or req.cancelled.is_set():
+            return False
+        return self._freed_at <= parked and time.monotonic() < req.memory_retry_at
+
+    def _next_retry(self) -> float | None:
+        """Seconds until the first request waiting for room retries (None: none waits)."""
+        due = [r.memory_retry_at for r in self._queue if r.memory_parked_at is not None]
+        return max(min(due) - time.monotonic(), 0.0) if due else None
 
     def _side_work(self) -> bool:
         """A pump or the scorer has work (scoring rows ride in the plans, pumps after them)."""
@@ -388,6 +426,9 @@ class BatchScheduler:
                     return False
                 left = due()
                 if left is None or left > 0:
+                    retry = self._next_retry()
+                    if retry is not None:
+                        left = retry if left is None else min(left, retry)
                     self._cond.wait(left)
                     continue
             self.engine.trim_idle()  # outside the lock: submitters never wait on it
@@ -475,6 +516,7 @@ class BatchScheduler:
                 with self._cond:
                     del self._running[row]
                     self._free.append(row)
+                    self._freed_at = time.monotonic()  # (its KV may be the room one waits for)
             output = list(req.decoder.tokens)
             req.prompt = [*req.prompt[: req.prompt_tokens], *output]
             req.resumed_tokens = len(output)
@@ -508,12 +550,13 @@ class BatchScheduler:
                 prefill_budget=self.prefill_tokens,
                 row_for=self.engine.preferred_row,
                 admit_batch=admit_batch,
+                waiting=self._waiting,
             )
 
     def _may_speculate(self) -> bool:
         """Nothing to admit, prefill, lease or score at the next step boundary."""
         return not (
-            self._queue
+            any(not self._waiting(r) for r in self._queue)
             or self._leases
             or self._side_work()
             or any(r.prefilled < len(r.prompt) for r in self._running.values())
@@ -564,7 +607,52 @@ class BatchScheduler:
                 with self._cond:
                     del self._running[row]
                     self._free.append(row)
+                    self._freed_at = time.monotonic()  # room for a request waiting for it
         self._finish(req, reason, error)
+
+    def _park(self, req: GenerationRequest, exc: BaseException) -> bool:
+        """`req`'s prompt could not open its row (`exc`): when the memory budget refused its
+        KV and it has waited less than `memory_wait`, give its row back and queue it again at
+        the head of its priority, to retry once room may have appeared; True when it did. A
+        store kept idle (no other row busy) is given back first: it is the room it needs."""
+        if REFUSED not in str(exc) or req.decoder.tokens or req.cancelled.is_set():
+            return False
+        now = time.monotonic()
+        if req.memory_deadline is None:
+            req.memory_deadline = now + self.memory_wait
+        if self._closing or now >= req.memory_deadline:
+            return False
+        row = req.row
+        if row is not None and self._running.get(row) is req:
+            try:
+                self.engine.release(row)
+            finally:
+                with self._cond:
+                    del self._running[row]
+                    self._free.append(row)
+        req.row, req.prefilled, req.cached_tokens, req.started_at = None, 0, 0, None
+        retry = now + MEMORY_RETRY_S
+        if self.engine.trim_idle(force=True):  # (False while another row is busy)
+            retry = now  # the idle store was in the way: retry at once
+        req.memory_parked_at = now
+        req.memory_retry_at = min(retry, req.memory_deadline)
+        with self._cond:
+            if req.priority is Priority.INTERACTIVE:
+                self._queue.appendleft(req)
+            else:
+                first_batch = next(
+                    (i for i, r in enumerate(self._queue) if r.priority is Priority.BATCH),
+                    len(self._queue),
+                )
+                self._queue.insert(first_batch, req)
+        self.memory_waits += 1
+        log.info(
+            "request %d waits for room in the memory budget (up to %.1fs more): %s",
+            req.seq,
+            req.memory_deadline - now,
+            exc,
+        )
+        return True
 
     def _finish(
         self, req: GenerationRequest, reason: FinishReason, error: str | None = None

@@ -42,6 +42,7 @@ class PlanExecutor:
         pipeline: Pipeline,
         spec_costs: StepCosts,
         listeners: list[Callable[[float, int], None]],
+        park: Callable[[GenerationRequest, BaseException], bool] | None = None,
     ) -> None:
         self._running = running  # row -> request: the scheduler's own dict, read here
         self._retire = retire
@@ -49,6 +50,9 @@ class PlanExecutor:
         self._pipeline = pipeline
         self.spec_costs = spec_costs
         self._step_listeners = listeners  # (seconds, rows) after every forward
+        # park(request, error) -> True when a request whose prompt could not open its row
+        # (the memory budget refused the KV) was queued again to wait for room
+        self._park = park
         self.engine: Engine | None = None  # given at load, with the scorer
         self.scorer: Scorer | None = None
         self.step_trace: list[tuple[int, ...]] | None = None  # [] records each forward's seqs
@@ -73,7 +77,7 @@ class PlanExecutor:
                     return
                 logits = self.engine.decode([req.row], [req.last_token])[0]
         except Exception as exc:  # noqa: BLE001
-            self._fail(req, exc)
+            self._fail(req, exc, opening=req.first_token_at is None)
 
     def execute(self, step: StepPlan) -> None:
         """Run the plan's forward and commit it; a failed forward is retried per request so
@@ -114,7 +118,9 @@ class PlanExecutor:
                     if alone.score:
                         self.scorer.fail(self.engine, alone.score[0], row_exc)
                     else:
-                        self._fail(self._running[(alone.decode or alone.prefill)[0].row], row_exc)
+                        opening = bool(alone.prefill) and alone.prefill[0].fresh
+                        req = self._running[(alone.decode or alone.prefill)[0].row]
+                        self._fail(req, row_exc, opening)
         else:
             self._commit(step, result, owners)
             self._pipeline.check(self._running, self.engine)
@@ -222,7 +228,11 @@ class PlanExecutor:
         self._retire(req, out.finish, None)
         return False
 
-    def _fail(self, req: GenerationRequest, exc: BaseException) -> None:
+    def _fail(self, req: GenerationRequest, exc: BaseException, opening: bool = False) -> None:
+        """Retire `req` with `exc`; one whose prompt was `opening` its row (nothing emitted
+        yet) may instead wait for room in the memory budget (`park`)."""
+        if opening and self._park is not None and self._park(req, exc):
+            return
         log.error("request %d failed: %s", req.seq, exc)
         self.last_error = str(exc)
         self._retire(req, FinishReason.ERROR, str(exc))

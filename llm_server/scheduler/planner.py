@@ -12,7 +12,9 @@ MLX (tests/scheduler/test_plan.py). The rules, in order:
      advances every step and is never overtaken by a newcomer. With no row decoding nobody is
      stalled by a long step, so the chunks share `prefill_budget` (larger: a lone long prompt
      runs at the machine's prefill rate, issue 38) instead of `budget`;
-  4. then queued requests take free rows in FIFO order (S3) while budget is left, each the
+  4. then queued requests take free rows in FIFO order (S3) while budget is left (a request
+     `waiting` for room in the memory budget is passed over until room may have appeared,
+     scheduler/batch.py `_park`), each the
      row `row_for` picks among those left (the engine's `preferred_row`: the row still
      holding the longest prefix of its prompt; else the lowest); a request
      that cannot get a chunk this step stays at the head of the queue (no skipping). A request
@@ -68,6 +70,7 @@ def plan(
     prefill_budget: int | None = None,
     row_for: Callable[[list[int], list[int]], int | None] | None = None,
     admit_batch: bool = True,
+    waiting: Callable[[GenerationRequest], bool] | None = None,
 ) -> StepPlan:
     """The next step. `running`: row -> request; `free`: rows nobody holds; `admit`: False
     while a pipelined step for the current rows is in flight (newcomers join after it);
@@ -77,7 +80,9 @@ def plan(
     in the order they were opened; `prefill_budget`: positions per forward when no row
     decodes (None: `budget`; 0: unlimited); `row_for(prompt, rows)`: the free row of `rows`
     a prompt opens on (reads only; None, or its answer None: the lowest); `admit_batch`: False
-    holds back the batch lines, which queue behind every interactive request (S11)."""
+    holds back the batch lines, which queue behind every interactive request (S11);
+    `waiting(request)`: True while a queued request waits for room in the memory budget (it
+    keeps its place; those behind it may be admitted)."""
     live = {row: req for row, req in running.items() if not req.cancelled.is_set()}
     retire = tuple(sorted(row for row in running if row not in live))
     queued = list(queue)
@@ -108,7 +113,7 @@ def plan(
         for req in queued:
             if not rows or left == 0:
                 break
-            if req.cancelled.is_set():
+            if req.cancelled.is_set() or (waiting is not None and waiting(req)):
                 continue
             if req.priority is Priority.BATCH and not admit_batch:
                 break

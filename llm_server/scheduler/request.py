@@ -99,6 +99,12 @@ class GenerationRequest:
     # input embeddings at prompt positions (placeholder ids there), computed elsewhere (a
     # vision tower): the forward takes them instead of those ids' embeddings (step.py)
     embeddings: tuple[EmbeddingSpan, ...] = ()
+    # waiting for room in the memory budget (its prompt's KV growth was refused, batch.py
+    # `_park`): queued again, admitted no sooner than `memory_retry_at` unless a row was
+    # freed after `memory_parked_at`, failed once `memory_deadline` passes (time.monotonic())
+    memory_parked_at: float | None = None
+    memory_retry_at: float = 0.0
+    memory_deadline: float | None = None
     _wake: Callable[[], None] | None = None
 
     @property

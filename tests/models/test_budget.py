@@ -1,6 +1,7 @@
 """The budget counts what is held and enforces it: a prompt whose KV could never fit is a 400
 naming the numbers before any token; a KV growth that finds no room while the other models
-serve is a 503 with Retry-After (an idle one is evicted for it); /health and /metrics report
+serve is a 503 with Retry-After once its wait for room is over (an idle one is evicted for it;
+test_budget_wait.py: a request waiting for room runs once a row is freed); /health and /metrics report
 the bytes held by kind; loads count each model at its weights and first row."""
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def test_a_growth_with_no_room_while_the_others_serve_is_a_503_then_evicts_an_id
     floor = estimate_size(long_model, 1, 8192).needed
     assert floor == estimate_size(long_model, 1, 8192).weights + FLOOR_POSITIONS * POSITION
     budget = sum(needed) + floor + 64 * 1024  # room for the long model's first 2048 positions
-    with ManagedServer(entries, budget=budget) as srv:
+    # a request refused room waits 0.2s for it (nothing frees any: the others are held)
+    with ManagedServer(entries, budget=budget, settings={"memory_wait": 0.2}) as srv:
         held = [srv.call(_hold(srv.manager, name)) for name in ("alpha", "gamma")]
         assert _ask(srv.url, "long", "the cat").status_code == 200  # within its floor
         long_prompt = _prompt(long_model, 3000)

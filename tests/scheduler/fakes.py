@@ -119,7 +119,7 @@ class FakeEngine:
     def idle_due(self) -> float | None:
         return None
 
-    def trim_idle(self) -> bool:
+    def trim_idle(self, force: bool = False) -> bool:
         return False
 
     def rewind(self, row: int, cursor: int) -> None:

@@ -257,7 +257,7 @@ class CoreMLEngine:
     def idle_due(self) -> float | None:
         return None  # the state is allocated once, never given back while loaded
 
-    def trim_idle(self) -> bool:
+    def trim_idle(self, force: bool = False) -> bool:
         return False
 
     def rewind(self, row: int, cursor: int) -> None:

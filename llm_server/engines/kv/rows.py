@@ -243,15 +243,17 @@ class RowTable:
 
     def preferred_row(self, tokens: list[int], rows: list[int]) -> int:
         """The free row of `rows` to open `tokens` on: the one whose kept history shares the
-        longest prefix with it, else one keeping nothing, else the one released longest ago
-        (so a conversation's rows survive other requests in between)."""
+        longest prefix with it, else one keeping nothing (one the store holds already first:
+        a row past them grows the store), else the one released longest ago (so a
+        conversation's rows survive other requests in between)."""
         best, best_len = None, 0
         for r in rows:
             if (n := self._kept_prefix(r, tokens)) > best_len:
                 best, best_len = r, n
         if best is not None:
             return best
-        return min(rows, key=lambda r: (bool(self.kept[r]), self.released[r], r))
+        held = self.store.rows
+        return min(rows, key=lambda r: (bool(self.kept[r]), r >= held, self.released[r], r))
 
     def release(self, row: int) -> None:
         """Free `row`; a serving row's history (prompt + generated) stays in the row (`kept`),
@@ -333,10 +335,11 @@ class RowTable:
             return None
         return self.keep_alive - (self._clock() - self.idle_since)
 
-    def trim_idle(self) -> bool:
-        """Give an idle store back once its keep-alive is over; True when it did."""
+    def trim_idle(self, force: bool = False) -> bool:
+        """Give an idle store back once its keep-alive is over (`force`: now, a request waits
+        for room in the memory budget); True when it did."""
         due = self.idle_due()
-        if due is None or due > 0 or any(self.tokens):
+        if due is None or (due > 0 and not force) or any(self.tokens):
             return False
         self.clear()
         return True

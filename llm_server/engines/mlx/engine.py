@@ -368,9 +368,9 @@ class MLXEngine:
         """Seconds until the idle KV store is given back (None: none held idle)."""
         return self.row_table.idle_due()
 
-    def trim_idle(self) -> bool:
-        """Give the idle KV store back once its keep-alive is over."""
-        return self.row_table.trim_idle()
+    def trim_idle(self, force: bool = False) -> bool:
+        """Give the idle KV store back once its keep-alive is over (now, with `force`)."""
+        return self.row_table.trim_idle(force)
 
     def rewind(self, row: int, cursor: int) -> None:
         """Drop `row`'s positions from `cursor` on (a draft's rejected tokens)."""
