@@ -103,6 +103,8 @@ class VisionRenderer:
     ) -> tuple[list[int], tuple[EmbeddingSpan, ...]]:
         text = self.tokenizer.render_chat(template_messages(messages), tools, template_kwargs)
         images = images_of(messages)
+        for image in images:
+            _pixels(image)  # a string here is the server's bug (TypeError), not the image's
         try:
             ids = self._prompt_ids(text, images)
         except Exception as exc:
@@ -155,6 +157,7 @@ class VisionRenderer:
         if image.digest in self._rows:
             self._rows.move_to_end(image.digest)
             return self._rows[image.digest]
+        _pixels(image)
         started = time.perf_counter()
         try:
             inputs = self._image_inputs(image)

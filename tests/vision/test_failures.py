@@ -102,6 +102,14 @@ def test_an_image_past_the_context_is_a_400_with_the_numbers(vlm_paths, live_ser
     `messages` with both numbers, and the server answers the next request."""
     srv = live_server(vlm_paths[FAMILY], 2, context_length=48)
     url = f"{srv.url}/v1/chat/completions"
+    admitted: list[int] = []  # the prompt lengths given rows
+    start = srv.service.start_generations
+
+    def counted(prompts, *args, **kw):
+        admitted.extend(len(p) for p in prompts)
+        return start(prompts, *args, **kw)
+
+    srv.service.start_generations = counted
     words = ["word"] * 12
     for n in range(1, len(words) + 1):  # the longest text that fits without the image
         text = " ".join(words[:n])
@@ -114,6 +122,7 @@ def test_an_image_past_the_context_is_a_400_with_the_numbers(vlm_paths, live_ser
     error = r.json()["error"]
     assert error["param"] == "messages" and error["code"] == "context_length_exceeded"
     assert "the context holds 48" in error["message"]
+    assert admitted and all(n <= 48 for n in admitted)  # refused before any row was taken
     plain = httpx.post(
         url,
         json={"max_tokens": 1, "messages": [{"role": "user", "content": text}]},
