@@ -152,10 +152,10 @@ def test_the_bad_image_catalogue_while_other_rows_decode(vlm_paths, live_server)
     digest = decode_image(tower_fails, "f", ImageLimits()).digest
     vision._encode = _fail_for(digest, vision._encode)
     goods = [
-        _chat_body(_url(_png(1)), max_tokens=24),
-        _chat_body(_url(_png(2)), text="Describe it.", max_tokens=24),
+        _chat_body(_url(_png(1)), max_tokens=48),
+        _chat_body(_url(_png(2)), text="Describe it.", max_tokens=48),
         {
-            "max_tokens": 24,
+            "max_tokens": 48,
             "temperature": 0,
             "logprobs": True,
             "messages": [{"role": "user", "content": TEXTS[0]}],
