@@ -27,6 +27,24 @@ from llm_server.vision.thread import VisionThread
 CACHED_IMAGES = 32  # images whose tower rows are kept (a resent image skips the tower)
 
 
+class ImageRejected(Exception):
+    """The model's processor could not read one image: the image is at fault (a 400 naming
+    `field`, the request field it came from)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class TowerFailed(Exception):
+    """The vision tower or projector failed on one image the processor had read: the server
+    is at fault (a 500 for that request alone; `field` names the image)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class VisionRenderer:
     """A vision-language checkpoint's tower, projector and processor (mlx-vlm), and its chat
     template (the service's tokenizer).
@@ -75,7 +93,9 @@ class VisionRenderer:
     ) -> tuple[list[int], tuple[EmbeddingSpan, ...]]:
         """Prompt ids (placeholders at the image positions) and one span per contiguous run of
         an image's positions. ChatTemplateError when the template rejects the messages;
-        ValueError when the processor's positions do not match the images."""
+        ImageRejected when the processor cannot read an image, TowerFailed when the tower fails
+        on one; ValueError when the processor's positions do not match the images. A failure
+        is that request's alone: the thread goes on serving the next."""
         return self._thread.call(self._render, messages, tools, template_kwargs)
 
     def _render(
@@ -83,7 +103,12 @@ class VisionRenderer:
     ) -> tuple[list[int], tuple[EmbeddingSpan, ...]]:
         text = self.tokenizer.render_chat(template_messages(messages), tools, template_kwargs)
         images = images_of(messages)
-        ids = self._prompt_ids(text, images)
+        for image in images:
+            _pixels(image)  # a string here is the server's bug (TypeError), not the image's
+        try:
+            ids = self._prompt_ids(text, images)
+        except Exception as exc:
+            raise self._culprit(images) or exc from None
         positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
         rows = [self.image_rows(image) for image in images]
         if sum(len(r) for r in rows) != len(positions):
@@ -104,6 +129,16 @@ class VisionRenderer:
         inputs = self._inputs(text, images)
         return [int(t) for t in np.array(inputs["input_ids"]).reshape(-1)]
 
+    def _culprit(self, images: list[ImageInput]) -> ImageRejected | None:
+        """After the processor failed on a prompt's images: the first image it cannot read
+        alone (None: each reads alone, the prompt as a whole is at fault)."""
+        for image in images:
+            try:
+                self._image_inputs(image)
+            except Exception as exc:  # noqa: BLE001 - any processor error is the image's
+                return _rejected(image, exc)
+        return None
+
     def _inputs(self, text: str, images: list[ImageInput]) -> dict[str, Any]:
         from mlx_vlm.utils import prepare_inputs
 
@@ -119,26 +154,53 @@ class VisionRenderer:
         """The rows the tower and projector give `image` at its placeholder positions,
         [n, hidden] float32, as mlx-vlm's generation puts them in the prompt (on the vision
         thread; kept by digest, so a resent image skips the tower)."""
-        import mlx.core as mx
-
         if image.digest in self._rows:
             self._rows.move_to_end(image.digest)
             return self._rows[image.digest]
+        _pixels(image)
         started = time.perf_counter()
-        inputs = dict(self._inputs(self.one_image, [image]))
-        input_ids = inputs.pop("input_ids")
-        pixel_values = inputs.pop("pixel_values")
-        mask = inputs.pop("attention_mask", None)
-        out = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
-        embeds = out.inputs_embeds[0].astype(mx.float32)
-        where = np.flatnonzero(np.array(input_ids).reshape(-1) == self.image_token_id)
-        rows = np.array(embeds[mx.array(where)])
+        try:
+            inputs = self._image_inputs(image)
+        except Exception as exc:
+            raise _rejected(image, exc) from exc
+        try:
+            rows = self._encode(image, inputs)
+        except Exception as exc:
+            raise TowerFailed(
+                image.field,
+                f"the vision tower failed on the image at {image.field} "
+                f"({type(exc).__name__}: {str(exc)[:200]})",
+            ) from exc
         self.encode_seconds += time.perf_counter() - started
         self.images_encoded += 1
         self._rows[image.digest] = rows
         while len(self._rows) > CACHED_IMAGES:
             self._rows.popitem(last=False)
         return rows
+
+    def _image_inputs(self, image: ImageInput) -> dict[str, Any]:
+        """The processor's inputs for `image` alone in one user turn (its pixel values)."""
+        return dict(self._inputs(self.one_image, [image]))
+
+    def _encode(self, image: ImageInput, inputs: dict[str, Any]) -> np.ndarray:
+        """The tower and projector's rows at the image's placeholder positions of `inputs`."""
+        import mlx.core as mx
+
+        input_ids = inputs.pop("input_ids")
+        pixel_values = inputs.pop("pixel_values")
+        mask = inputs.pop("attention_mask", None)
+        out = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **inputs)
+        embeds = out.inputs_embeds[0].astype(mx.float32)
+        where = np.flatnonzero(np.array(input_ids).reshape(-1) == self.image_token_id)
+        return np.array(embeds[mx.array(where)])
+
+
+def _rejected(image: ImageInput, exc: Exception) -> ImageRejected:
+    return ImageRejected(
+        image.field,
+        f"the model's image processor cannot read the image at {image.field} "
+        f"({type(exc).__name__}: {str(exc)[:200]}); send a plain RGB PNG or JPEG",
+    )
 
 
 def _drop_token_table(model) -> None:

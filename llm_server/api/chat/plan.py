@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Any
 
-from llm_server.api.shared.errors import invalid
+from llm_server.api.shared.errors import APIError, invalid
 from llm_server.api.shared.schemas import ChatRequest
 from llm_server.decoding import LogitsConstraint
 from llm_server.engines.plan import EmbeddingSpan
@@ -37,6 +38,9 @@ from llm_server.tools.reasoning import (
 from llm_server.tools.registry import PARSERS
 from llm_server.tools.spec import ToolRequest
 from llm_server.vision.messages import lift_tool_images, merge_user_turns
+from llm_server.vision.renderer import ImageRejected, TowerFailed
+
+log = logging.getLogger(__name__)
 
 # Markers that may be special tokens, kept in the decoded text so the parsers see them.
 MARKERS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>")
@@ -100,7 +104,8 @@ def render_images(
 ) -> tuple[list[int], tuple[EmbeddingSpan, ...]]:
     """`render_prompt` for messages with image parts, through the model's vision renderer
     (its tower runs here: call it off the event loop); a 400 on `messages` where the model
-    takes no images or the template or processor rejects them."""
+    takes no images or the template rejects them, on the image's field where the processor
+    cannot read it; a 500 `vision_error` where the tower fails (that request alone)."""
     vision = service.vision
     if vision is None:
         name = service.config.model_id or "the served model"
@@ -120,8 +125,16 @@ def render_images(
             except ChatTemplateError:
                 return vision.render(generic(True), None, template_kwargs)
         return vision.render(generic(), None, template_kwargs)
+    except ImageRejected as exc:
+        raise invalid(exc.field, str(exc)) from None
     except (ChatTemplateError, ValueError) as exc:
         raise invalid("messages", str(exc)) from None
+    except Exception as exc:  # the tower, or the vision thread: this request fails alone
+        log.exception("vision failed on a request's images")
+        message = str(exc) if isinstance(exc, TowerFailed) else "the vision model failed"
+        raise APIError(
+            500, message, param=getattr(exc, "field", None), code="vision_error"
+        ) from None
 
 
 def render_prompt(
